@@ -1,0 +1,102 @@
+"""Read-only facts about a lowered graph: its collectives, and which values are gathered parameters.
+
+Nothing here rewrites a graph. The backend records these facts for every graph it compiles, and the
+tests use them to prove what the stages promise (e.g. a stage-3 forward saves no gathered tensor).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.fx as fx
+
+from .recompute_gathers import _is_view_or_cast
+
+funcol = torch.ops._c10d_functional
+COLLECTIVES = {
+    funcol.all_gather_into_tensor.default: "all_gather",
+    funcol.reduce_scatter_tensor.default: "reduce_scatter",
+    funcol.all_to_all_single.default: "all_to_all",
+    funcol.all_reduce.default: "all_reduce",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    op: str
+    position: int  # index of the node in the graph
+    numel: int  # elements of the input tensor
+    dtype: torch.dtype
+
+    @property
+    def bytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def collectives(graph: fx.Graph) -> list[Collective]:
+    found = []
+    for position, node in enumerate(graph.nodes):
+        if node.op == "call_function" and node.target in COLLECTIVES:
+            value = node.args[0].meta["val"]
+            found.append(Collective(COLLECTIVES[node.target], position, value.numel(), value.dtype))
+    return found
+
+
+def gathered_values(graph: fx.Graph) -> set[fx.Node]:
+    """Every value that is a gathered parameter: the all-gather, its wait, and their views/casts."""
+    values: set[fx.Node] = set()
+    frontier = [
+        node
+        for node in graph.nodes
+        if node.op == "call_function" and node.target is funcol.all_gather_into_tensor.default
+    ]
+    while frontier:
+        node = frontier.pop()
+        values.add(node)
+        frontier.extend(
+            user
+            for user in node.users
+            if user not in values and (user.target is funcol.wait_tensor.default or _is_view_or_cast(user))
+        )
+    return values
+
+
+def saved_gathered_values(graph: fx.Graph) -> list[fx.Node]:
+    """Graph outputs that are gathered parameters (a forward saving them for the backward)."""
+    gathered = gathered_values(graph)
+    outputs = graph.output_node().args[0]
+    return [out for out in outputs if isinstance(out, fx.Node) and out in gathered]
+
+
+def gathered_live_intervals(graph: fx.Graph) -> list[tuple[int, int, int]]:
+    """(first position, last position, elements) of each gathered buffer, counting use by views."""
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    gathered = gathered_values(graph)
+    intervals = []
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is funcol.wait_tensor.default and node.args[0] in gathered:
+            chain = [n for n in gathered if _derives_from(n, node, gathered)]
+            last = max(position[user] for n in chain for user in n.users)
+            intervals.append((position[node], last, node.meta["val"].numel()))
+    return intervals
+
+
+def _derives_from(node: fx.Node, root: fx.Node, gathered: set[fx.Node]) -> bool:
+    while node is not root:
+        inputs = [arg for arg in node.all_input_nodes if arg in gathered]
+        if not inputs:
+            return False
+        node = inputs[0]
+    return True
+
+
+def peak_gathered_numel(graph: fx.Graph) -> int:
+    """Largest number of gathered-parameter elements alive at once in the graph."""
+    intervals = gathered_live_intervals(graph)
+    events = sorted({start for start, _, _ in intervals})
+    return max(
+        (sum(n for s, e, n in intervals if s <= t <= e) for t in events),
+        default=0,
+    )

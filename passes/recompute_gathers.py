@@ -1,0 +1,48 @@
+"""Stage 3: tag each gathered parameter, and its views and casts, MUST_RECOMPUTE in the joint graph.
+
+Left alone, the partitioner saves the gathered weight (or its transpose) for the backward, which
+keeps every full parameter alive from forward to backward and silently undoes stage 3. Tagged, the
+min-cut partitioner saves the shard instead and the backward graph gathers again. Must run on the
+joint forward+backward graph before `min_cut_rematerialization_partition` (the default aot_autograd
+partitioner ignores the tags). No-op for markers of stages 0-2, whose gathered parameters are meant
+to live through the backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .markers import is_unshard
+
+aten = torch.ops.aten
+
+# Ops whose output is the gathered parameter in another shape or dtype: saving one of them saves
+# a full-size parameter just the same.
+_CASTS = {aten._to_copy.default, aten.clone.default, torch.ops.prims.convert_element_type.default}
+
+
+def _is_view_or_cast(node: fx.Node) -> bool:
+    target = node.target
+    if node.op != "call_function":
+        return False
+    if target in _CASTS:
+        return True
+    return isinstance(target, torch._ops.OpOverload) and target.is_view
+
+
+def tag_gathers_for_recompute(graph: fx.Graph) -> int:
+    """Tag stage-3 `unshard` nodes and their view/cast users; returns the number tagged."""
+    tagged = 0
+    frontier = [node for node in graph.nodes if is_unshard(node) and node.args[2] == 3]
+    seen: set[fx.Node] = set()
+    while frontier:
+        node = frontier.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        tagged += 1
+        frontier.extend(user for user in node.users if _is_view_or_cast(user))
+    return tagged

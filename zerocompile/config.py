@@ -1,0 +1,64 @@
+"""`ZeroConfig`: every setting of a sharded model in one object (OneFlow's `nn.Graph` config).
+
+`shard(model, config)` or `shard(model, stage=3, ...)` fixes the sharding; `torch.compile(model,
+backend="zero", options={...})` may override the compile-time fields for one compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch.distributed as dist
+
+# Fields that only steer the graph passes, so `options=` of one compile may change them.
+COMPILE_TIME_FIELDS = ("compiler",)
+COMPILERS = ("inductor", "eager")
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+    """Settings of a ZeRO-sharded model.
+
+    stage: 0 (plain data parallel), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters).
+    group: the process group parameters are sharded over (default: the whole world).
+    compiler: "inductor" generates code; "eager" runs the rewritten graphs op by op (fast to
+        compile: tests, debugging).
+    """
+
+    stage: int = 3
+    group: dist.ProcessGroup | None = None
+    compiler: str = "inductor"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
+            raise ValueError(
+                f"ZeRO stage must be 0, 1, 2 or 3, got {self.stage!r}: 0 = data parallel, "
+                "1 = shard optimizer state, 2 = also gradients, 3 = also parameters"
+            )
+        if self.compiler not in COMPILERS:
+            raise ValueError(f"compiler must be one of {COMPILERS}, got {self.compiler!r}")
+
+    def with_options(self, options: dict[str, Any] | None) -> ZeroConfig:
+        """This config with `torch.compile(..., options=...)` overrides applied."""
+        if not options:
+            return self
+        unknown = sorted(set(options) - set(COMPILE_TIME_FIELDS))
+        if unknown:
+            raise ValueError(
+                f"unknown option(s) {unknown} for backend='zero'; valid options: "
+                f"{list(COMPILE_TIME_FIELDS)} (the stage and group are set by zerocompile.shard())"
+            )
+        return dataclasses.replace(self, **options)
+
+
+def config_from_kwargs(config: ZeroConfig | None, stage: int | None, kwargs: dict[str, Any]) -> ZeroConfig:
+    """Merge `shard(model, config, stage=..., **kwargs)` into one validated `ZeroConfig`."""
+    valid = {f.name for f in dataclasses.fields(ZeroConfig)}
+    unknown = sorted(set(kwargs) - valid)
+    if unknown:
+        raise TypeError(f"unknown ZeroConfig setting(s) {unknown}; valid: {sorted(valid)}")
+    base = config if config is not None else ZeroConfig()
+    if stage is not None:
+        kwargs = {**kwargs, "stage": stage}
+    return dataclasses.replace(base, **kwargs)

@@ -1,0 +1,246 @@
+"""`shard(model, stage)`: turn an ordinary model into a ZeRO-sharded one, in place.
+
+Each Parameter object stays where it is, under its name, so optimizers and user code holding it
+keep working; at stages 1-3 its data becomes this rank's flat 1-D slice of the padded parameter.
+Each module holding parameters gets a generated subclass whose `weight`/`bias`/... properties
+return `zero::unshard(shard)`: a class property wins over `nn.Module.__getattr__`, so model code is
+untouched and every use of a parameter becomes a marker in the traced graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from zerocompile.config import ZeroConfig, config_from_kwargs
+from zerocompile.passes.lowering import padded_numel
+from zerocompile.passes.markers import UNSHARD
+
+# Compile-time settings of the last shard() per process group; the backend reads them.
+_CONFIG_BY_GROUP: dict[str, ZeroConfig] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardInfo:
+    """What a sharded Parameter is, attached to it as `param._zero`."""
+
+    fqn: str
+    names: tuple[str, ...]  # every FQN it is reachable under (tied parameters have several)
+    shape: tuple[int, ...]
+    numel: int
+    shard_numel: int
+    stage: int
+    group_name: str
+    group_rank: int
+
+    @property
+    def shard_offset(self) -> int:
+        return self.group_rank * self.shard_numel
+
+
+def shard_info(param: torch.Tensor) -> ShardInfo | None:
+    return getattr(param, "_zero", None)
+
+
+def config_for_group(group_name: str) -> ZeroConfig | None:
+    return _CONFIG_BY_GROUP.get(group_name)
+
+
+def shard(
+    model: nn.Module,
+    stage: int | ZeroConfig | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    **settings: Any,
+) -> nn.Module:
+    """Shard `model` in place for ZeRO `stage` (0-3) over `group`; returns `model`.
+
+    `stage` may also be a `ZeroConfig`; keyword settings override its fields. Pass `optimizer=`
+    if it has already stepped, so its state is sharded too.
+    """
+    base = stage if isinstance(stage, ZeroConfig) else None
+    if group is not None:
+        settings["group"] = group
+    config = config_from_kwargs(base, None if isinstance(stage, ZeroConfig) else stage, settings)
+    _check_can_shard(model)
+    group = config.group if config.group is not None else dist.group.WORLD
+    group_name = group.group_name
+    world_size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+
+    _broadcast_from_group_rank0(model, group)
+    owners = _parameter_owners(model)
+    for param, places in owners.items():
+        names = tuple(f"{prefix}{'.' if prefix else ''}{attr}" for prefix, _module, attr in places)
+        numel = param.numel()
+        shard_numel = numel if config.stage == 0 else padded_numel(numel, world_size) // world_size
+        info = ShardInfo(names[0], names, tuple(param.shape), numel, shard_numel, config.stage, group_name, rank)
+        if config.stage > 0:
+            param.data = _local_slice(param.detach(), info, world_size)
+        param._zero = info
+    if optimizer is not None:
+        _shard_optimizer_state(optimizer, world_size)
+    for module in {id(m): m for places in owners.values() for _p, m, _a in places}.values():
+        _make_module_unshard_on_access(module)
+    _CONFIG_BY_GROUP[group_name] = config
+    model._zero_config = config
+    _install_optimizer_check()
+    return model
+
+
+def _check_can_shard(model: nn.Module) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "zerocompile.shard() needs torch.distributed to be initialised: call "
+            "zerocompile.init_distributed() first (it reads torchrun/Slurm settings and also works "
+            "in a single process)"
+        )
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise TypeError("shard() takes the plain model, not a DistributedDataParallel wrapper: pass model.module")
+    already = [name for name, p in model.named_parameters() if shard_info(p) is not None]
+    if already or getattr(model, "_zero_config", None) is not None:
+        raise RuntimeError(
+            f"the model is already sharded (e.g. parameter {already[:1]}): call zerocompile.shard() "
+            "once per model; to change the stage, build the model again and shard it once"
+        )
+    devices: dict[torch.device, list[str]] = {}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        devices.setdefault(tensor.device, []).append(name)
+    if len(devices) > 1:
+        listing = "; ".join(f"{d}: {names[:3]}" for d, names in devices.items())
+        raise ValueError(
+            f"parameters and buffers are on several devices ({listing}): move the model to one "
+            "device with model.to(device) before zerocompile.shard()"
+        )
+    with_grad = [name for name, p in model.named_parameters() if p.grad is not None]
+    if with_grad:
+        raise RuntimeError(
+            f"parameters {with_grad[:3]} hold gradients of the unsharded model: call "
+            "optimizer.zero_grad(set_to_none=True) or model.zero_grad() before zerocompile.shard()"
+        )
+
+
+def _broadcast_from_group_rank0(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """All ranks start from group rank 0's values, as DDP does."""
+    src = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=src, group=group)
+
+
+def _parameter_owners(model: nn.Module) -> dict[nn.Parameter, list[tuple[str, nn.Module, str]]]:
+    """Each distinct Parameter with every (module prefix, module, attribute) holding it."""
+    owners: dict[nn.Parameter, list[tuple[str, nn.Module, str]]] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for attr, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(param, []).append((prefix, module, attr))
+    return owners
+
+
+def _local_slice(full: torch.Tensor, info: ShardInfo, world_size: int) -> torch.Tensor:
+    flat = full.reshape(-1)
+    padding = info.shard_numel * world_size - info.numel
+    if padding:
+        flat = torch.cat([flat, flat.new_zeros(padding)])
+    return flat[info.shard_offset : info.shard_offset + info.shard_numel].clone()
+
+
+def _shard_optimizer_state(optimizer: torch.optim.Optimizer, world_size: int) -> None:
+    """Slice per-parameter optimizer state (exp_avg, ...) shaped like the full parameter."""
+    for param, state in optimizer.state.items():
+        info = shard_info(param)
+        if info is None or info.stage == 0:
+            continue
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and tuple(value.shape) == info.shape and value.dim() > 0:
+                state[key] = _local_slice(value, info, world_size)
+
+
+@functools.cache
+def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
+    def make_property(name: str) -> property:
+        def full_parameter(self: nn.Module) -> torch.Tensor:
+            shape, stage, group_name = self._zero_markers[name]
+            return UNSHARD(self._parameters[name], shape, stage, group_name)
+
+        return property(full_parameter, doc=f"the full `{name}`, gathered from its shards")
+
+    attributes = {name: make_property(name) for name in names}
+    attributes["_zero_sharded_class"] = cls
+    return type(cls.__name__, (cls,), attributes)
+
+
+def _make_module_unshard_on_access(module: nn.Module) -> None:
+    names = tuple(name for name, p in module._parameters.items() if p is not None)
+    markers = {}
+    for name in names:
+        info = shard_info(module._parameters[name])
+        markers[name] = (list(info.shape), info.stage, info.group_name)
+    module._zero_markers = markers
+    module.__class__ = _sharded_class(type(module), names)
+
+
+def unwrap_module_class(module: nn.Module) -> type:
+    """The model's own class of a module `shard()` may have swapped."""
+    return getattr(type(module), "_zero_sharded_class", type(module))
+
+
+_checked_optimizers: weakref.WeakSet = weakref.WeakSet()
+
+
+def _check_optimizer_state(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Before a step: state built for the full parameter means shard() came after a step."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            info = shard_info(param)
+            if info is None or param not in optimizer.state:
+                continue
+            for key, value in optimizer.state[param].items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                    raise RuntimeError(
+                        f"optimizer state {key!r} of parameter '{info.fqn}' has shape "
+                        f"{tuple(value.shape)} but the parameter is sharded to {tuple(param.shape)}: "
+                        "the optimizer stepped before zerocompile.shard(). Pass it in: "
+                        "zerocompile.shard(model, ..., optimizer=optimizer)"
+                    )
+
+
+@functools.cache
+def _install_optimizer_check() -> None:
+    register_optimizer_step_pre_hook(_check_optimizer_state)
+
+
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes this rank holds in parameters, gradients and optimizer state (tied counted once)."""
+    params = list({id(p): p for p in model.parameters()}.values())
+    held = {
+        "params": sum(p.numel() * p.element_size() for p in params),
+        "grads": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+        "optimizer": 0,
+    }
+    if optimizer is not None:
+        held["optimizer"] = sum(
+            v.numel() * v.element_size()
+            for state in optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
+    return held
+
+
+def full_numel(model: nn.Module) -> int:
+    """Φ: parameters of the unsharded model, tied ones counted once."""
+    return sum(
+        info.numel if (info := shard_info(p)) is not None else p.numel()
+        for p in {id(p): p for p in model.parameters()}.values()
+    )
