@@ -1,0 +1,86 @@
+"""Run a function on N gloo ranks in spawned processes and collect what each returns.
+
+Ranks rendezvous through a file (no port to race for), bind only loopback, share one Inductor
+cache directory per run, and are killed if they outlive the timeout: a test never hangs and never
+leaves a process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 600.0) -> list[Any]:
+    """`fn(rank, world_size, *args)` on each rank inside an initialised gloo group; their results."""
+    with tempfile.TemporaryDirectory(prefix="zc-ranks-") as tmp:
+        context = mp.start_processes(
+            _rank_main, args=(world_size, tmp, fn, args), nprocs=world_size, join=False, start_method="spawn"
+        )
+        try:
+            _wait(context, tmp, timeout)
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                process.join()
+        results = []
+        for rank in range(world_size):
+            path = Path(tmp, f"rank{rank}.pkl")
+            if not path.exists():
+                failed = sorted(p.stem for p in Path(tmp).glob("*.failed"))
+                outcome = pickle.loads(Path(tmp, f"{failed[0]}.pkl").read_bytes()) if failed else None
+                detail = outcome.traceback if outcome else "it died without a result"
+                raise AssertionError(f"rank {rank} left no result; {failed or 'no rank'} failed:\n{detail}")
+            outcome = pickle.loads(path.read_bytes())
+            if isinstance(outcome, _RankFailure):
+                raise AssertionError(f"rank {rank} failed:\n{outcome.traceback}")
+            results.append(outcome)
+        return results
+
+
+def _wait(context: Any, tmp: str, timeout: float) -> None:
+    """Until all ranks exit; once one has failed, the others get a short grace, then are killed."""
+    waited = 0.0
+    grace_left = 15.0
+    while not context.join(timeout=1.0):
+        waited += 1.0
+        if any(Path(tmp).glob("*.failed")):
+            grace_left -= 1.0
+            if grace_left <= 0:
+                return
+        if waited >= timeout:
+            raise TimeoutError(f"ranks still running after {timeout:.0f} s")
+
+
+class _RankFailure:
+    def __init__(self, text: str) -> None:
+        self.traceback = text
+
+
+def _rank_main(rank: int, world_size: int, tmp: str, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tmp, "inductor-cache"))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    torch._inductor.config.compile_threads = 1
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world_size, timeout=timedelta(minutes=5)
+    )
+    try:
+        outcome = fn(rank, world_size, *args)
+    except BaseException:
+        outcome = _RankFailure(traceback.format_exc())
+        Path(tmp, f"rank{rank}.failed").touch()
+    Path(tmp, f"rank{rank}.pkl").write_bytes(pickle.dumps(outcome))
+    dist.barrier()
+    dist.destroy_process_group()
