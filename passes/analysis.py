@@ -94,9 +94,34 @@ def _derives_from(node: fx.Node, root: fx.Node, gathered: set[fx.Node]) -> bool:
 
 def peak_gathered_numel(graph: fx.Graph) -> int:
     """Largest number of gathered-parameter elements alive at once in the graph."""
-    intervals = gathered_live_intervals(graph)
-    events = sorted({start for start, _, _ in intervals})
-    return max(
-        (sum(n for s, e, n in intervals if s <= t <= e) for t in events),
-        default=0,
-    )
+    return _peak(gathered_live_intervals(graph))
+
+
+def _peak(intervals: list[tuple[int, int, int]]) -> int:
+    """Largest sum of sizes of (start, end, size) intervals alive at one position."""
+    return max((sum(n for s, e, n in intervals if s <= t <= e) for t in {s for s, _, _ in intervals}), default=0)
+
+
+_REDUCTIONS = {funcol.reduce_scatter_tensor.default, funcol.all_to_all_single.default, funcol.all_reduce.default}
+
+
+def _gradient_producer(node: fx.Node) -> fx.Node:
+    """The node that computed the gradient a reduction reads, looking through views and padding."""
+    while node.op == "call_function" and (_is_view_or_cast(node) or node.target is torch.ops.aten.constant_pad_nd.default):
+        node = node.args[0]
+    return node
+
+
+def peak_unreduced_grad_numel(graph: fx.Graph) -> int:
+    """Largest number of full-gradient elements alive at once while waiting for their reduction.
+
+    Stage 1 keeps every gradient until the end of the backward, so this is all of them; stages 2-3
+    reduce each as soon as it is produced, so it stays near the largest layer's.
+    """
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    intervals = []
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in _REDUCTIONS:
+            producer = _gradient_producer(node.args[0])
+            intervals.append((position[producer], position[node], producer.meta["val"].numel()))
+    return _peak(intervals)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 import tempfile
 import traceback
 from datetime import timedelta
@@ -18,11 +19,25 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 
-def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 600.0) -> list[Any]:
-    """`fn(rank, world_size, *args)` on each rank inside an initialised gloo group; their results."""
+def run_on_ranks(
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = 600.0,
+    launcher_env: Callable[[int], dict[str, str]] | None = None,
+) -> list[Any]:
+    """`fn(rank, world_size, *args)` on each rank inside an initialised gloo group; their results.
+
+    With `launcher_env`, each rank instead gets the environment a launcher would set
+    (`launcher_env(rank)`) and no group: `fn` is expected to initialise it.
+    """
     with tempfile.TemporaryDirectory(prefix="zc-ranks-") as tmp:
         context = mp.start_processes(
-            _rank_main, args=(world_size, tmp, fn, args), nprocs=world_size, join=False, start_method="spawn"
+            _rank_main,
+            args=(world_size, tmp, fn, args, launcher_env),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
         )
         try:
             _wait(context, tmp, timeout)
@@ -65,22 +80,39 @@ class _RankFailure:
         self.traceback = text
 
 
-def _rank_main(rank: int, world_size: int, tmp: str, fn: Callable[..., Any], args: tuple) -> None:
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    tmp: str,
+    fn: Callable[..., Any],
+    args: tuple,
+    launcher_env: Callable[[int], dict[str, str]] | None,
+) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    if launcher_env is not None:
+        os.environ.update(launcher_env(rank))
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tmp, "inductor-cache"))
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     torch._inductor.config.compile_threads = 1
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world_size, timeout=timedelta(minutes=5)
-    )
+    if launcher_env is None:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world_size, timeout=timedelta(minutes=5)
+        )
     try:
         outcome = fn(rank, world_size, *args)
     except BaseException:
         outcome = _RankFailure(traceback.format_exc())
         Path(tmp, f"rank{rank}.failed").touch()
     Path(tmp, f"rank{rank}.pkl").write_bytes(pickle.dumps(outcome))
-    dist.barrier()
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

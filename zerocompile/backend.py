@@ -47,6 +47,7 @@ class CompiledGraph:
     collectives: list[analysis.Collective]
     saved_gathered: list[str]  # forward outputs that are gathered parameters
     peak_gathered_numel: int
+    peak_unreduced_grad_numel: int
 
 
 compiled_graphs: list[CompiledGraph] = []
@@ -118,6 +119,7 @@ def _lower_and_record(graph: fx.Graph) -> None:
             collectives=analysis.collectives(graph),
             saved_gathered=[n.name for n in analysis.saved_gathered_values(graph)] if kind == "forward" else [],
             peak_gathered_numel=analysis.peak_gathered_numel(graph),
+            peak_unreduced_grad_numel=analysis.peak_unreduced_grad_numel(graph),
         )
     )
 

@@ -1,0 +1,156 @@
+"""The user-facing API: starting the group, bad input that must fail with a fix, world size 1."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zerocompile as zc
+from models import UnevenMLP, local_batch
+from ranks import free_port, run_on_ranks
+
+
+@pytest.fixture
+def single_rank():
+    """A one-rank group in this process, as `init_distributed()` starts it without a launcher."""
+    assert not dist.is_initialized()
+    assert zc.init_distributed() == (0, 1)
+    assert zc.init_distributed() == (0, 1), "a second call is a no-op"
+    torch._dynamo.reset()
+    yield
+    dist.destroy_process_group()
+
+
+def test_shard_without_process_group_names_init_distributed() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match=r"zerocompile.init_distributed\(\)"):
+        zc.shard(UnevenMLP())
+
+
+def test_stage_outside_0_to_3_is_refused(single_rank) -> None:
+    with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3, got 4"):
+        zc.shard(UnevenMLP(), stage=4)
+    with pytest.raises(ValueError, match="got 'three'"):
+        zc.ZeroConfig(stage="three")
+
+
+def test_sharding_twice_is_refused(single_rank) -> None:
+    model = zc.shard(UnevenMLP(), stage=3)
+    with pytest.raises(RuntimeError, match="already sharded"):
+        zc.shard(model, stage=2)
+
+
+def test_mixed_devices_are_refused(single_rank) -> None:
+    model = UnevenMLP()
+    model.fc2.to("meta")
+    with pytest.raises(ValueError, match=r"several devices .*model.to\(device\)"):
+        zc.shard(model)
+
+
+def test_unknown_setting_and_option_list_the_valid_ones(single_rank) -> None:
+    with pytest.raises(TypeError, match="unknown ZeroConfig setting.*'bucket'"):
+        zc.shard(UnevenMLP(), stage=3, bucket=1)
+    model = zc.shard(UnevenMLP(), stage=3)
+    compiled = torch.compile(model, backend="zero", options={"prefetch": 2})
+    with pytest.raises(Exception, match=r"unknown option\(s\) \['prefetch'\].*valid options: \['compiler'\]"):
+        compiled(torch.randn(2, 7))
+
+
+def test_optimizer_that_stepped_before_shard_must_be_passed_in(single_rank) -> None:
+    model = UnevenMLP()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 7)).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    zc.shard(model, stage=3)
+    model(torch.randn(2, 7)).backward()
+    with pytest.raises(RuntimeError, match=r"stepped before zerocompile.shard\(\).*optimizer=optimizer"):
+        optimizer.step()
+
+
+def _train(model: nn.Module, forward, optimizer, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        loss = forward(local_batch("uneven_mlp", step, 0, 1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("stage", (0, 1, 2, 3))
+def test_world_size_1_trains_like_the_plain_model(single_rank, stage: int) -> None:
+    torch.manual_seed(0)
+    plain = UnevenMLP()
+    plain_losses = _train(plain, plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), range(4))
+    torch.manual_seed(0)
+    model = UnevenMLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    zc.shard(model, stage=stage)
+    compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
+    assert _train(model, compiled, optimizer, range(4)) == pytest.approx(plain_losses, abs=1e-6)
+
+
+def test_optimizer_passed_in_after_stepping_keeps_training_exactly(single_rank) -> None:
+    """Sharding mid-run with optimizer= slices its state: the run continues as if unsharded."""
+    torch.manual_seed(0)
+    plain = UnevenMLP()
+    plain_losses = _train(plain, plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), range(4))
+    torch.manual_seed(0)
+    model = UnevenMLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = _train(model, model, optimizer, range(2))
+    zc.shard(model, stage=3, optimizer=optimizer)
+    compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
+    losses += _train(model, compiled, optimizer, range(2, 4))
+    assert losses == pytest.approx(plain_losses, abs=1e-6)
+    assert all(state["exp_avg"].shape == p.shape for p, state in optimizer.state.items())
+
+
+def compile_unsharded_model(rank: int, world_size: int) -> str:
+    model = UnevenMLP()
+    compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
+    try:
+        compiled(torch.randn(2, 7))
+    except Exception as error:  # Dynamo wraps backend errors
+        return str(error)
+    return "no error"
+
+
+def test_unsharded_model_in_multi_rank_job_is_refused_on_every_rank() -> None:
+    messages = run_on_ranks(2, compile_unsharded_model, timeout=120)
+    for message in messages:
+        assert "unsharded parameter" in message and "zerocompile.shard(model" in message, message
+
+
+def torchrun_env(port: int, rank: int) -> dict[str, str]:
+    return {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def slurm_env(port: int, rank: int) -> dict[str, str]:
+    return {
+        "SLURM_PROCID": str(rank),
+        "SLURM_NTASKS": "2",
+        "SLURM_LOCALID": str(rank),
+        "SLURM_JOB_NODELIST": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
+def init_and_report(rank: int, world_size: int) -> tuple[tuple[int, int], str]:
+    started = zc.init_distributed()
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)
+    return started, f"{dist.get_backend()} {total.item()}"
+
+
+@pytest.mark.parametrize("launcher", [torchrun_env, slurm_env], ids=["torchrun", "slurm"])
+def test_init_distributed_reads_launcher_environment(launcher) -> None:
+    env = functools.partial(launcher, free_port())
+    results = run_on_ranks(2, init_and_report, launcher_env=env, timeout=120)
+    assert results == [((0, 2), "gloo 3.0"), ((1, 2), "gloo 3.0")]

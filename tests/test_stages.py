@@ -1,0 +1,153 @@
+"""What each stage promises, measured: bytes held per rank, bytes sent per step, and which
+full-size tensors its compiled graphs keep alive within a step.
+
+One spawned gloo group per world size runs every stage on the same model and reports; the tests
+assert on the report. Bytes sent are read from /proc/self/io (`wchar`) around one step after
+warm-up, so they include everything the process wrote, not just what we think we sent.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zerocompile as zc
+from zerocompile.backend import compiled_graphs
+from ranks import run_on_ranks
+
+STAGES = (0, 1, 2, 3)
+
+
+class DeepMLP(nn.Module):
+    """Φ ≈ 1.1M parameters, almost all in hidden layers that the backward needs again.
+
+    The first layer is tiny: its weight is not needed for the backward (the input needs no
+    gradient), so stage 3 does not re-gather it and its share of 3Φ is missing by design.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 512, bias=False)
+        self.hidden = nn.ModuleList(nn.Linear(512, 512, bias=False) for _ in range(4))
+        self.last = nn.Linear(512, 2, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        for layer in self.hidden:
+            x = torch.tanh(layer(x))
+        return self.last(x).square().mean()
+
+
+def _wchar() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("wchar:"):
+            return int(line.split()[1])
+    raise RuntimeError("no wchar in /proc/self/io")
+
+
+def stage_report(rank: int, world_size: int) -> dict[int, dict]:
+    report = {}
+    for stage in STAGES:
+        torch._dynamo.reset()
+        compiled_graphs.clear()
+        torch.manual_seed(0)
+        model = DeepMLP()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        zc.shard(model, stage=stage)
+        compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
+        x = torch.randn(4, 8)
+        sent = []
+        for _ in range(3):
+            dist.barrier()
+            before = _wchar()
+            compiled(x).backward()
+            sent.append(_wchar() - before)
+            optimizer.step()
+            held = zc.model_state_bytes(model, optimizer)
+            optimizer.zero_grad()
+        report[stage] = {
+            "phi": zc.full_numel(model),
+            "shard_numels": [zc.sharding.shard_info(p).shard_numel for p in model.parameters()],
+            "held": held,
+            "sent_per_step": sent[-1],
+            "graphs": list(compiled_graphs),
+        }
+    return report
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict[int, dict]:
+    return {n: run_on_ranks(n, stage_report)[0] for n in (2, 4)}
+
+
+@pytest.mark.parametrize("world_size", (2, 4))
+@pytest.mark.parametrize("stage", STAGES)
+def test_model_state_held_between_steps(reports, stage: int, world_size: int) -> None:
+    """fp32 AdamW: 16Φ at stage 0, 16Φ/N (up to padding) at stages 1-3."""
+    r = reports[world_size][stage]
+    held = sum(r["held"].values())
+    if stage == 0:
+        assert held == 16 * r["phi"]
+    else:
+        assert held == 16 * sum(r["shard_numels"])
+        padding = sum(r["shard_numels"]) * world_size - r["phi"]
+        assert 0 <= padding < world_size * len(r["shard_numels"])
+        assert abs(held - 16 * r["phi"] / world_size) <= 16 * padding
+
+
+@pytest.mark.parametrize("world_size", (2, 4))
+@pytest.mark.parametrize("stage", STAGES)
+def test_bytes_sent_per_step_match_zero_formula(reports, stage: int, world_size: int) -> None:
+    """2Φ·(N−1)/N·4 B at stages 0-2, 3Φ·(N−1)/N·4 B at stage 3, within 5 %."""
+    r = reports[world_size][stage]
+    volumes = 3 if stage == 3 else 2
+    theory = volumes * r["phi"] * (world_size - 1) / world_size * 4
+    assert r["sent_per_step"] == pytest.approx(theory, rel=0.05), (
+        f"sent {r['sent_per_step'] / 1e6:.3f} MB, ZeRO formula {theory / 1e6:.3f} MB"
+    )
+
+
+@pytest.fixture
+def graphs(reports):
+    """The one forward or backward graph a stage compiled at 2 ranks."""
+
+    def lookup(stage: int, kind: str):
+        (graph,) = [g for g in reports[2][stage]["graphs"] if g.kind == kind]
+        return graph
+
+    return lookup
+
+
+def test_stage0_graphs_all_reduce_gradients_and_gather_nothing(graphs) -> None:
+    assert [c.op for c in graphs(0, "forward").collectives] == []
+    assert {c.op for c in graphs(0, "backward").collectives} == {"all_reduce"}
+
+
+def test_stage1_keeps_full_parameters_and_full_gradients_within_the_step(reports, graphs) -> None:
+    trainable = reports[2][1]["phi"]
+    assert graphs(1, "forward").saved_gathered, "stage 1 keeps gathered parameters for the backward"
+    backward = graphs(1, "backward")
+    assert "all_gather" not in {c.op for c in backward.collectives}
+    assert backward.peak_unreduced_grad_numel == trainable, "all full gradients alive until the end"
+
+
+def test_stage2_keeps_full_parameters_and_reduces_each_gradient_at_once(reports, graphs) -> None:
+    trainable = reports[2][2]["phi"]
+    assert graphs(2, "forward").saved_gathered
+    backward = graphs(2, "backward")
+    assert "all_gather" not in {c.op for c in backward.collectives}
+    assert backward.peak_unreduced_grad_numel <= 2 * 512 * 512 < trainable
+
+
+def test_stage3_saves_no_gathered_parameter_and_regathers_in_backward(reports, graphs) -> None:
+    forward, backward = graphs(3, "forward"), graphs(3, "backward")
+    assert forward.saved_gathered == [], "stage 3 forward saved full parameters for the backward"
+    assert [c.op for c in backward.collectives].count("all_gather") == 5  # hidden x4 + last
+    padded_phi = 2 * sum(reports[2][3]["shard_numels"])
+    assert forward.peak_gathered_numel <= 2 * 512 * 512 < padded_phi, "only a window is gathered"
+    assert backward.peak_gathered_numel <= 2 * 512 * 512
+    assert backward.peak_unreduced_grad_numel <= 2 * 512 * 512
