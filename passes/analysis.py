@@ -66,8 +66,9 @@ def gathered_values(graph: fx.Graph) -> set[fx.Node]:
 def saved_gathered_values(graph: fx.Graph) -> list[fx.Node]:
     """Graph outputs that are gathered parameters (a forward saving them for the backward)."""
     gathered = gathered_values(graph)
-    outputs = graph.output_node().args[0]
-    return [out for out in outputs if isinstance(out, fx.Node) and out in gathered]
+    outputs: list[fx.Node] = []
+    fx.node.map_arg(graph.output_node().args[0], outputs.append)
+    return [out for out in outputs if out in gathered]
 
 
 def gathered_live_intervals(graph: fx.Graph) -> list[tuple[int, int, int]]:

@@ -58,11 +58,12 @@ def lower_markers(graph: fx.Graph) -> dict[str, int]:
 
 def _place_by_stage(graph: fx.Graph) -> None:
     placeholders = graph.find_nodes(op="placeholder")
-    after_inputs = placeholders[-1].next if placeholders else next(iter(graph.nodes))
+    last_moved = placeholders[-1] if placeholders else None
     output = graph.output_node()
     for node in list(graph.nodes):
         if is_unshard(node) and node.args[2] in (1, 2) and node.args[0].op == "placeholder":
-            after_inputs.prepend(node)
+            last_moved.append(node)  # behind the previous one: gathers keep program order
+            last_moved = node
         elif is_reduce_grad(node) and node.args[2] == 1 and set(node.users) == {output}:
             output.prepend(node)
 

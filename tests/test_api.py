@@ -10,7 +10,8 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocompile as zc
-from models import UnevenMLP, local_batch
+from zerocompile.backend import compiled_graphs
+from models import FrozenAndBuffer, TiedGPT, UnevenMLP, local_batch
 from ranks import free_port, run_on_ranks
 
 
@@ -154,3 +155,61 @@ def test_init_distributed_reads_launcher_environment(launcher) -> None:
     env = functools.partial(launcher, free_port())
     results = run_on_ranks(2, init_and_report, launcher_env=env, timeout=120)
     assert results == [((0, 2), "gloo 3.0"), ((1, 2), "gloo 3.0")]
+
+
+def test_backend_resolves_by_name_through_the_entry_point() -> None:
+    assert "zero" in torch._dynamo.list_backends()
+
+
+def test_shard_keeps_parameter_objects_and_names(single_rank) -> None:
+    model = TiedGPT()
+    before = dict(model.named_parameters())
+    zc.shard(model, stage=3)
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    assert all(after[name] is before[name] for name in before)
+    assert model.gpt.lm_head.weight.shape == model.gpt.wte.weight.shape == (256, 32)
+    tied = zc.sharding.shard_info(model.gpt.wte._parameters["weight"])
+    assert tied.names == ("gpt.wte.weight", "gpt.lm_head.weight")
+    assert all(p.dim() == 1 for p in model.parameters())
+
+
+def test_frozen_parameters_get_no_reduction(single_rank) -> None:
+    compiled_graphs.clear()
+    model = zc.shard(FrozenAndBuffer(), stage=2)
+    compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
+    compiled(torch.randn(2, 6)).backward()
+    (backward,) = [g for g in compiled_graphs if g.kind == "backward"]
+    reduced = sorted(c.numel for c in backward.collectives)
+    assert reduced == [5, 50], "only head.bias and head.weight are reduced"
+    assert model.frozen._parameters["weight"].grad is None
+
+
+def subgroups_and_uncompiled_match_ddp(rank: int, world_size: int) -> list[float]:
+    """Ranks {0,1} and {2,3} each shard over their own pair; rank 0's parameters differ at first."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = pairs[rank // 2]
+    errors = []
+    for stage, compiled in [(3, True), (2, True), (3, False), (1, False)]:
+        torch._dynamo.reset()
+        torch.manual_seed(rank)  # shard() must broadcast the pair's first rank's values
+        model = zc.shard(UnevenMLP(), stage=stage, group=pair)
+        torch.manual_seed(rank // 2 * 2)
+        reference = nn.parallel.DistributedDataParallel(UnevenMLP(), process_group=pair)
+        forward = torch.compile(model, backend="zero", options={"compiler": "eager"}) if compiled else model
+        optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, reference)]
+        for step in range(3):
+            x = local_batch("uneven_mlp", step, rank, world_size)
+            for run, optimizer in zip((forward, reference), optimizers):
+                run(x).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        full = {fqn: torch.ops.zero.unshard(p.detach(), list(p._zero.shape), stage, p._zero.group_name)
+                for fqn, p in model.named_parameters()}
+        errors.append(max((full[k] - v).abs().max().item() for k, v in reference.module.named_parameters()))
+    return errors
+
+
+def test_any_process_group_and_uncompiled_code_train_like_ddp() -> None:
+    for errors in run_on_ranks(4, subgroups_and_uncompiled_match_ddp, timeout=300):
+        assert max(errors) <= 1e-6, errors

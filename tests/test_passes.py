@@ -455,13 +455,6 @@ def test_lower_markers_stage1_reductions_just_before_output(group_name):
     assert max(index[n] for n in gm.graph.nodes if n.target is funcol.wait_tensor.default) > index[add]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="_place_by_stage prepends each stage-1/2 unshard before `placeholders[-1].next`; when that "
-    "node is itself the first unshard (the usual AOT forward), later gathers land in front of it, so "
-    "the gathers run in reverse program order (harmless for correctness: every rank runs the same graph)",
-)
 @pytest.mark.parametrize("stage", [1, 2])
 def test_lower_markers_stage12_keeps_program_order_of_moved_gathers(group_name, stage):
     def f(s1, s2, x):
@@ -542,13 +535,6 @@ def test_saved_gathered_values_empty_when_only_shards_returned(group_name):
     assert analysis.saved_gathered_values(gm.graph) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="saved_gathered_values iterates graph.output_node().args[0], which is a bare Node when a "
-    "graph returns one value (make_fx of a function returning a tensor): TypeError 'Node' object is "
-    "not iterable; AOTAutograd graphs always return a tuple, so the backend is unaffected",
-)
 def test_saved_gathered_values_single_output_graph(group_name):
     def f(s):
         return _gather(s, [3, 4], group_name).t()
