@@ -7,7 +7,6 @@ tests use them to prove what the stages promise (e.g. a stage-3 forward saves no
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 import torch.fx as fx

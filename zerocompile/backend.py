@@ -20,7 +20,6 @@ import hashlib
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import weakref
 from typing import Any
 
 import torch
@@ -193,9 +191,6 @@ def _make_module_unshard_on_access(module: nn.Module) -> None:
 def unwrap_module_class(module: nn.Module) -> type:
     """The model's own class of a module `shard()` may have swapped."""
     return getattr(type(module), "_zero_sharded_class", type(module))
-
-
-_checked_optimizers: weakref.WeakSet = weakref.WeakSet()
 
 
 def _check_optimizer_state(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
