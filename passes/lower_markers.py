@@ -28,7 +28,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .lowering import all_reduce_mean, gather_full, reduce_scatter_mean
-from .markers import is_reduce_grad, is_unshard
+from .markers import is_reduce_grad, is_unshard, reduce_grad_args, unshard_args
 
 
 def lower_markers(graph: fx.Graph) -> dict[str, int]:
@@ -38,19 +38,24 @@ def lower_markers(graph: fx.Graph) -> dict[str, int]:
     fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.find_nodes(op="placeholder")])
     for node in list(graph.nodes):
         if is_unshard(node):
-            shard, shape, stage, group_name = node.args
-            if stage == 0:
+            gather = unshard_args(node)
+            if gather.stage == 0:
                 _forward_whole_parameter(node)
                 counts["identities"] += 1
             else:
-                _splice(node, fake_mode, lambda s: gather_full(s, shape, group_name), shard)
+                _splice(node, fake_mode, lambda s: gather_full(s, gather.shape, gather.group_name), gather.param)
                 counts["gathers"] += 1
         elif is_reduce_grad(node):
-            grad, shard_numel, stage, group_name = node.args
-            if stage == 0:
-                _splice(node, fake_mode, lambda g: all_reduce_mean(g, group_name), grad)
+            reduce = reduce_grad_args(node)
+            if reduce.stage == 0:
+                _splice(node, fake_mode, lambda g: all_reduce_mean(g, reduce.group_name), reduce.param)
             else:
-                _splice(node, fake_mode, lambda g: reduce_scatter_mean(g, shard_numel, group_name), grad)
+                _splice(
+                    node,
+                    fake_mode,
+                    lambda g: reduce_scatter_mean(g, reduce.shard_numel, reduce.group_name),
+                    reduce.param,
+                )
             counts["reductions"] += 1
     graph.lint()
     return counts
@@ -61,10 +66,10 @@ def _place_by_stage(graph: fx.Graph) -> None:
     last_moved = placeholders[-1] if placeholders else None
     output = graph.output_node()
     for node in list(graph.nodes):
-        if is_unshard(node) and node.args[2] in (1, 2) and node.args[0].op == "placeholder":
+        if is_unshard(node) and unshard_args(node).stage in (1, 2) and unshard_args(node).shard.op == "placeholder":
             last_moved.append(node)  # behind the previous one: gathers keep program order
             last_moved = node
-        elif is_reduce_grad(node) and node.args[2] == 1 and set(node.users) == {output}:
+        elif is_reduce_grad(node) and reduce_grad_args(node).stage == 1 and set(node.users) == {output}:
             output.prepend(node)
 
 
@@ -80,11 +85,15 @@ def _forward_whole_parameter(node: fx.Node) -> None:
     node.graph.erase_node(node)
 
 
-def _splice(node: fx.Node, fake_mode, fn: Callable[[torch.Tensor], torch.Tensor], arg: fx.Node) -> None:
-    """Trace `fn(arg)` under the graph's fake mode and put the traced nodes in place of `node`."""
+def _splice(node: fx.Node, fake_mode, fn: Callable[[torch.Tensor], torch.Tensor], param: str) -> None:
+    """Trace `fn(marker's tensor)` under the graph's fake mode and put the traced nodes in place of
+    `node`; each new node's meta["zero_param"] names the parameter it serves (for the ledger)."""
+    arg = node.args[0]
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         traced = make_fx(fn, tracing_mode="real")(arg.meta["val"])
     (placeholder,) = traced.graph.find_nodes(op="placeholder")
+    for new_node in traced.graph.nodes:
+        new_node.meta["zero_param"] = param
     with node.graph.inserting_before(node):
         result = node.graph.graph_copy(traced.graph, {placeholder: arg})
     node.replace_all_uses_with(result)

@@ -13,52 +13,84 @@ from __future__ import annotations
 
 import torch
 
+from typing import NamedTuple
+
 from .lowering import all_reduce_mean, gather_full, reduce_scatter_mean
 
 
 @torch.library.custom_op("zero::unshard", mutates_args=())
-def unshard(shard: torch.Tensor, shape: list[int], stage: int, group_name: str) -> torch.Tensor:
+def unshard(shard: torch.Tensor, shape: list[int], stage: int, group_name: str, param: str = "") -> torch.Tensor:
     if stage == 0:
         return shard.clone()
     return gather_full(shard, shape, group_name)
 
 
 @unshard.register_fake
-def _unshard_fake(shard: torch.Tensor, shape: list[int], stage: int, group_name: str) -> torch.Tensor:
+def _unshard_fake(shard: torch.Tensor, shape: list[int], stage: int, group_name: str, param: str = "") -> torch.Tensor:
     if stage == 0:
         return torch.empty_like(shard)
     return shard.new_empty(shape)
 
 
 @torch.library.custom_op("zero::reduce_grad", mutates_args=())
-def reduce_grad(grad: torch.Tensor, shard_numel: int, stage: int, group_name: str) -> torch.Tensor:
+def reduce_grad(grad: torch.Tensor, shard_numel: int, stage: int, group_name: str, param: str = "") -> torch.Tensor:
     if stage == 0:
         return all_reduce_mean(grad.contiguous(), group_name)
     return reduce_scatter_mean(grad.contiguous(), shard_numel, group_name)
 
 
 @reduce_grad.register_fake
-def _reduce_grad_fake(grad: torch.Tensor, shard_numel: int, stage: int, group_name: str) -> torch.Tensor:
+def _reduce_grad_fake(
+    grad: torch.Tensor, shard_numel: int, stage: int, group_name: str, param: str = ""
+) -> torch.Tensor:
     if stage == 0:
         return torch.empty_like(grad, memory_format=torch.contiguous_format)
     return grad.new_empty(shard_numel)
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:
-    shard, _shape, stage, group_name = inputs
-    ctx.shard_numel = shard.numel()
-    ctx.stage = stage
-    ctx.group_name = group_name
+    marker = UnshardArgs(*inputs)
+    ctx.shard_numel = marker.shard.numel()
+    ctx.marker = marker
 
 
 def _unshard_backward(ctx, grad: torch.Tensor):
-    return reduce_grad(grad, ctx.shard_numel, ctx.stage, ctx.group_name), None, None, None
+    marker = ctx.marker
+    return reduce_grad(grad, ctx.shard_numel, marker.stage, marker.group_name, marker.param), None, None, None, None
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
 
 UNSHARD = torch.ops.zero.unshard.default
 REDUCE_GRAD = torch.ops.zero.reduce_grad.default
+
+
+class UnshardArgs(NamedTuple):
+    """Arguments of `zero::unshard`; `param` is the parameter's FQN, for people reading graphs."""
+
+    shard: torch.fx.Node
+    shape: list[int]
+    stage: int
+    group_name: str
+    param: str = ""
+
+
+class ReduceGradArgs(NamedTuple):
+    """Arguments of `zero::reduce_grad`."""
+
+    grad: torch.fx.Node
+    shard_numel: int
+    stage: int
+    group_name: str
+    param: str = ""
+
+
+def unshard_args(node: torch.fx.Node) -> UnshardArgs:
+    return UnshardArgs(*node.args, **node.kwargs)
+
+
+def reduce_grad_args(node: torch.fx.Node) -> ReduceGradArgs:
+    return ReduceGradArgs(*node.args, **node.kwargs)
 
 
 def is_unshard(node: torch.fx.Node) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .markers import is_unshard
+from .markers import is_unshard, unshard_args
 
 
 def merge_repeated_unshards(graph: fx.Graph) -> int:
@@ -21,8 +21,8 @@ def merge_repeated_unshards(graph: fx.Graph) -> int:
     for node in list(graph.nodes):
         if not is_unshard(node):
             continue
-        shard, shape, stage, group_name = node.args
-        key = (shard, tuple(shape), stage, group_name)
+        marker = unshard_args(node)
+        key = (marker.shard, tuple(marker.shape), marker.stage, marker.group_name)
         if key in first:
             node.replace_all_uses_with(first[key])
             graph.erase_node(node)

@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .markers import is_unshard
+from .markers import is_unshard, unshard_args
 
 aten = torch.ops.aten
 
@@ -35,7 +35,7 @@ def _is_view_or_cast(node: fx.Node) -> bool:
 def tag_gathers_for_recompute(graph: fx.Graph) -> int:
     """Tag stage-3 `unshard` nodes and their view/cast users; returns the number tagged."""
     tagged = 0
-    frontier = [node for node in graph.nodes if is_unshard(node) and node.args[2] == 3]
+    frontier = [node for node in graph.nodes if is_unshard(node) and unshard_args(node).stage == 3]
     seen: set[fx.Node] = set()
     while frontier:
         node = frontier.pop()

@@ -31,7 +31,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from zerocompile.config import ZeroConfig
 from zerocompile.passes import analysis
 from zerocompile.passes.lower_markers import lower_markers
-from zerocompile.passes.markers import is_reduce_grad, is_unshard
+from zerocompile.passes.markers import is_reduce_grad, is_unshard, reduce_grad_args, unshard_args
 from zerocompile.passes.merge_unshards import merge_repeated_unshards
 from zerocompile.passes.recompute_gathers import tag_gathers_for_recompute
 from zerocompile.sharding import config_for_group, shard_info
@@ -77,7 +77,8 @@ def zero_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[st
 
 
 def _config_of(graph: fx.Graph) -> ZeroConfig:
-    groups = {node.args[3] for node in graph.nodes if is_unshard(node) or is_reduce_grad(node)}
+    groups = {unshard_args(node).group_name for node in graph.nodes if is_unshard(node)}
+    groups |= {reduce_grad_args(node).group_name for node in graph.nodes if is_reduce_grad(node)}
     configs = {config_for_group(name) for name in groups} - {None}
     return configs.pop() if len(configs) == 1 else ZeroConfig()
 

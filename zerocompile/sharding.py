@@ -168,8 +168,8 @@ def _shard_optimizer_state(optimizer: torch.optim.Optimizer, world_size: int) ->
 def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     def make_property(name: str) -> property:
         def full_parameter(self: nn.Module) -> torch.Tensor:
-            shape, stage, group_name = self._zero_markers[name]
-            return UNSHARD(self._parameters[name], shape, stage, group_name)
+            shape, stage, group_name, fqn = self._zero_markers[name]
+            return UNSHARD(self._parameters[name], shape, stage, group_name, fqn)
 
         return property(full_parameter, doc=f"the full `{name}`, gathered from its shards")
 
@@ -183,7 +183,7 @@ def _make_module_unshard_on_access(module: nn.Module) -> None:
     markers = {}
     for name in names:
         info = shard_info(module._parameters[name])
-        markers[name] = (list(info.shape), info.stage, info.group_name)
+        markers[name] = (list(info.shape), info.stage, info.group_name, info.fqn)
     module._zero_markers = markers
     module.__class__ = _sharded_class(type(module), names)
 
