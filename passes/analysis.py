@@ -7,6 +7,7 @@ tests use them to prove what the stages promise (e.g. a stage-3 forward saves no
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -70,8 +71,16 @@ def saved_gathered_values(graph: fx.Graph) -> list[fx.Node]:
     return [out for out in outputs if out in gathered]
 
 
-def gathered_live_intervals(graph: fx.Graph) -> list[tuple[int, int, int]]:
-    """(first position, last position, elements) of each gathered buffer, counting use by views."""
+def _numel(value: torch.Tensor) -> int:
+    return value.numel()
+
+
+def _nbytes(value: torch.Tensor) -> int:
+    return value.numel() * value.element_size()
+
+
+def gathered_live_intervals(graph: fx.Graph, size: Callable[[torch.Tensor], int] = _numel) -> list[tuple[int, int, int]]:
+    """(first position, last position, size) of each gathered buffer, counting use by views."""
     position = {node: i for i, node in enumerate(graph.nodes)}
     gathered = gathered_values(graph)
     intervals = []
@@ -79,7 +88,7 @@ def gathered_live_intervals(graph: fx.Graph) -> list[tuple[int, int, int]]:
         if node.op == "call_function" and node.target is funcol.wait_tensor.default and node.args[0] in gathered:
             chain = [n for n in gathered if _derives_from(n, node, gathered)]
             last = max(position[user] for n in chain for user in n.users)
-            intervals.append((position[node], last, node.meta["val"].numel()))
+            intervals.append((position[node], last, size(node.meta["val"])))
     return intervals
 
 
@@ -97,6 +106,10 @@ def peak_gathered_numel(graph: fx.Graph) -> int:
     return _peak(gathered_live_intervals(graph))
 
 
+def peak_gathered_bytes(graph: fx.Graph) -> int:
+    return _peak(gathered_live_intervals(graph, _nbytes))
+
+
 def _peak(intervals: list[tuple[int, int, int]]) -> int:
     """Largest sum of sizes of (start, end, size) intervals alive at one position."""
     return max((sum(n for s, e, n in intervals if s <= t <= e) for t in {s for s, _, _ in intervals}), default=0)
@@ -112,16 +125,25 @@ def _gradient_producer(node: fx.Node) -> fx.Node:
     return node
 
 
+def unreduced_grad_intervals(graph: fx.Graph, size: Callable[[torch.Tensor], int] = _numel) -> list[tuple[int, int, int]]:
+    """(producer position, reduction position, size) of each gradient awaiting its reduction."""
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    intervals = []
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in _REDUCTIONS:
+            producer = _gradient_producer(node.args[0])
+            intervals.append((position[producer], position[node], size(producer.meta["val"])))
+    return intervals
+
+
+def peak_unreduced_grad_bytes(graph: fx.Graph) -> int:
+    return _peak(unreduced_grad_intervals(graph, _nbytes))
+
+
 def peak_unreduced_grad_numel(graph: fx.Graph) -> int:
     """Largest number of full-gradient elements alive at once while waiting for their reduction.
 
     Stage 1 keeps every gradient until the end of the backward, so this is all of them; stages 2-3
     reduce each as soon as it is produced, so it stays near the largest layer's.
     """
-    position = {node: i for i, node in enumerate(graph.nodes)}
-    intervals = []
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target in _REDUCTIONS:
-            producer = _gradient_producer(node.args[0])
-            intervals.append((position[producer], position[node], producer.meta["val"].numel()))
-    return _peak(intervals)
+    return _peak(unreduced_grad_intervals(graph))

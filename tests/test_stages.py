@@ -123,15 +123,15 @@ def graphs(reports):
 
 
 def test_stage0_graphs_all_reduce_gradients_and_gather_nothing(graphs) -> None:
-    assert [c.op for c in graphs(0, "forward").collectives] == []
-    assert {c.op for c in graphs(0, "backward").collectives} == {"all_reduce"}
+    assert [c.op for c in graphs(0, "forward").ledger.entries] == []
+    assert {c.op for c in graphs(0, "backward").ledger.entries} == {"all_reduce"}
 
 
 def test_stage1_keeps_full_parameters_and_full_gradients_within_the_step(reports, graphs) -> None:
     trainable = reports[2][1]["phi"]
     assert graphs(1, "forward").saved_gathered, "stage 1 keeps gathered parameters for the backward"
     backward = graphs(1, "backward")
-    assert "all_gather" not in {c.op for c in backward.collectives}
+    assert "all_gather" not in {c.op for c in backward.ledger.entries}
     assert backward.peak_unreduced_grad_numel == trainable, "all full gradients alive until the end"
 
 
@@ -139,15 +139,24 @@ def test_stage2_keeps_full_parameters_and_reduces_each_gradient_at_once(reports,
     trainable = reports[2][2]["phi"]
     assert graphs(2, "forward").saved_gathered
     backward = graphs(2, "backward")
-    assert "all_gather" not in {c.op for c in backward.collectives}
+    assert "all_gather" not in {c.op for c in backward.ledger.entries}
     assert backward.peak_unreduced_grad_numel <= 2 * 512 * 512 < trainable
 
 
 def test_stage3_saves_no_gathered_parameter_and_regathers_in_backward(reports, graphs) -> None:
     forward, backward = graphs(3, "forward"), graphs(3, "backward")
     assert forward.saved_gathered == [], "stage 3 forward saved full parameters for the backward"
-    assert [c.op for c in backward.collectives].count("all_gather") == 5  # hidden x4 + last
+    assert [c.op for c in backward.ledger.entries].count("all_gather") == 5  # hidden x4 + last
     padded_phi = 2 * sum(reports[2][3]["shard_numels"])
     assert forward.peak_gathered_numel <= 2 * 512 * 512 < padded_phi, "only a window is gathered"
     assert backward.peak_gathered_numel <= 2 * 512 * 512
     assert backward.peak_unreduced_grad_numel <= 2 * 512 * 512
+
+
+@pytest.mark.parametrize("world_size", (2, 4))
+@pytest.mark.parametrize("stage", STAGES)
+def test_ledger_predicts_the_bytes_sent(reports, stage: int, world_size: int) -> None:
+    """The ledger, read off the lowered graphs alone, against the bytes the step really wrote."""
+    r = reports[world_size][stage]
+    predicted = sum(graph.ledger.sent_bytes for graph in r["graphs"])
+    assert r["sent_per_step"] == pytest.approx(predicted, rel=0.05)

@@ -20,6 +20,7 @@ import hashlib
 from pathlib import Path
 from typing import Any, Callable
 
+import torch._functorch.config
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
@@ -29,7 +30,9 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from zerocompile.config import ZeroConfig
-from zerocompile.passes import analysis
+from zerocompile import dump
+from zerocompile.passes import analysis, ledger
+from zerocompile.passes.ledger import GraphLedger
 from zerocompile.passes.lower_markers import lower_markers
 from zerocompile.passes.markers import is_reduce_grad, is_unshard, reduce_grad_args, unshard_args
 from zerocompile.passes.merge_unshards import merge_repeated_unshards
@@ -42,8 +45,9 @@ class CompiledGraph:
     """What one lowered forward/backward graph does; kept in `compiled_graphs` for inspection."""
 
     kind: str  # "forward", "backward" or "inference"
+    compile_id: str  # Dynamo's frame/attempt: one per graph-break fragment
     code: str
-    collectives: list[analysis.Collective]
+    ledger: GraphLedger
     saved_gathered: list[str]  # forward outputs that are gathered parameters
     peak_gathered_numel: int
     peak_unreduced_grad_numel: int
@@ -55,25 +59,28 @@ compiled_graphs: list[CompiledGraph] = []
 def zero_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None) -> Callable:
     """`torch.compile(model, backend="zero", options={...})` lands here, once per Dynamo graph."""
     _refuse_unsharded_parameters(gm, example_inputs)
+    config = _config_of(gm.graph).with_options(options)
+    directory = dump.dump_dir(config.dump_dir)
+    dump.emit_graph(directory, "dynamo", "before", "merge_repeated_unshards", gm.graph)
     merge_repeated_unshards(gm.graph)
     gm.recompile()
-    config = _config_of(gm.graph).with_options(options)
+    dump.emit_graph(directory, "dynamo", "after", "merge_repeated_unshards", gm.graph)
     if config.compiler == "eager":
+        lower = functools.partial(_lower_and_run_eagerly, directory=directory)
         return aot_autograd(
-            fw_compiler=_lower_and_run_eagerly,
-            bw_compiler=_lower_and_run_eagerly,
-            partition_fn=_partition,
+            fw_compiler=lower, bw_compiler=lower, partition_fn=functools.partial(_partition, directory=directory)
         )(gm, example_inputs)
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(
-        gm,
-        example_inputs,
-        config_patches={
-            "joint_custom_pre_pass": TagGathersForRecompute(),
-            "post_grad_custom_pre_pass": LowerMarkers(),
-        },
-    )
+    config_patches = {
+        "joint_custom_pre_pass": TagGathersForRecompute(directory),
+        "post_grad_custom_pre_pass": LowerMarkers(directory),
+    }
+    if directory is None:
+        return compile_fx(gm, example_inputs, config_patches=config_patches)
+    # A cache hit would skip our passes and so write no dump: compile afresh when dumping.
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, example_inputs, config_patches={**config_patches, "fx_graph_cache": False})
 
 
 def _config_of(graph: fx.Graph) -> ZeroConfig:
@@ -97,26 +104,43 @@ def _refuse_unsharded_parameters(gm: fx.GraphModule, example_inputs: list[Any]) 
             )
 
 
-def _partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
-    tag_gathers_for_recompute(joint.graph)
+def _tag_and_dump(graph: fx.Graph, directory: str | None) -> None:
+    dump.emit_graph(directory, "joint", "before", "tag_gathers_for_recompute", graph)
+    tag_gathers_for_recompute(graph)
+    dump.emit_graph(directory, "joint", "after", "tag_gathers_for_recompute", graph)
+
+
+def _partition(joint: fx.GraphModule, joint_inputs: Any, *, directory: str | None, **kwargs: Any):
+    _tag_and_dump(joint.graph, directory)
     return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
-def _lower_and_run_eagerly(gm: fx.GraphModule, example_inputs: Any) -> Callable:
-    _lower_and_record(gm.graph)
+def _lower_and_run_eagerly(gm: fx.GraphModule, example_inputs: Any, *, directory: str | None) -> Callable:
+    _lower_and_record(gm.graph, directory)
     gm.recompile()
     return make_boxed_func(gm.forward)
 
 
-def _lower_and_record(graph: fx.Graph) -> None:
+def _graph_kind(graph: fx.Graph) -> str:
+    names = [n.name for n in graph.find_nodes(op="placeholder")]
+    if any(name.startswith("tangents") for name in names):
+        return "backward"
+    return "forward" if any(name.startswith("primals") for name in names) else "inference"
+
+
+def _lower_and_record(graph: fx.Graph, directory: str | None) -> None:
+    kind = _graph_kind(graph)
+    dump.emit_graph(directory, kind, "before", "lower_markers", graph)
     lower_markers(graph)
-    placeholders = [n.name for n in graph.find_nodes(op="placeholder")]
-    kind = "backward" if any(name.startswith("tangents") for name in placeholders) else "forward"
+    dump.emit_graph(directory, kind, "after", "lower_markers", graph)
+    graph_ledger = ledger.graph_ledger(graph, kind)
+    dump.emit_ledger(directory, kind, graph_ledger.to_json())
     compiled_graphs.append(
         CompiledGraph(
             kind=kind,
+            compile_id=dump.compile_id(),
             code=graph.python_code("self").src,
-            collectives=analysis.collectives(graph),
+            ledger=graph_ledger,
             saved_gathered=[n.name for n in analysis.saved_gathered_values(graph)] if kind == "forward" else [],
             peak_gathered_numel=analysis.peak_gathered_numel(graph),
             peak_unreduced_grad_numel=analysis.peak_unreduced_grad_numel(graph),
@@ -135,8 +159,11 @@ def _passes_source_hash() -> str:
 class TagGathersForRecompute(CustomGraphPass):
     """Inductor joint-graph hook running `tag_gathers_for_recompute`."""
 
+    def __init__(self, directory: str | None) -> None:
+        self.directory = directory
+
     def __call__(self, graph: fx.Graph) -> None:
-        tag_gathers_for_recompute(graph)
+        _tag_and_dump(graph, self.directory)
 
     def uuid(self) -> str:
         return "tag_gathers_for_recompute-" + _passes_source_hash()
@@ -145,8 +172,11 @@ class TagGathersForRecompute(CustomGraphPass):
 class LowerMarkers(CustomGraphPass):
     """Inductor post-grad hook running `lower_markers` on the forward and the backward graph."""
 
+    def __init__(self, directory: str | None) -> None:
+        self.directory = directory
+
     def __call__(self, graph: fx.Graph) -> None:
-        _lower_and_record(graph)
+        _lower_and_record(graph, self.directory)
 
     def uuid(self) -> str:
         # The lowering differs by backend (gloo builds its reduce-scatter from all-to-all).

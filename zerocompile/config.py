@@ -12,7 +12,7 @@ from typing import Any
 import torch.distributed as dist
 
 # Fields that only steer the graph passes, so `options=` of one compile may change them.
-COMPILE_TIME_FIELDS = ("compiler",)
+COMPILE_TIME_FIELDS = ("compiler", "dump_dir")
 COMPILERS = ("inductor", "eager")
 
 
@@ -24,11 +24,14 @@ class ZeroConfig:
     group: the process group parameters are sharded over (default: the whole world).
     compiler: "inductor" generates code; "eager" runs the rewritten graphs op by op (fast to
         compile: tests, debugging).
+    dump_dir: write every graph before/after each pass and its ledger there (default: the
+        ZEROCOMPILE_DUMP environment variable; read them with `zerocompile dump DIR`).
     """
 
     stage: int = 3
     group: dist.ProcessGroup | None = None
     compiler: str = "inductor"
+    dump_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):

@@ -1,0 +1,109 @@
+"""The ledger of a lowered graph: every collective with the parameters it serves, its bytes, what
+computes while it is in flight, and where each gathered buffer dies — predicted from the graph alone.
+
+Read-only: nothing here changes a graph. Bytes sent are what one rank writes to the network for a
+collective under the algorithms we emit: an all-gather sends its shard to N−1 peers, an all-to-all
+(our gloo reduce-scatter) and a native reduce-scatter (N−1)/N of their input, an all-reduce
+2(N−1)/N of it (ring).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from . import analysis
+from .lowering import group_size
+
+funcol = torch.ops._c10d_functional
+
+
+@dataclasses.dataclass(frozen=True)
+class LedgerEntry:
+    op: str
+    params: list[str]  # FQNs of the parameters this collective serves
+    dtype: str
+    input_bytes: int
+    sent_bytes: int  # predicted bytes this rank sends
+    bucket: int  # collectives issued together; one parameter per bucket until bucketing lands
+    position: int
+    wait_position: int
+    overlaps: list[str]  # compute nodes running while the collective is in flight
+    freed_after: str | None  # gathers: the last node using the gathered buffer
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphLedger:
+    kind: str
+    world_size: int
+    entries: list[LedgerEntry]
+    gathered_bytes: int
+    reduced_bytes: int
+    sent_bytes: int
+    peak_gathered_bytes: int
+    peak_unreduced_grad_bytes: int
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _world_size(node: fx.Node) -> int:
+    if node.target is funcol.all_gather_into_tensor.default:
+        return node.args[1]
+    if node.target is funcol.reduce_scatter_tensor.default:
+        return node.args[2]
+    if node.target is funcol.all_to_all_single.default:
+        return len(node.args[1])
+    return group_size(node.args[2])
+
+
+def _sent_bytes(op: str, input_bytes: int, world_size: int) -> int:
+    if op == "all_gather":
+        return (world_size - 1) * input_bytes
+    if op == "all_reduce":
+        return 2 * (world_size - 1) * input_bytes // world_size
+    return (world_size - 1) * input_bytes // world_size
+
+
+def graph_ledger(graph: fx.Graph, kind: str) -> GraphLedger:
+    """The ledger of one lowered forward or backward graph."""
+    nodes = list(graph.nodes)
+    position = {node: i for i, node in enumerate(nodes)}
+    dag = nx.DiGraph((arg, node) for node in nodes for arg in node.all_input_nodes)
+    gather_ends = {start: end for start, end, _ in analysis.gathered_live_intervals(graph)}
+    entries = []
+    world_size = 1
+    for collective in analysis.collectives(graph):
+        node = nodes[collective.position]
+        world_size = _world_size(node)
+        (wait,) = [user for user in node.users if user.target is funcol.wait_tensor.default]
+        in_flight = nodes[position[node] + 1 : position[wait]]
+        depends = nx.descendants(dag, node) if node in dag else set()
+        last_use = gather_ends.get(position[wait])
+        entries.append(
+            LedgerEntry(
+                op=collective.op,
+                params=[node.meta.get("zero_param", "")],
+                dtype=str(collective.dtype).removeprefix("torch."),
+                input_bytes=collective.bytes,
+                sent_bytes=_sent_bytes(collective.op, collective.bytes, world_size),
+                bucket=len(entries),
+                position=position[node],
+                wait_position=position[wait],
+                overlaps=[n.name for n in in_flight if n not in depends and n.op == "call_function"],
+                freed_after=nodes[last_use].name if last_use is not None else None,
+            )
+        )
+    return GraphLedger(
+        kind=kind,
+        world_size=world_size,
+        entries=entries,
+        gathered_bytes=sum(e.input_bytes * world_size for e in entries if e.op == "all_gather"),
+        reduced_bytes=sum(e.input_bytes for e in entries if e.op != "all_gather"),
+        sent_bytes=sum(e.sent_bytes for e in entries),
+        peak_gathered_bytes=analysis.peak_gathered_bytes(graph),
+        peak_unreduced_grad_bytes=analysis.peak_unreduced_grad_bytes(graph),
+    )
