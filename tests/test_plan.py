@@ -1,0 +1,364 @@
+"""`zerocompile plan`: the ZeRO paper's Figure 1, the all-fp32 column, `--model` against what
+`zc.shard` really holds and what the compiled graphs really do, bad input that names its fix, and
+the acceptance's 1B-parameter model at 1024 ranks in under 60 s and 2 GB.
+
+`--model` is checked against the library itself, on an in-process "fake" process group of N ranks
+(shapes only, no data): after shard() and one uncompiled AdamW step `zc.model_state_bytes` must
+equal the plan's held bytes byte for byte, padding included; and the ledgers of the graphs the
+"zero" backend compiles must meet the plan's traffic and in-step figures, exactly where the plan
+claims exactness and on the right side where it claims a bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import zerocompile as zc
+from zerocompile.backend import compiled_graphs
+from zerocompile.passes.lowering import padded_numel
+from zerocompile.tools import plan
+from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
+
+TESTS_DIR = Path(__file__).parent
+ONE_BILLION = GPTConfig(n_layer=20, n_head=16, n_embd=2048, block_size=1024)  # 1,009,790,976 parameters
+
+
+# ------------------------------------------------------------------- factories named by --model
+
+
+def gpt_tiny() -> GPT:
+    return GPT(SIZES["tiny"])
+
+
+def gpt_small() -> GPT:
+    return GPT(SIZES["small"])
+
+
+def gpt_1b() -> GPT:
+    return GPT(ONE_BILLION)
+
+
+def gpt_1b_on_meta() -> GPT:
+    with torch.device("meta"):
+        return gpt_1b()
+
+
+class TiedFrozenUneven(nn.Module):
+    """No size divisible by 4 (every shard padded), a tied weight, and a frozen layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(13, 7)  # 91 elements
+        self.frozen = nn.Linear(7, 7)  # 49 + 7, no gradient
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(7, 13)  # weight tied to embed.weight, bias 13
+        self.head.weight = self.embed.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        x = x + torch.tanh(self.frozen(x))
+        return self.head(x).square().mean()
+
+
+def tied_frozen_uneven() -> TiedFrozenUneven:
+    return TiedFrozenUneven()
+
+
+def needs_a_config(config: GPTConfig) -> GPT:
+    return GPT(config)
+
+
+def returns_a_config() -> GPTConfig:
+    return GPTConfig()
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+
+def run_plan(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """Exit code, stdout and stderr of `zerocompile plan ARGV`, argument errors included."""
+    parser = argparse.ArgumentParser(prog="zerocompile plan")
+    plan.add_arguments(parser)
+    try:
+        code = plan.run(parser.parse_args(argv))
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def plan_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
+    code, out, err = run_plan([*argv, "--json"], capsys)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def totals(report: dict) -> list[float]:
+    return [stage["model_state_bytes"]["total"] for stage in report["stages"]]
+
+
+# ------------------------------------------------------------------------------ --params Φ
+
+
+def test_figure_1_of_the_zero_paper_exactly(capsys) -> None:
+    """7.5B parameters, 64 ranks, K = 12, fp16/bf16: 120, 31.4, 16.6 and 1.9 GB (10^9 bytes)."""
+    argv = ["--params", "7.5e9", "--ranks", "64", "--optimizer-bytes", "12"]
+    report = plan_json(argv, capsys)
+    assert totals(report) == [120e9, 31.40625e9, 16.640625e9, 1.875e9]
+    assert [round(total / 1e9, 1) for total in totals(report)] == [120.0, 31.4, 16.6, 1.9]
+    phi_sent = 7.5e9 * 63 / 64 * 2  # Φ(N-1)/N elements of 2 bytes
+    assert [s["sent_bytes_per_step"] for s in report["stages"]] == [2 * phi_sent] * 3 + [3 * phi_sent]
+
+    code, table, _ = run_plan(argv, capsys)
+    assert code == 0
+    rows = {line.split()[0]: line for line in table.splitlines() if line[:1].isdigit()}
+    for stage, shown in zip("0123", ("120.0 GB", "31.4 GB", "16.6 GB", "1.9 GB")):
+        assert shown in rows[stage], table
+    assert "1 GB = 10^9 bytes" in table
+
+
+def test_all_fp32_column_with_adam(capsys) -> None:
+    """fp32 and no --optimizer-bytes: K = 8, so 16Φ, 8Φ+8Φ/N, 4Φ+12Φ/N, 16Φ/N."""
+    report = plan_json(["--params", "1000", "--ranks", "4", "--param-dtype", "fp32"], capsys)
+    assert report["optimizer_bytes"] == 8 and report["element_bytes"] == 4
+    assert totals(report) == [16_000, 8_000 + 2_000, 4_000 + 3_000, 4_000]
+    assert [s["sent_bytes_per_step"] for s in report["stages"]] == [6_000, 6_000, 6_000, 9_000]
+    breakdown = report["stages"][2]["model_state_bytes"]
+    assert (breakdown["params"], breakdown["grads"], breakdown["optimizer"]) == (4_000, 1_000, 2_000)
+
+
+# ---------------------------------------------------------------- --model against zc.shard
+
+
+@pytest.fixture(params=(2, 4), ids=lambda n: f"N={n}")
+def fake_world(request) -> int:
+    """A fake process group of N ranks in this process, destroyed after the test."""
+    if dist.is_initialized():
+        pytest.skip(f"a {dist.get_backend()} process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=request.param)
+    yield request.param
+    dist.destroy_process_group()
+
+
+def held_after_one_step(factory, stage: int, example: torch.Tensor, targets: bool) -> dict[str, int]:
+    """zc.model_state_bytes after shard() and one uncompiled AdamW step on the current group."""
+    model = factory()
+    optimizer = torch.optim.AdamW(model.parameters())
+    zc.shard(model, stage=stage)
+    loss = model(example, example) if targets else model(example)
+    loss.backward()
+    optimizer.step()
+    return zc.model_state_bytes(model, optimizer)
+
+
+@pytest.mark.parametrize(
+    "factory, example, targets",
+    [
+        (gpt_tiny, torch.randint(0, 256, (2, 16)), True),
+        (gpt_small, torch.randint(0, 256, (2, 16)), True),
+        (tied_frozen_uneven, torch.randint(0, 13, (2, 5)), False),
+    ],
+    ids=("gpt-tiny", "gpt-small", "tied-frozen-uneven"),
+)
+def test_model_state_equals_what_shard_holds(fake_world: int, factory, example, targets, capsys) -> None:
+    argv = ["--model", f"test_plan:{factory.__name__}", "--ranks", str(fake_world), "--param-dtype", "fp32"]
+    report = plan_json(argv, capsys)
+    for planned in report["stages"]:
+        held = held_after_one_step(factory, planned["stage"], example, targets)
+        expected = {key: planned["model_state_bytes"][key] for key in held}
+        assert held == expected, f"stage {planned['stage']} at N={fake_world}"
+
+
+def test_tied_frozen_and_padded_counts_by_hand(capsys) -> None:
+    """embed.weight (91, tied with head.weight) once; frozen 49+7 without gradient; head.bias 13.
+
+    At N = 4 the padded sizes are 92, 52, 8 and 16: 168 elements gathered, 108 of them trainable.
+    """
+    report = plan_json(["--model", "test_plan:tied_frozen_uneven", "--ranks", "4", "--param-dtype", "fp32"], capsys)
+    assert (report["params"], report["trainable_params"], report["frozen_params"]) == (160, 104, 56)
+    assert report["tied"] == [["embed.weight", "head.weight"]]
+    assert report["largest_param"] == {"fqn": "embed.weight", "numel": 91, "padded_numel": 92}
+    stage = {s["stage"]: s for s in report["stages"]}
+    assert stage[0]["model_state_bytes"] == {"params": 640, "grads": 416, "optimizer": 832, "total": 1888}
+    assert stage[3]["model_state_bytes"] == {"params": 168, "grads": 108, "optimizer": 216, "total": 492}
+    spread = 3 / 4 * 4  # (N-1)/N elements of 4 bytes
+    assert stage[0]["sent_bytes_per_step"] == 2 * 104 * spread
+    assert stage[1]["sent_bytes_per_step"] == stage[2]["sent_bytes_per_step"] == (168 + 108) * spread
+    assert stage[3]["sent_bytes_per_step"] == (2 * 168 + 108) * spread and stage[3]["sent_is_upper_bound"]
+    assert [s["gathered_in_step_bytes"] for s in report["stages"]] == [0, 168 * 4, 168 * 4, 92 * 4]
+    assert stage[3]["gathered_is_lower_bound"] and not stage[1]["gathered_is_lower_bound"]
+    assert [s["full_grads_in_step_bytes"] for s in report["stages"]] == [0, 104 * 4, 91 * 4, 91 * 4]
+
+
+def test_model_table_labels_bounds_and_frozen_parameters(capsys) -> None:
+    code, table, _ = run_plan(["--model", "test_plan:tied_frozen_uneven", "--ranks", "4"], capsys)
+    assert code == 0
+    assert "56 frozen (frozen: held and gathered like the others, no gradient" in table
+    assert "tied, counted once: embed.weight = head.weight" in table
+    assert "'embed.weight' (91 elements), is a lower bound of the gathered-buffer peak" in table
+    stage3 = next(line for line in table.splitlines() if line.startswith("3 "))
+    assert "≥ 184 B" in stage3 and "≤ " in stage3  # 92 padded bf16 elements; re-gathers at most
+    assert "no mixed precision yet" in table
+
+
+def test_user_module_in_the_working_directory(tmp_path, monkeypatch, capsys) -> None:
+    """`mymodels:make_model` as a user types it, from the directory holding mymodels.py."""
+    (tmp_path / "plan_user_models.py").write_text(
+        "from torch import nn\n\ndef make_model():\n    return nn.Linear(10, 3)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    report = plan_json(["--model", "plan_user_models:make_model", "--ranks", "2"], capsys)
+    assert report["params"] == 33
+
+
+def traced_ledgers(factory, stage: int, example: torch.Tensor, targets: bool) -> list:
+    """Ledgers of the forward and backward graphs the "zero" backend lowers for one step."""
+    torch._dynamo.reset()
+    compiled_graphs.clear()
+    model = zc.shard(factory(), stage=stage)
+    compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
+    loss = compiled(example, example) if targets else compiled(example)
+    loss.backward()
+    ledgers = [graph.ledger for graph in compiled_graphs]
+    compiled_graphs.clear()  # leave no compiled state to the tests that follow
+    torch._dynamo.reset()
+    return ledgers
+
+
+@pytest.mark.parametrize("fake_world", [4], indirect=True, ids=lambda n: f"N={n}")
+@pytest.mark.parametrize(
+    "factory, example, targets",
+    [(tied_frozen_uneven, torch.randint(0, 13, (2, 5)), False), (gpt_tiny, torch.randint(0, 256, (2, 16)), True)],
+    ids=("tied-frozen-uneven", "gpt-tiny"),
+)
+def test_traced_graphs_meet_the_plan_and_its_bounds(fake_world: int, factory, example, targets, capsys) -> None:
+    """The backend's own ledgers: equal where the plan claims exactness, on the right side of each bound."""
+    argv = ["--model", f"test_plan:{factory.__name__}", "--ranks", str(fake_world), "--param-dtype", "fp32"]
+    for planned in plan_json(argv, capsys)["stages"]:
+        stage = planned["stage"]
+        ledgers = traced_ledgers(factory, stage, example, targets)
+        sent = sum(ledger.sent_bytes for ledger in ledgers)
+        gathered = max(ledger.peak_gathered_bytes for ledger in ledgers)
+        full_grads = max(ledger.peak_unreduced_grad_bytes for ledger in ledgers)
+        where = f"stage {stage}: traced sent {sent}, gathered {gathered}, full grads {full_grads}"
+        if planned["sent_is_upper_bound"]:
+            assert sent <= planned["sent_bytes_per_step"], where
+        else:
+            rounding = sum(len(ledger.entries) for ledger in ledgers)  # the ledger floors each collective
+            assert sent == pytest.approx(planned["sent_bytes_per_step"], abs=rounding), where
+        if stage == 0:
+            continue  # nothing gathered; the full gradients are the held ones
+        if planned["gathered_is_lower_bound"]:
+            assert gathered >= planned["gathered_in_step_bytes"], where
+        else:
+            assert gathered == planned["gathered_in_step_bytes"], where
+        if planned["full_grads_is_lower_bound"]:
+            assert full_grads >= planned["full_grads_in_step_bytes"], where
+        else:
+            assert full_grads == planned["full_grads_in_step_bytes"], where
+
+
+# ------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--model", "no_such_module_xyz:make", "--ranks", "2"],
+            "cannot import module 'no_such_module_xyz'.*PYTHONPATH",
+        ),
+        (["--model", "zerocompile.tools.gpt:NoSuchModel", "--ranks", "2"], "has no 'NoSuchModel'.*callables: .*GPT"),
+        (["--model", "zerocompile.tools.gpt", "--ranks", "2"], "--model takes MODULE:FACTORY"),
+        (["--model", "test_plan:needs_a_config", "--ranks", "2"], r"needs arguments \(config\).*def make_model\(\)"),
+        (["--model", "test_plan:returns_a_config", "--ranks", "2"], "returned a GPTConfig, not a torch.nn.Module"),
+        (["--model", "test_plan:ONE_BILLION", "--ranks", "2"], "names a GPTConfig, not a callable"),
+        (["--model", "test_plan:gpt_tiny", "--ranks", "0"], "--ranks: the number of ranks must be at least 1, got 0"),
+        (["--params", "lots", "--ranks", "8"], "--params: expected a parameter count such as 7.5e9, got 'lots'"),
+        (["--params", "0", "--ranks", "8"], "positive whole number, got 0"),
+        (["--params", "1e9", "--ranks", "8", "--optimizer-bytes", "-4"], "cannot be negative, got -4"),
+        (["--ranks", "8"], "one of the arguments --params --model is required"),
+    ],
+    ids=(
+        "module-missing",
+        "factory-missing",
+        "no-colon",
+        "factory-needs-arguments",
+        "not-a-module",
+        "not-callable",
+        "zero-ranks",
+        "params-not-a-number",
+        "zero-params",
+        "negative-optimizer-bytes",
+        "no-source",
+    ),
+)
+def test_bad_input_names_the_fix(argv: list[str], message: str, capsys) -> None:
+    code, out, err = run_plan(argv, capsys)
+    assert code == 2 and out == ""
+    assert re.search(message, err), err
+
+
+def test_missing_dependency_of_the_users_module(tmp_path, monkeypatch, capsys) -> None:
+    (tmp_path / "plan_models_with_a_dependency.py").write_text("import not_installed_dependency_xyz\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    code, _, err = run_plan(["--model", "plan_models_with_a_dependency:make", "--ranks", "2"], capsys)
+    assert code == 2
+    assert "it imports 'not_installed_dependency_xyz', which is not installed" in err
+
+
+# ------------------------------------------------------------------------ the acceptance run
+
+RUN_PLAN_AND_REPORT_PEAK_RSS = textwrap.dedent(
+    """
+    import argparse, resource, sys
+    from zerocompile.tools import plan
+    parser = argparse.ArgumentParser(prog="zerocompile plan")
+    plan.add_arguments(parser)
+    code = plan.run(parser.parse_args(sys.argv[1:]))
+    print(f"peak RSS KiB {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}", file=sys.stderr)
+    sys.exit(code)
+    """
+)
+
+
+def test_one_billion_parameters_at_1024_ranks_in_60_s_and_2_gb() -> None:
+    """In a fresh process, torch import included; peak RSS is the child's own ru_maxrss."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
+    argv = ["--model", "test_plan:gpt_1b", "--ranks", "1024", "--json"]
+    started = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-c", RUN_PLAN_AND_REPORT_PEAK_RSS, *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    seconds = time.perf_counter() - started
+    assert result.returncode == 0, result.stderr
+    peak_rss = int(result.stderr.rsplit("peak RSS KiB ", 1)[1]) * 1024
+    print(f"1B parameters at 1024 ranks: {seconds:.1f} s, peak RSS {peak_rss / 1e6:.0f} MB")
+    assert seconds < 60 and peak_rss < 2e9, f"{seconds:.1f} s, peak RSS {peak_rss / 1e6:.0f} MB"
+
+    report = json.loads(result.stdout)
+    numels = [p.numel() for p in gpt_1b_on_meta().parameters()]  # distinct: the tied head once
+    assert report["params"] == sum(numels) > 1e9
+    shards = sum(padded_numel(numel, 1024) // 1024 for numel in numels)
+    assert report["stages"][3]["model_state_bytes"]["total"] == (2 + 2 + 12) * shards  # bf16, K = 12

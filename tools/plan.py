@@ -1,0 +1,547 @@
+"""Plan each ZeRO stage's memory and traffic per rank for N ranks, without the ranks.
+
+Answers "how much will N ranks need" before anything is launched, in two ways:
+
+  zerocompile plan --params 7.5e9 --ranks 64 --optimizer-bytes 12
+      The ZeRO paper's formulas (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward
+      Training Trillion Parameter Models", §5 and Figure 1) for Φ parameters: model state per rank
+      and bytes sent per step, stages 0-3. Reproduces Figure 1: 120.0, 31.4, 16.6, 1.9 GB.
+
+  zerocompile plan --model zerocompile.tools.gpt:GPT --ranks 1024 [--param-dtype fp32]
+      Imports FACTORY from MODULE (a callable taking no arguments that returns an nn.Module), calls
+      it under `torch.device("meta")` so no parameter is allocated, counts parameters as
+      zerocompile.shard() does (tied ones once; frozen ones held and gathered, but without gradient
+      or optimizer state), pads each to a multiple of N as shard() does, and prints per stage what
+      a rank holds between steps (what zc.model_state_bytes reports), the full-size tensors alive
+      inside a step, and the bytes it sends per step.
+
+Precision: --param-dtype sets the bytes of each parameter and gradient element (bf16 by default,
+as in the paper); --optimizer-bytes K the optimizer state per trainable parameter, by default 12
+with bf16/fp16 (mixed-precision Adam: fp32 master weights, momentum, variance) and 8 with fp32
+(Adam's momentum and variance). zerocompile itself has no mixed precision yet, so what an fp32
+model trained with AdamW holds today is `--param-dtype fp32`.
+
+Sizes are decimal: 1 GB = 10^9 bytes, the unit that reproduces the paper's Figure 1 (in GiB its
+120 GB would be 111.8). --json prints exact byte counts instead of the table.
+
+Stated limits of --model: the model is counted, not traced. Whether a stage-3 backward gathers a
+parameter again, and which gathered buffers and gradients are alive together, are properties of
+the traced graph; without it the plan gives bounds and marks them (≥, ≤): stage-3 traffic is at
+most ZeRO's 3Φ (a parameter the backward does not need, such as an embedding's weight, is not
+gathered again), the stage-3 gathered-buffer peak is at least the largest single parameter, and
+the stage-2/3 peak of unreduced gradients at least the largest trainable one. Stages 1-2 are exact
+if the forward uses every parameter. Tracing forward and backward on FakeTensorMode with a fake
+process group of N ranks through the "zero" backend would read the exact figures off the lowered
+graphs, but it needs example inputs that a no-argument factory does not give, and for a
+1B-parameter GPT at N = 1024 it took 7.5 s (stage 0) to 11.6 s (stage 3) per stage after a 3 s
+import, about 45 s for the four stages against the 60 s budget; counting takes about 5 s.
+tests/test_plan.py holds the counted figures and their bounds against traced graphs of small models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import inspect
+import json
+import os
+import sys
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from zerocompile.passes.lowering import padded_numel
+
+ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# Optimizer state per trainable parameter when --optimizer-bytes is not given.
+DEFAULT_OPTIMIZER_BYTES = {"bf16": 12, "fp16": 12, "fp32": 8}
+DECIMAL_UNITS = ("B", "kB", "MB", "GB", "TB", "PB")
+PAPER = "Rajbhandari et al. 2020, ZeRO, §5 and Figure 1"
+
+
+class PlanError(ValueError):
+    """Bad input to `zerocompile plan`; the message says what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """Bytes per element of parameters and gradients, and optimizer bytes per trainable parameter."""
+
+    param_dtype: str
+    element_bytes: int
+    optimizer_bytes: float  # K in the paper
+
+
+@dataclasses.dataclass(frozen=True)
+class CountedParameter:
+    """One distinct Parameter of the model, as zerocompile.shard() sees it."""
+
+    fqn: str
+    names: tuple[str, ...]  # every FQN it is reachable under (tied parameters have several)
+    numel: int
+    trainable: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    """One stage's bytes per rank. Bounds are marked because a counted model is not a traced graph."""
+
+    stage: int
+    params: float
+    grads: float
+    optimizer: float
+    sent_per_step: float
+    formula: str = ""  # the paper's model-state formula (--params)
+    gathered_in_step: float | None = None  # full parameters alive inside a step (--model)
+    full_grads_in_step: float | None = None  # full gradients alive inside a step (--model)
+    gathered_is_lower_bound: bool = False
+    full_grads_is_lower_bound: bool = False
+    sent_is_upper_bound: bool = False
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    def as_json(self) -> dict[str, Any]:
+        """Exact bytes for --json; the bound flags travel with the numbers they qualify."""
+        record: dict[str, Any] = {
+            "stage": self.stage,
+            "model_state_bytes": {
+                "params": self.params,
+                "grads": self.grads,
+                "optimizer": self.optimizer,
+                "total": self.total,
+            },
+            "sent_bytes_per_step": self.sent_per_step,
+            "sent_is_upper_bound": self.sent_is_upper_bound,
+        }
+        if self.formula:
+            record["formula"] = self.formula
+        if self.gathered_in_step is not None:
+            record["gathered_in_step_bytes"] = self.gathered_in_step
+            record["gathered_is_lower_bound"] = self.gathered_is_lower_bound
+            record["full_grads_in_step_bytes"] = self.full_grads_in_step
+            record["full_grads_is_lower_bound"] = self.full_grads_is_lower_bound
+        return record
+
+
+# ------------------------------------------------------------------------------------ arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `zerocompile plan`: one of --params / --model, the ranks, the precision."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--params", type=_parameter_count, metavar="Φ", help="parameter count, e.g. 7.5e9: the ZeRO paper's formulas"
+    )
+    source.add_argument(
+        "--model",
+        metavar="MODULE:FACTORY",
+        help="a no-argument callable returning an nn.Module, e.g. zerocompile.tools.gpt:GPT; built on "
+        "the meta device (MODULE is imported with the current directory on the path)",
+    )
+    parser.add_argument("--ranks", type=_rank_count, required=True, metavar="N", help="data-parallel ranks")
+    parser.add_argument(
+        "--param-dtype",
+        choices=sorted(ELEMENT_BYTES),
+        default="bf16",
+        help="dtype of parameters and gradients (default bf16, as in the paper)",
+    )
+    parser.add_argument(
+        "--optimizer-bytes",
+        type=_optimizer_bytes,
+        metavar="K",
+        help="optimizer state bytes per trainable parameter (default 12 with bf16/fp16: mixed-precision "
+        "Adam; 8 with fp32: Adam)",
+    )
+    parser.add_argument("--json", action="store_true", help="print exact byte counts as JSON instead of a table")
+
+
+def _parameter_count(text: str) -> int:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a parameter count such as 7.5e9, got {text!r}") from None
+    if not value.is_integer() or value <= 0:
+        raise argparse.ArgumentTypeError(f"the parameter count must be a positive whole number, got {text}")
+    return int(value)
+
+
+def _rank_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of ranks, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"the number of ranks must be at least 1, got {value}")
+    return value
+
+
+def _optimizer_bytes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bytes per parameter such as 12, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"optimizer bytes per parameter cannot be negative, got {value:g}")
+    return value
+
+
+def precision_from(param_dtype: str, optimizer_bytes: float | None) -> Precision:
+    """The precision the flags ask for, with the optimizer default of that dtype."""
+    k = DEFAULT_OPTIMIZER_BYTES[param_dtype] if optimizer_bytes is None else optimizer_bytes
+    return Precision(param_dtype, ELEMENT_BYTES[param_dtype], int(k) if float(k).is_integer() else k)
+
+
+# ---------------------------------------------------------------------------------- the paper
+
+
+def paper_plan(phi: int, ranks: int, precision: Precision) -> list[StagePlan]:
+    """ZeRO's model state per rank and traffic per step for Φ parameters on N ranks.
+
+    Parameters and gradients take p bytes each, the optimizer K: stage 0 holds (p+p+K)Φ; stage 1
+    partitions the optimizer state, stage 2 also the gradients, stage 3 also the parameters.
+    Gradients are all-reduced (2Φ(N-1)/N elements sent) at stages 0-2; stage 3 all-gathers the
+    parameters in the forward and again in the backward and reduce-scatters the gradients (3Φ).
+    """
+    p, k, n = precision.element_bytes, precision.optimizer_bytes, ranks
+    spread = (n - 1) / n
+    return [
+        StagePlan(0, p * phi, p * phi, k * phi, 2 * phi * spread * p, f"({p}+{p}+K)Φ"),
+        StagePlan(1, p * phi, p * phi, k * phi / n, 2 * phi * spread * p, f"{2 * p}Φ + KΦ/N"),
+        StagePlan(2, p * phi, p * phi / n, k * phi / n, 2 * phi * spread * p, f"{p}Φ + ({p}+K)Φ/N"),
+        StagePlan(3, p * phi / n, p * phi / n, k * phi / n, 3 * phi * spread * p, f"({p}+{p}+K)Φ/N"),
+    ]
+
+
+# ---------------------------------------------------------------------------------- the model
+
+
+def load_factory(spec: str) -> Callable[[], Any]:
+    """The callable named by MODULE:FACTORY (FACTORY may be dotted, e.g. Class.create)."""
+    module_name, sep, attribute_path = spec.partition(":")
+    if not sep or not module_name or not attribute_path or ":" in attribute_path:
+        raise PlanError(f"--model takes MODULE:FACTORY, e.g. zerocompile.tools.gpt:GPT; got {spec!r}")
+    # As `python -m` would: a user's mymodels.py in the working directory is importable.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name == module_name or module_name.startswith(f"{error.name}."):
+            raise PlanError(
+                f"cannot import module {module_name!r} of --model {spec}: no module named {error.name!r}. "
+                f"Run from the directory holding it, add that directory to PYTHONPATH, or install its package"
+            ) from None
+        raise PlanError(
+            f"importing module {module_name!r} of --model {spec} failed: it imports {error.name!r}, which is "
+            "not installed; install it"
+        ) from None
+    target: Any = module
+    for name in attribute_path.split("."):
+        if not hasattr(target, name):
+            callables = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+            raise PlanError(
+                f"module {module_name!r} has no {attribute_path!r} (from --model {spec}); its callables: "
+                f"{', '.join(callables) or 'none'}"
+            )
+        target = getattr(target, name)
+    if not callable(target):
+        raise PlanError(f"--model {spec} names a {type(target).__name__}, not a callable returning an nn.Module")
+    _check_takes_no_arguments(target, spec)
+    return target
+
+
+def _check_takes_no_arguments(factory: Callable[..., Any], spec: str) -> None:
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # some builtins have no signature: calling will tell
+        return
+    required = [
+        name
+        for name, parameter in signature.parameters.items()
+        if parameter.default is inspect.Parameter.empty
+        and parameter.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    ]
+    if required:
+        raise PlanError(
+            f"--model {spec} needs arguments ({', '.join(required)}), but plan calls it with none: "
+            f"wrap it in a function, e.g. def make_model(): return {spec.partition(':')[2]}(...)"
+        )
+
+
+def build_on_meta(factory: Callable[[], Any], spec: str) -> nn.Module:
+    """Call the factory with the meta device as default: shapes and dtypes, no storage."""
+    with torch.device("meta"):
+        model = factory()
+    if not isinstance(model, nn.Module):
+        raise PlanError(f"--model {spec} returned a {type(model).__name__}, not a torch.nn.Module")
+    allocated = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if not tensor.is_meta]
+    if allocated:
+        print(
+            f"zerocompile plan: note: {spec} put {allocated[:3]} on a real device despite the meta default "
+            "(an explicit device= argument); they were allocated, the counts are unaffected",
+            file=sys.stderr,
+        )
+    return model
+
+
+@dataclasses.dataclass(frozen=True)
+class CountedModel:
+    """A model reduced to what the plan needs: its distinct parameters and its buffers' bytes."""
+
+    spec: str  # MODULE:FACTORY it was built from
+    parameters: list[CountedParameter]
+    buffer_bytes: int  # replicated on every rank, in the buffers' own dtypes
+
+    @property
+    def trainable(self) -> list[CountedParameter]:
+        return [param for param in self.parameters if param.trainable]
+
+    @property
+    def frozen(self) -> list[CountedParameter]:
+        return [param for param in self.parameters if not param.trainable]
+
+    @property
+    def tied(self) -> list[tuple[str, ...]]:
+        return [param.names for param in self.parameters if len(param.names) > 1]
+
+    @property
+    def largest(self) -> CountedParameter:
+        return max(self.parameters, key=lambda param: param.numel)
+
+
+def count_model(model: nn.Module, spec: str) -> CountedModel:
+    """Each distinct Parameter object once, with all its FQNs, in shard()'s order."""
+    names: dict[nn.Parameter, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(param, []).append(name)
+    if not names:
+        raise PlanError(f"--model {spec} built a {type(model).__name__} without parameters: nothing to shard")
+    parameters = [CountedParameter(fqns[0], tuple(fqns), p.numel(), p.requires_grad) for p, fqns in names.items()]
+    return CountedModel(spec, parameters, sum(b.numel() * b.element_size() for b in model.buffers()))
+
+
+def model_plan(counted: CountedModel, ranks: int, precision: Precision) -> list[StagePlan]:
+    """What zerocompile does with the model's parameters on N ranks, stage by stage.
+
+    Held (between steps, as zc.model_state_bytes reports after optimizer.step()): stage 0 keeps
+    everything whole; stages 1-3 keep one padded shard of each parameter, of each trainable
+    parameter's gradient and of its optimizer state. Inside a step: stages 1-2 gather every
+    parameter at the start of the forward (padded buffers) and stage 1 keeps every full gradient
+    until the end of the backward; stages 2-3 reduce each gradient as it is produced and stage 3
+    gathers one layer at a time, so there only the largest one is certain.
+    Sent per step: stage 0 all-reduces trainable gradients (2(N-1)/N of each); stages 1-3
+    all-gather each padded parameter and reduce-scatter each padded trainable gradient ((N-1)/N
+    of each), stage 3 gathers again in the backward.
+    """
+    p, k, n = precision.element_bytes, precision.optimizer_bytes, ranks
+    spread = (n - 1) / n
+    parameters, trainable = counted.parameters, counted.trainable
+    padded = {param.fqn: padded_numel(param.numel, n) for param in parameters}
+    all_numel = sum(param.numel for param in parameters)
+    trainable_numel = sum(param.numel for param in trainable)
+    all_padded = sum(padded.values())
+    trainable_padded = sum(padded[param.fqn] for param in trainable)
+    largest_padded = max(padded.values(), default=0)
+    largest_grad = max((param.numel for param in trainable), default=0)
+
+    plans = [
+        StagePlan(
+            0,
+            params=p * all_numel,
+            grads=p * trainable_numel,
+            optimizer=k * trainable_numel,
+            sent_per_step=2 * trainable_numel * spread * p,
+            gathered_in_step=0,
+            full_grads_in_step=0,  # the held gradients are the full ones
+        )
+    ]
+    for stage in (1, 2, 3):
+        gathers = 2 if stage == 3 else 1
+        plans.append(
+            StagePlan(
+                stage,
+                params=p * (all_padded // n),
+                grads=p * (trainable_padded // n),
+                optimizer=k * (trainable_padded // n),
+                sent_per_step=(gathers * all_padded + trainable_padded) * spread * p,
+                gathered_in_step=p * (largest_padded if stage == 3 else all_padded),
+                full_grads_in_step=p * (trainable_numel if stage == 1 else largest_grad),
+                gathered_is_lower_bound=stage == 3,
+                full_grads_is_lower_bound=stage > 1,
+                sent_is_upper_bound=stage == 3,
+            )
+        )
+    return plans
+
+
+# ------------------------------------------------------------------------------------- output
+
+
+def format_bytes(count: float) -> str:
+    """Decimal units with one decimal, e.g. 31406250000 -> '31.4 GB' (1 GB = 10^9 bytes)."""
+    value = float(count)
+    for unit in DECIMAL_UNITS[:-1]:
+        if abs(value) < 1000:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} {DECIMAL_UNITS[-1]}"
+
+
+def _bounded(count: float, lower: bool = False, upper: bool = False) -> str:
+    return ("≥ " if lower else "≤ " if upper else "") + format_bytes(count)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in [header, *rows]]
+    return "\n".join(lines)
+
+
+def _precision_line(precision: Precision) -> str:
+    k = precision.optimizer_bytes
+    return (
+        f"{precision.param_dtype} parameters and gradients ({precision.element_bytes} B each), "
+        f"optimizer state K = {k:g} B per trainable parameter; 1 GB = 10^9 bytes"
+    )
+
+
+def paper_report(phi: int, ranks: int, precision: Precision, plans: list[StagePlan]) -> str:
+    """The --params table, with each stage's formula so the numbers can be checked by hand."""
+    header = ["stage", "formula", "params", "grads", "optimizer", "model state", "sent/step"]
+    rows = [
+        [str(s.stage), s.formula, *map(format_bytes, (s.params, s.grads, s.optimizer, s.total, s.sent_per_step))]
+        for s in plans
+    ]
+    return "\n".join(
+        [
+            f"ZeRO model state and traffic per rank: Φ = {phi:,} parameters, N = {ranks} ranks ({PAPER})",
+            _precision_line(precision),
+            "",
+            _table(header, rows),
+            "",
+            (
+                "sent/step: gradients all-reduced at stages 0-2, 2Φ(N-1)/N elements; stage 3 gathers the "
+                "parameters in the forward and the backward and reduce-scatters the gradients, 3Φ(N-1)/N"
+            ),
+            (
+                "This is the paper's accounting: ZeRO-1 keeps whole parameters and gradients, ZeRO-2 whole "
+                "parameters. zerocompile shards all three between steps at every stage >= 1 and has the whole "
+                "ones only inside a step; `zerocompile plan --model` shows that split."
+            ),
+        ]
+    )
+
+
+def model_report(counted: CountedModel, ranks: int, precision: Precision, plans: list[StagePlan]) -> str:
+    """The --model table and what each column assumes: which numbers are exact and which are bounds."""
+    trainable_numel = sum(param.numel for param in counted.trainable)
+    largest, largest_grad = counted.largest, max(counted.trainable, key=lambda param: param.numel, default=None)
+    header = ["stage", "params", "grads", "optimizer", "held", "+gathered in step", "+full grads in step", "sent/step"]
+    rows = [
+        [
+            str(s.stage),
+            *map(format_bytes, (s.params, s.grads, s.optimizer, s.total)),
+            _bounded(s.gathered_in_step, lower=s.gathered_is_lower_bound) if s.stage else "-",
+            _bounded(s.full_grads_in_step, lower=s.full_grads_is_lower_bound) if s.stage else "(held)",
+            _bounded(s.sent_per_step, upper=s.sent_is_upper_bound),
+        ]
+        for s in plans
+    ]
+    lines = [
+        f"{counted.spec} built on the meta device, N = {ranks} ranks",
+        (
+            f"Φ = {sum(p.numel for p in counted.parameters):,} parameters in {len(counted.parameters)} tensors: "
+            f"{trainable_numel:,} trainable, {sum(p.numel for p in counted.frozen):,} frozen (frozen: held and "
+            "gathered like the others, no gradient, no optimizer state, no reduction)"
+        ),
+    ]
+    if counted.tied:
+        lines.append("tied, counted once: " + "; ".join(" = ".join(names) for names in counted.tied))
+    lines += [
+        _precision_line(precision),
+        f"buffers: {format_bytes(counted.buffer_bytes)}, replicated on every rank (not model state)",
+        "",
+        _table(header, rows),
+        "",
+        (
+            "per rank. params, grads, optimizer, held: between steps, what zc.model_state_bytes reports after "
+            "optimizer.step(); stages 1-3 hold shards padded to a multiple of N, as zc.shard() pads them."
+        ),
+        (
+            "+gathered in step: whole parameters alive inside a step. Stages 1-2 gather every parameter at the "
+            "start of the forward. At stage 3 the largest single gathered parameter, "
+            f"'{largest.fqn}' ({largest.numel:,} elements), is a lower bound of the gathered-buffer peak: "
+            "which gathered buffers are alive together depends on the traced graph, which plan does not trace."
+        ),
+        (
+            "+full grads in step: stage 1 keeps every full gradient until the end of the backward; stages 2-3 "
+            "reduce each as it is produced, so at least the largest"
+            + (f", '{largest_grad.fqn}'." if largest_grad else " (no parameter is trainable).")
+        ),
+        (
+            "sent/step: stage 0 all-reduces trainable gradients, 2(N-1)/N of each; stages 1-3 all-gather every "
+            "padded parameter and reduce-scatter every padded trainable gradient, (N-1)/N of each. Stage 3 "
+            "gathers again in the backward: at most, since a parameter the backward does not need (e.g. an "
+            "embedding's weight) is not gathered again."
+        ),
+    ]
+    if precision.param_dtype != "fp32":
+        lines.append(
+            f"zerocompile has no mixed precision yet: the {precision.param_dtype} rows are a what-if; "
+            "--param-dtype fp32 is what an fp32 model with AdamW holds today."
+        )
+    return "\n".join(lines)
+
+
+def model_json(counted: CountedModel, ranks: int, precision: Precision, plans: list[StagePlan]) -> dict[str, Any]:
+    """The --model plan as exact bytes, with the counts (tied, frozen, largest) it rests on."""
+    largest = counted.largest
+    return {
+        "model": counted.spec,
+        "ranks": ranks,
+        **dataclasses.asdict(precision),
+        "params": sum(param.numel for param in counted.parameters),
+        "trainable_params": sum(param.numel for param in counted.trainable),
+        "frozen_params": sum(param.numel for param in counted.frozen),
+        "tied": [list(names) for names in counted.tied],
+        "largest_param": {
+            "fqn": largest.fqn,
+            "numel": largest.numel,
+            "padded_numel": padded_numel(largest.numel, ranks),
+        },
+        "buffer_bytes": counted.buffer_bytes,
+        "stages": [plan.as_json() for plan in plans],
+    }
+
+
+# ------------------------------------------------------------------------------------ command
+
+
+def run(args: argparse.Namespace) -> int:
+    """`zerocompile plan`: prints the plan; exit code 2 with a message naming the fix on bad input."""
+    try:
+        print(plan(args))
+    except PlanError as error:
+        print(f"zerocompile plan: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def plan(args: argparse.Namespace) -> str:
+    """The text `zerocompile plan` prints for these arguments (a table, or JSON with --json)."""
+    precision = precision_from(args.param_dtype, args.optimizer_bytes)
+    if args.params is not None:
+        plans = paper_plan(args.params, args.ranks, precision)
+        if args.json:
+            record = {"params": args.params, "ranks": args.ranks, **dataclasses.asdict(precision)}
+            return json.dumps({**record, "stages": [p.as_json() for p in plans]}, indent=2)
+        return paper_report(args.params, args.ranks, precision, plans)
+    counted = count_model(build_on_meta(load_factory(args.model), args.model), args.model)
+    plans = model_plan(counted, args.ranks, precision)
+    if args.json:
+        return json.dumps(model_json(counted, args.ranks, precision, plans), indent=2)
+    return model_report(counted, args.ranks, precision, plans)
