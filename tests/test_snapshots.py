@@ -1,0 +1,2783 @@
+"""FX snapshot tests: the lowered forward and backward graphs of stages 0-3, pinned as text.
+
+Two small models (an MLP whose sizes are not multiples of the world size, so every shard is
+padded, and a 2-layer GPT with tied embeddings) are sharded at each stage, compiled with
+backend="zero" and the eager compiler, and run once forward+backward on a fake 4-rank process
+group (collectives return garbage but never block: only the graphs matter). Each graph the backend
+records (`zerocompile.backend.compiled_graphs`) is normalized to one line per node:
+
+    input primals_1: f32[23]
+    all_gather_into_tensor: f32[92] = _c10d_functional.all_gather_into_tensor(primals_1, 4, WORLD)  # param: fc1.weight; free: primals_1
+
+- the op without `torch.ops.` and without a `.default` overload; every argument as FX prints it,
+  so a collective shows its group size, reduce op and split sizes; the group name is `WORLD`;
+- `name: dtype[shape]` from the node's `meta["val"]` (the backend's `lower_markers` is wrapped to
+  keep each lowered graph object: the recorded `.code` alone has no shapes);
+- `param:` the parameter a collective serves (`meta["zero_param"]`), when the passes record it;
+- `free:` the values FX's generated code drops after this node (its `x = None`), i.e. where each
+  gathered buffer or unreduced gradient dies.
+
+So a change to a pass reads as a diff of collectives, waits and frees. To re-pin after an
+intended change: `EXPECTTEST_ACCEPT=1 pytest tests/test_snapshots.py`, then review the diff.
+
+The fake group is created for this module's classes and destroyed after them; if a process group
+already exists when they start, they fail instead of touching it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import unittest
+from unittest import mock
+
+import expecttest
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import zerocompile as zc
+from zerocompile import backend, sharding
+from zerocompile.passes import lowering
+from zerocompile.tools.gpt import GPT, GPTConfig
+
+WORLD = 4
+GPT_CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
+
+_DTYPES = {
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.bool: "b8",
+}
+_FREES = re.compile(r"^(?:\w+ = )+None$")
+_ASSIGN = re.compile(r"^(\w+) = (.*)$")
+_OP = re.compile(r"torch\.ops\.([\w.]+?)(?:\.default)?(?=\()")
+
+
+class MLP(nn.Module):
+    """Three layers, no size divisible by 4: every gather slices padding, every reduction pads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(7, 13)
+        self.fc2 = nn.Linear(13, 11)
+        self.fc3 = nn.Linear(11, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x))))).square().mean()
+
+
+# ------------------------------------------------------------------------------- normalization
+
+
+def _describe(value) -> str | None:
+    if isinstance(value, torch.Tensor):
+        dtype = _DTYPES.get(value.dtype, str(value.dtype).removeprefix("torch."))
+        return f"{dtype}[{', '.join(str(s) for s in value.shape)}]"
+    if isinstance(value, (tuple, list)):
+        parts = [_describe(v) or "?" for v in value]
+        return f"({', '.join(parts)})"
+    if value is None:
+        return None
+    return type(value).__name__
+
+
+def _split_frees(statement: str) -> tuple[str, list[str]]:
+    """`x = op(a);  a = b = None` -> (`x = op(a)`, [a, b])."""
+    body, sep, tail = statement.rpartition(";  ")
+    if sep and _FREES.match(tail):
+        return body, tail.split(" = ")[:-1]
+    return statement, []
+
+
+def normalize(code: str, graph: fx.Graph, group_name: str) -> str:
+    """One line per node of the lowered graph's python code, annotated from the graph's meta."""
+    nodes = {node.name: node for node in graph.nodes}
+    group = re.compile(rf"(?<![\w']){re.escape(repr(group_name))}(?![\w'])")
+    out: list[str] = []
+
+    def annotate(line: str, notes: list[str]) -> str:
+        return f"{line}  # {'; '.join(notes)}" if notes else line
+
+    for raw in code.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("def "):
+            params = line[line.index("(") + 1 : line.rindex(")")].split(", ")
+            for name in params:
+                if name == "self":
+                    continue
+                out.append(f"input {name}: {_describe(nodes[name].meta.get('val'))}")
+            continue
+        line = group.sub("WORLD", _OP.sub(r"\1", line))
+        statement, frees = _split_frees(line)
+        notes = [f"free: {', '.join(frees)}"] if frees else []
+        if statement.startswith("return "):
+            out.append(annotate(statement, notes))
+            continue
+        if _FREES.match(statement):  # an unused input dropped on a line of its own
+            out.append(f"free: {', '.join(statement.split(' = ')[:-1])}")
+            continue
+        match = _ASSIGN.match(statement)
+        assert match is not None, f"unexpected line in lowered code: {raw!r}"
+        name, rhs = match.groups()
+        node = nodes[name]
+        shape = _describe(node.meta.get("val"))
+        param = node.meta.get("zero_param")
+        if param and rhs.startswith("_c10d_functional.") and not rhs.startswith("_c10d_functional.wait_tensor("):
+            notes.insert(0, f"param: {param}")
+        out.append(annotate(f"{name}: {shape} = {rhs}" if shape else f"{name} = {rhs}", notes))
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------ compiling
+
+
+def lowered_graphs(model: nn.Module, args: tuple, stage: int) -> tuple[str, str]:
+    """Shard, compile with the eager compiler, run forward+backward once; normalized (fw, bw)."""
+    torch._dynamo.reset()
+    backend.compiled_graphs.clear()
+    captured: list[fx.Graph] = []  # the lowered graphs themselves, for their nodes' meta
+    lower = backend.lower_markers
+
+    def lower_and_capture(graph: fx.Graph, *rest, **kwargs):
+        result = lower(graph, *rest, **kwargs)
+        captured.append(graph)
+        return result
+
+    try:
+        zc.shard(model, stage)
+        compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
+        with mock.patch.object(backend, "lower_markers", lower_and_capture):
+            compiled(*args).backward()
+        records = list(backend.compiled_graphs)
+    finally:
+        torch._dynamo.reset()
+        backend.compiled_graphs.clear()
+    assert len(records) == len(captured), "every recorded graph should have been captured once"
+    kinds = [r.kind for r in records]
+    assert kinds == ["forward", "backward"], f"expected one forward and one backward graph, got {kinds}"
+    group_name = dist.group.WORLD.group_name
+    return tuple(normalize(r.code, g, group_name) for r, g in zip(records, captured))
+
+
+def mlp_graphs(stage: int) -> tuple[str, str]:
+    torch.manual_seed(0)
+    return lowered_graphs(MLP(), (torch.randn(4, 7),), stage)
+
+
+def gpt_graphs(stage: int) -> tuple[str, str]:
+    torch.manual_seed(0)
+    idx = torch.arange(2 * GPT_CONFIG.block_size).remainder(GPT_CONFIG.vocab_size).view(2, -1)
+    return lowered_graphs(GPT(GPT_CONFIG), (idx, idx.roll(-1, dims=1)), stage)
+
+
+def collective_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "_c10d_functional." in line and "wait_tensor(" not in line]
+
+
+# A reduce-scatter to shards of N elements, and the all-to-all of N-element splits replacing it.
+REDUCE_SCATTER = re.compile(
+    r": f32\[(?P<shard>\d+)\] = _c10d_functional\.reduce_scatter_tensor\(\w+, 'avg', 4, WORLD\)  # param: (?P<param>[\w.]+)"
+)
+ALL_TO_ALL = re.compile(
+    r" = _c10d_functional\.all_to_all_single\(\w+, \[(?P<shard>\d+), (?P=shard), (?P=shard), (?P=shard)\], "
+    r"\[(?P=shard), (?P=shard), (?P=shard), (?P=shard)\], WORLD\)  # param: (?P<param>[\w.]+)"
+)
+
+
+def _match(pattern: re.Pattern, line: str) -> tuple[str, str]:
+    match = pattern.search(line)
+    assert match is not None, f"{line!r} does not match {pattern.pattern!r}"
+    return match["param"], match["shard"]
+
+
+# ------------------------------------------------------------------------------- process group
+
+
+class FakeGroupTestCase(expecttest.TestCase):
+    """Creates the fake 4-rank world for the class and destroys it after; never reuses one."""
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        super().setUpClass()
+        if dist.is_initialized():
+            raise RuntimeError(
+                f"{cls.__name__}: a {dist.get_backend()} process group of {dist.get_world_size()} ranks "
+                "is already initialised in this process (left over by another test module?); the "
+                f"snapshot tests create and destroy their own fake group of {WORLD} and will not "
+                "touch an existing one"
+            )
+        cls._configs_before = dict(sharding._CONFIG_BY_GROUP)
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            sharding._CONFIG_BY_GROUP.clear()
+            sharding._CONFIG_BY_GROUP.update(cls._configs_before)
+            torch._dynamo.reset()
+        finally:
+            super().tearDownClass()
+
+
+# ------------------------------------------------------------------------------------ snapshots
+
+
+class TestMLPSnapshots(FakeGroupTestCase):
+    def test_stage_0(self) -> None:
+        forward, backward = mlp_graphs(0)
+        self.assertExpectedInline(forward, """\
+input primals_1: f32[13, 7]
+input primals_2: f32[13]
+input primals_3: f32[4, 7]
+input primals_4: f32[11, 13]
+input primals_5: f32[11]
+input primals_6: f32[3, 11]
+input primals_7: f32[3]
+t: f32[7, 13] = aten.t(primals_1)  # free: primals_1
+addmm: f32[4, 13] = aten.addmm(primals_2, primals_3, t)  # free: primals_2, t
+relu: f32[4, 13] = aten.relu(addmm)  # free: addmm
+t_1: f32[13, 11] = aten.t(primals_4)  # free: primals_4
+addmm_1: f32[4, 11] = aten.addmm(primals_5, relu, t_1)  # free: primals_5
+relu_1: f32[4, 11] = aten.relu(addmm_1)  # free: addmm_1
+t_2: f32[11, 3] = aten.t(primals_6)  # free: primals_6
+addmm_2: f32[4, 3] = aten.addmm(primals_7, relu_1, t_2)  # free: primals_7
+pow_1: f32[4, 3] = aten.pow.Tensor_Scalar(addmm_2, 2)
+mean: f32[] = aten.mean(pow_1)  # free: pow_1
+t_3: f32[3, 11] = aten.t(t_2)  # free: t_2
+t_7: f32[11, 13] = aten.t(t_1)  # free: t_1
+return (mean, primals_3, relu, relu_1, addmm_2, t_3, t_7)""")
+        self.assertExpectedInline(backward, """\
+input primals_3: f32[4, 7]
+input relu: f32[4, 13]
+input relu_1: f32[4, 11]
+input addmm_2: f32[4, 3]
+input t_3: f32[3, 11]
+input t_7: f32[11, 13]
+input tangents_1: f32[]
+expand: f32[4, 3] = aten.expand(tangents_1, [4, 3])  # free: tangents_1
+div: f32[4, 3] = aten.div.Scalar(expand, 12)  # free: expand
+pow_2: f32[4, 3] = aten.pow.Tensor_Scalar(addmm_2, 1.0)  # free: addmm_2
+mul: f32[4, 3] = aten.mul.Scalar(pow_2, 2.0)  # free: pow_2
+mul_1: f32[4, 3] = aten.mul.Tensor(div, mul)  # free: div, mul
+mm: f32[4, 11] = aten.mm(mul_1, t_3)  # free: t_3
+t_4: f32[3, 4] = aten.t(mul_1)
+mm_1: f32[3, 11] = aten.mm(t_4, relu_1)  # free: t_4
+t_5: f32[11, 3] = aten.t(mm_1)  # free: mm_1
+sum_1: f32[1, 3] = aten.sum.dim_IntList(mul_1, [0], True)  # free: mul_1
+view: f32[3] = aten.view(sum_1, [3])  # free: sum_1
+t_6: f32[3, 11] = aten.t(t_5)  # free: t_5
+all_reduce: f32[3] = _c10d_functional.all_reduce(view, 'sum', WORLD)  # param: fc3.bias; free: view
+wait_tensor: f32[3] = _c10d_functional.wait_tensor(all_reduce)  # free: all_reduce
+div_1: f32[3] = aten.div.Tensor(wait_tensor, 4)  # free: wait_tensor
+all_reduce_1: f32[3, 11] = _c10d_functional.all_reduce(t_6, 'sum', WORLD)  # param: fc3.weight; free: t_6
+wait_tensor_1: f32[3, 11] = _c10d_functional.wait_tensor(all_reduce_1)  # free: all_reduce_1
+div_2: f32[3, 11] = aten.div.Tensor(wait_tensor_1, 4)  # free: wait_tensor_1
+detach_1: f32[4, 11] = aten.detach(relu_1)  # free: relu_1
+detach_2: f32[4, 11] = aten.detach(detach_1)  # free: detach_1
+threshold_backward: f32[4, 11] = aten.threshold_backward(mm, detach_2, 0)  # free: mm, detach_2
+mm_2: f32[4, 13] = aten.mm(threshold_backward, t_7)  # free: t_7
+t_8: f32[11, 4] = aten.t(threshold_backward)
+mm_3: f32[11, 13] = aten.mm(t_8, relu)  # free: t_8
+t_9: f32[13, 11] = aten.t(mm_3)  # free: mm_3
+sum_2: f32[1, 11] = aten.sum.dim_IntList(threshold_backward, [0], True)  # free: threshold_backward
+view_1: f32[11] = aten.view(sum_2, [11])  # free: sum_2
+t_10: f32[11, 13] = aten.t(t_9)  # free: t_9
+all_reduce_2: f32[11] = _c10d_functional.all_reduce(view_1, 'sum', WORLD)  # param: fc2.bias; free: view_1
+wait_tensor_2: f32[11] = _c10d_functional.wait_tensor(all_reduce_2)  # free: all_reduce_2
+div_3: f32[11] = aten.div.Tensor(wait_tensor_2, 4)  # free: wait_tensor_2
+all_reduce_3: f32[11, 13] = _c10d_functional.all_reduce(t_10, 'sum', WORLD)  # param: fc2.weight; free: t_10
+wait_tensor_3: f32[11, 13] = _c10d_functional.wait_tensor(all_reduce_3)  # free: all_reduce_3
+div_4: f32[11, 13] = aten.div.Tensor(wait_tensor_3, 4)  # free: wait_tensor_3
+detach: f32[4, 13] = aten.detach(relu)  # free: relu
+detach_3: f32[4, 13] = aten.detach(detach)  # free: detach
+threshold_backward_1: f32[4, 13] = aten.threshold_backward(mm_2, detach_3, 0)  # free: mm_2, detach_3
+t_11: f32[13, 4] = aten.t(threshold_backward_1)
+mm_4: f32[13, 7] = aten.mm(t_11, primals_3)  # free: t_11, primals_3
+t_12: f32[7, 13] = aten.t(mm_4)  # free: mm_4
+sum_3: f32[1, 13] = aten.sum.dim_IntList(threshold_backward_1, [0], True)  # free: threshold_backward_1
+view_2: f32[13] = aten.view(sum_3, [13])  # free: sum_3
+t_13: f32[13, 7] = aten.t(t_12)  # free: t_12
+all_reduce_4: f32[13] = _c10d_functional.all_reduce(view_2, 'sum', WORLD)  # param: fc1.bias; free: view_2
+wait_tensor_4: f32[13] = _c10d_functional.wait_tensor(all_reduce_4)  # free: all_reduce_4
+div_5: f32[13] = aten.div.Tensor(wait_tensor_4, 4)  # free: wait_tensor_4
+all_reduce_5: f32[13, 7] = _c10d_functional.all_reduce(t_13, 'sum', WORLD)  # param: fc1.weight; free: t_13
+wait_tensor_5: f32[13, 7] = _c10d_functional.wait_tensor(all_reduce_5)  # free: all_reduce_5
+div_6: f32[13, 7] = aten.div.Tensor(wait_tensor_5, 4)  # free: wait_tensor_5
+return (div_6, div_5, None, div_4, div_3, div_2, div_1)""")
+
+    def test_stage_1(self) -> None:
+        forward, backward = mlp_graphs(1)
+        self.assertExpectedInline(forward, """\
+input primals_1: f32[23]
+input primals_2: f32[4]
+input primals_3: f32[4, 7]
+input primals_4: f32[36]
+input primals_5: f32[3]
+input primals_6: f32[9]
+input primals_7: f32[1]
+all_gather_into_tensor: f32[92] = _c10d_functional.all_gather_into_tensor(primals_1, 4, WORLD)  # param: fc1.weight; free: primals_1
+wait_tensor: f32[92] = _c10d_functional.wait_tensor(all_gather_into_tensor)  # free: all_gather_into_tensor
+slice_1: f32[91] = aten.slice.Tensor(wait_tensor, 0, 0, 91)  # free: wait_tensor
+view: f32[13, 7] = aten.view(slice_1, [13, 7])  # free: slice_1
+all_gather_into_tensor_1: f32[16] = _c10d_functional.all_gather_into_tensor(primals_2, 4, WORLD)  # param: fc1.bias; free: primals_2
+wait_tensor_1: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_1)  # free: all_gather_into_tensor_1
+slice_2: f32[13] = aten.slice.Tensor(wait_tensor_1, 0, 0, 13)  # free: wait_tensor_1
+view_1: f32[13] = aten.view(slice_2, [13])  # free: slice_2
+all_gather_into_tensor_2: f32[144] = _c10d_functional.all_gather_into_tensor(primals_4, 4, WORLD)  # param: fc2.weight; free: primals_4
+wait_tensor_2: f32[144] = _c10d_functional.wait_tensor(all_gather_into_tensor_2)  # free: all_gather_into_tensor_2
+slice_3: f32[143] = aten.slice.Tensor(wait_tensor_2, 0, 0, 143)  # free: wait_tensor_2
+view_2: f32[11, 13] = aten.view(slice_3, [11, 13])  # free: slice_3
+all_gather_into_tensor_3: f32[12] = _c10d_functional.all_gather_into_tensor(primals_5, 4, WORLD)  # param: fc2.bias; free: primals_5
+wait_tensor_3: f32[12] = _c10d_functional.wait_tensor(all_gather_into_tensor_3)  # free: all_gather_into_tensor_3
+slice_4: f32[11] = aten.slice.Tensor(wait_tensor_3, 0, 0, 11)  # free: wait_tensor_3
+view_3: f32[11] = aten.view(slice_4, [11])  # free: slice_4
+all_gather_into_tensor_4: f32[36] = _c10d_functional.all_gather_into_tensor(primals_6, 4, WORLD)  # param: fc3.weight; free: primals_6
+wait_tensor_4: f32[36] = _c10d_functional.wait_tensor(all_gather_into_tensor_4)  # free: all_gather_into_tensor_4
+slice_5: f32[33] = aten.slice.Tensor(wait_tensor_4, 0, 0, 33)  # free: wait_tensor_4
+view_4: f32[3, 11] = aten.view(slice_5, [3, 11])  # free: slice_5
+all_gather_into_tensor_5: f32[4] = _c10d_functional.all_gather_into_tensor(primals_7, 4, WORLD)  # param: fc3.bias; free: primals_7
+wait_tensor_5: f32[4] = _c10d_functional.wait_tensor(all_gather_into_tensor_5)  # free: all_gather_into_tensor_5
+slice_6: f32[3] = aten.slice.Tensor(wait_tensor_5, 0, 0, 3)  # free: wait_tensor_5
+view_5: f32[3] = aten.view(slice_6, [3])  # free: slice_6
+t: f32[7, 13] = aten.t(view)  # free: view
+addmm: f32[4, 13] = aten.addmm(view_1, primals_3, t)  # free: view_1, t
+relu: f32[4, 13] = aten.relu(addmm)  # free: addmm
+t_1: f32[13, 11] = aten.t(view_2)  # free: view_2
+addmm_1: f32[4, 11] = aten.addmm(view_3, relu, t_1)  # free: view_3
+relu_1: f32[4, 11] = aten.relu(addmm_1)  # free: addmm_1
+t_2: f32[11, 3] = aten.t(view_4)  # free: view_4
+addmm_2: f32[4, 3] = aten.addmm(view_5, relu_1, t_2)  # free: view_5
+pow_1: f32[4, 3] = aten.pow.Tensor_Scalar(addmm_2, 2)
+mean: f32[] = aten.mean(pow_1)  # free: pow_1
+t_3: f32[3, 11] = aten.t(t_2)  # free: t_2
+t_7: f32[11, 13] = aten.t(t_1)  # free: t_1
+return (mean, primals_3, relu, relu_1, addmm_2, t_3, t_7)""")
+        self.assertExpectedInline(backward, """\
+input primals_3: f32[4, 7]
+input relu: f32[4, 13]
+input relu_1: f32[4, 11]
+input addmm_2: f32[4, 3]
+input t_3: f32[3, 11]
+input t_7: f32[11, 13]
+input tangents_1: f32[]
+expand: f32[4, 3] = aten.expand(tangents_1, [4, 3])  # free: tangents_1
+div: f32[4, 3] = aten.div.Scalar(expand, 12)  # free: expand
+pow_2: f32[4, 3] = aten.pow.Tensor_Scalar(addmm_2, 1.0)  # free: addmm_2
+mul: f32[4, 3] = aten.mul.Scalar(pow_2, 2.0)  # free: pow_2
+mul_1: f32[4, 3] = aten.mul.Tensor(div, mul)  # free: div, mul
+mm: f32[4, 11] = aten.mm(mul_1, t_3)  # free: t_3
+t_4: f32[3, 4] = aten.t(mul_1)
+mm_1: f32[3, 11] = aten.mm(t_4, relu_1)  # free: t_4
+t_5: f32[11, 3] = aten.t(mm_1)  # free: mm_1
+sum_1: f32[1, 3] = aten.sum.dim_IntList(mul_1, [0], True)  # free: mul_1
+view: f32[3] = aten.view(sum_1, [3])  # free: sum_1
+t_6: f32[3, 11] = aten.t(t_5)  # free: t_5
+detach_1: f32[4, 11] = aten.detach(relu_1)  # free: relu_1
+detach_2: f32[4, 11] = aten.detach(detach_1)  # free: detach_1
+threshold_backward: f32[4, 11] = aten.threshold_backward(mm, detach_2, 0)  # free: mm, detach_2
+mm_2: f32[4, 13] = aten.mm(threshold_backward, t_7)  # free: t_7
+t_8: f32[11, 4] = aten.t(threshold_backward)
+mm_3: f32[11, 13] = aten.mm(t_8, relu)  # free: t_8
+t_9: f32[13, 11] = aten.t(mm_3)  # free: mm_3
+sum_2: f32[1, 11] = aten.sum.dim_IntList(threshold_backward, [0], True)  # free: threshold_backward
+view_1: f32[11] = aten.view(sum_2, [11])  # free: sum_2
+t_10: f32[11, 13] = aten.t(t_9)  # free: t_9
+detach: f32[4, 13] = aten.detach(relu)  # free: relu
+detach_3: f32[4, 13] = aten.detach(detach)  # free: detach
+threshold_backward_1: f32[4, 13] = aten.threshold_backward(mm_2, detach_3, 0)  # free: mm_2, detach_3
+t_11: f32[13, 4] = aten.t(threshold_backward_1)
+mm_4: f32[13, 7] = aten.mm(t_11, primals_3)  # free: t_11, primals_3
+t_12: f32[7, 13] = aten.t(mm_4)  # free: mm_4
+sum_3: f32[1, 13] = aten.sum.dim_IntList(threshold_backward_1, [0], True)  # free: threshold_backward_1
+view_2: f32[13] = aten.view(sum_3, [13])  # free: sum_3
+t_13: f32[13, 7] = aten.t(t_12)  # free: t_12
+view_3: f32[3] = aten.view(view, [-1])  # free: view
+constant_pad_nd: f32[4] = aten.constant_pad_nd(view_3, [0, 1])  # free: view_3
+reduce_scatter_tensor: f32[1] = _c10d_functional.reduce_scatter_tensor(constant_pad_nd, 'avg', 4, WORLD)  # param: fc3.bias; free: constant_pad_nd
+wait_tensor: f32[1] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
+view_4: f32[33] = aten.view(t_6, [-1])  # free: t_6
+constant_pad_nd_1: f32[36] = aten.constant_pad_nd(view_4, [0, 3])  # free: view_4
+reduce_scatter_tensor_1: f32[9] = _c10d_functional.reduce_scatter_tensor(constant_pad_nd_1, 'avg', 4, WORLD)  # param: fc3.weight; free: constant_pad_nd_1
+wait_tensor_1: f32[9] = _c10d_functional.wait_tensor(reduce_scatter_tensor_1)  # free: reduce_scatter_tensor_1
+view_5: f32[11] = aten.view(view_1, [-1])  # free: view_1
+constant_pad_nd_2: f32[12] = aten.constant_pad_nd(view_5, [0, 1])  # free: view_5
+reduce_scatter_tensor_2: f32[3] = _c10d_functional.reduce_scatter_tensor(constant_pad_nd_2, 'avg', 4, WORLD)  # param: fc2.bias; free: constant_pad_nd_2
+wait_tensor_2: f32[3] = _c10d_functional.wait_tensor(reduce_scatter_tensor_2)  # free: reduce_scatter_tensor_2
+view_6: f32[143] = aten.view(t_10, [-1])  # free: t_10
+constant_pad_nd_3: f32[144] = aten.constant_pad_nd(view_6, [0, 1])  # free: view_6
+reduce_scatter_tensor_3: f32[36] = _c10d_functional.reduce_scatter_tensor(constant_pad_nd_3, 'avg', 4, WORLD)  # param: fc2.weight; free: constant_pad_nd_3
+wait_tensor_3: f32[36] = _c10d_functional.wait_tensor(reduce_scatter_tensor_3)  # free: reduce_scatter_tensor_3
+view_7: f32[13] = aten.view(view_2, [-1])  # free: view_2
+constant_pad_nd_4: f32[16] = aten.constant_pad_nd(view_7, [0, 3])  # free: view_7
+reduce_scatter_tensor_4: f32[4] = _c10d_functional.reduce_scatter_tensor(constant_pad_nd_4, 'avg', 4, WORLD)  # param: fc1.bias; free: constant_pad_nd_4
+wait_tensor_4: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_4)  # free: reduce_scatter_tensor_4
+view_8: f32[91] = aten.view(t_13, [-1])  # free: t_13
+constant_pad_nd_5: f32[92] = aten.constant_pad_nd(view_8, [0, 1])  # free: view_8
+reduce_scatter_tensor_5: f32[23] = _c10d_functional.reduce_scatter_tensor(constant_pad_nd_5, 'avg', 4, WORLD)  # param: fc1.weight; free: constant_pad_nd_5
+wait_tensor_5: f32[23] = _c10d_functional.wait_tensor(reduce_scatter_tensor_5)  # free: reduce_scatter_tensor_5
+return (wait_tensor_5, wait_tensor_4, None, wait_tensor_3, wait_tensor_2, wait_tensor_1, wait_tensor)""")
+
+    def test_stage_2(self) -> None:
+        forward, backward = mlp_graphs(2)
+        self.assertExpectedInline(forward, """\
+input primals_1: f32[23]
+input primals_2: f32[4]
+input primals_3: f32[4, 7]
+input primals_4: f32[36]
+input primals_5: f32[3]
+input primals_6: f32[9]
+input primals_7: f32[1]
+all_gather_into_tensor: f32[92] = _c10d_functional.all_gather_into_tensor(primals_1, 4, WORLD)  # param: fc1.weight; free: primals_1
+wait_tensor: f32[92] = _c10d_functional.wait_tensor(all_gather_into_tensor)  # free: all_gather_into_tensor
+slice_1: f32[91] = aten.slice.Tensor(wait_tensor, 0, 0, 91)  # free: wait_tensor
+view: f32[13, 7] = aten.view(slice_1, [13, 7])  # free: slice_1
+all_gather_into_tensor_1: f32[16] = _c10d_functional.all_gather_into_tensor(primals_2, 4, WORLD)  # param: fc1.bias; free: primals_2
+wait_tensor_1: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_1)  # free: all_gather_into_tensor_1
+slice_2: f32[13] = aten.slice.Tensor(wait_tensor_1, 0, 0, 13)  # free: wait_tensor_1
+view_1: f32[13] = aten.view(slice_2, [13])  # free: slice_2
+all_gather_into_tensor_2: f32[144] = _c10d_functional.all_gather_into_tensor(primals_4, 4, WORLD)  # param: fc2.weight; free: primals_4
+wait_tensor_2: f32[144] = _c10d_functional.wait_tensor(all_gather_into_tensor_2)  # free: all_gather_into_tensor_2
+slice_3: f32[143] = aten.slice.Tensor(wait_tensor_2, 0, 0, 143)  # free: wait_tensor_2
+view_2: f32[11, 13] = aten.view(slice_3, [11, 13])  # free: slice_3
+all_gather_into_tensor_3: f32[12] = _c10d_functional.all_gather_into_tensor(primals_5, 4, WORLD)  # param: fc2.bias; free: primals_5
+wait_tensor_3: f32[12] = _c10d_functional.wait_tensor(all_gather_into_tensor_3)  # free: all_gather_into_tensor_3
+slice_4: f32[11] = aten.slice.Tensor(wait_tensor_3, 0, 0, 11)  # free: wait_tensor_3
+view_3: f32[11] = aten.view(slice_4, [11])  # free: slice_4
+all_gather_into_tensor_4: f32[36] = _c10d_functional.all_gather_into_tensor(primals_6, 4, WORLD)  # param: fc3.weight; free: primals_6
+wait_tensor_4: f32[36] = _c10d_functional.wait_tensor(all_gather_into_tensor_4)  # free: all_gather_into_tensor_4
+slice_5: f32[33] = aten.slice.Tensor(wait_tensor_4, 0, 0, 33)  # free: wait_tensor_4
+view_4: f32[3, 11] = aten.view(slice_5, [3, 11])  # free: slice_5
+all_gather_into_tensor_5: f32[4] = _c10d_functional.all_gather_into_tensor(primals_7, 4, WORLD)  # param: fc3.bias; free: primals_7
+wait_tensor_5: f32[4] = _c10d_functional.wait_tensor(all_gather_into_tensor_5)  # free: all_gather_into_tensor_5
+slice_6: f32[3] = aten.slice.Tensor(wait_tensor_5, 0, 0, 3)  # free: wait_tensor_5
+view_5: f32[3] = aten.view(slice_6, [3])  # free: slice_6
+t: f32[7, 13] = aten.t(view)  # free: view
+addmm: f32[4, 13] = aten.addmm(view_1, primals_3, t)  # free: view_1, t
+relu: f32[4, 13] = aten.relu(addmm)  # free: addmm
+t_1: f32[13, 11] = aten.t(view_2)  # free: view_2
+addmm_1: f32[4, 11] = aten.addmm(view_3, relu, t_1)  # free: view_3
+relu_1: f32[4, 11] = aten.relu(addmm_1)  # free: addmm_1
+t_2: f32[11, 3] = aten.t(view_4)  # free: view_4
+addmm_2: f32[4, 3] = aten.addmm(view_5, relu_1, t_2)  # free: view_5
+pow_1: f32[4, 3] = aten.pow.Tensor_Scalar(addmm_2, 2)
+mean: f32[] = aten.mean(pow_1)  # free: pow_1
+t_3: f32[3, 11] = aten.t(t_2)  # free: t_2
+t_7: f32[11, 13] = aten.t(t_1)  # free: t_1
+return (mean, primals_3, relu, relu_1, addmm_2, t_3, t_7)""")
+        self.assertExpectedInline(backward, """\
+input primals_3: f32[4, 7]
+input relu: f32[4, 13]
+input relu_1: f32[4, 11]
+input addmm_2: f32[4, 3]
+input t_3: f32[3, 11]
+input t_7: f32[11, 13]
+input tangents_1: f32[]
+expand: f32[4, 3] = aten.expand(tangents_1, [4, 3])  # free: tangents_1
+div: f32[4, 3] = aten.div.Scalar(expand, 12)  # free: expand
+pow_2: f32[4, 3] = aten.pow.Tensor_Scalar(addmm_2, 1.0)  # free: addmm_2
+mul: f32[4, 3] = aten.mul.Scalar(pow_2, 2.0)  # free: pow_2
+mul_1: f32[4, 3] = aten.mul.Tensor(div, mul)  # free: div, mul
+mm: f32[4, 11] = aten.mm(mul_1, t_3)  # free: t_3
+t_4: f32[3, 4] = aten.t(mul_1)
+mm_1: f32[3, 11] = aten.mm(t_4, relu_1)  # free: t_4
+t_5: f32[11, 3] = aten.t(mm_1)  # free: mm_1
+sum_1: f32[1, 3] = aten.sum.dim_IntList(mul_1, [0], True)  # free: mul_1
+view: f32[3] = aten.view(sum_1, [3])  # free: sum_1
+t_6: f32[3, 11] = aten.t(t_5)  # free: t_5
+view_3: f32[3] = aten.view(view, [-1])  # free: view
+constant_pad_nd: f32[4] = aten.constant_pad_nd(view_3, [0, 1])  # free: view_3
+reduce_scatter_tensor: f32[1] = _c10d_functional.reduce_scatter_tensor(constant_pad_nd, 'avg', 4, WORLD)  # param: fc3.bias; free: constant_pad_nd
+wait_tensor: f32[1] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
+view_4: f32[33] = aten.view(t_6, [-1])  # free: t_6
+constant_pad_nd_1: f32[36] = aten.constant_pad_nd(view_4, [0, 3])  # free: view_4
+reduce_scatter_tensor_1: f32[9] = _c10d_functional.reduce_scatter_tensor(constant_pad_nd_1, 'avg', 4, WORLD)  # param: fc3.weight; free: constant_pad_nd_1
+wait_tensor_1: f32[9] = _c10d_functional.wait_tensor(reduce_scatter_tensor_1)  # free: reduce_scatter_tensor_1
+detach_1: f32[4, 11] = aten.detach(relu_1)  # free: relu_1
+detach_2: f32[4, 11] = aten.detach(detach_1)  # free: detach_1
+threshold_backward: f32[4, 11] = aten.threshold_backward(mm, detach_2, 0)  # free: mm, detach_2
+mm_2: f32[4, 13] = aten.mm(threshold_backward, t_7)  # free: t_7
+t_8: f32[11, 4] = aten.t(threshold_backward)
+mm_3: f32[11, 13] = aten.mm(t_8, relu)  # free: t_8
+t_9: f32[13, 11] = aten.t(mm_3)  # free: mm_3
+sum_2: f32[1, 11] = aten.sum.dim_IntList(threshold_backward, [0], True)  # free: threshold_backward
+view_1: f32[11] = aten.view(sum_2, [11])  # free: sum_2
+t_10: f32[11, 13] = aten.t(t_9)  # free: t_9
+view_5: f32[11] = aten.view(view_1, [-1])  # free: view_1
+constant_pad_nd_2: f32[12] = aten.constant_pad_nd(view_5, [0, 1])  # free: view_5
+reduce_scatter_tensor_2: f32[3] = _c10d_functional.reduce_scatter_tensor(constant_pad_nd_2, 'avg', 4, WORLD)  # param: fc2.bias; free: constant_pad_nd_2
+wait_tensor_2: f32[3] = _c10d_functional.wait_tensor(reduce_scatter_tensor_2)  # free: reduce_scatter_tensor_2
+view_6: f32[143] = aten.view(t_10, [-1])  # free: t_10
+constant_pad_nd_3: f32[144] = aten.constant_pad_nd(view_6, [0, 1])  # free: view_6
+reduce_scatter_tensor_3: f32[36] = _c10d_functional.reduce_scatter_tensor(constant_pad_nd_3, 'avg', 4, WORLD)  # param: fc2.weight; free: constant_pad_nd_3
+wait_tensor_3: f32[36] = _c10d_functional.wait_tensor(reduce_scatter_tensor_3)  # free: reduce_scatter_tensor_3
+detach: f32[4, 13] = aten.detach(relu)  # free: relu
+detach_3: f32[4, 13] = aten.detach(detach)  # free: detach
+threshold_backward_1: f32[4, 13] = aten.threshold_backward(mm_2, detach_3, 0)  # free: mm_2, detach_3
+t_11: f32[13, 4] = aten.t(threshold_backward_1)
+mm_4: f32[13, 7] = aten.mm(t_11, primals_3)  # free: t_11, primals_3
+t_12: f32[7, 13] = aten.t(mm_4)  # free: mm_4
+sum_3: f32[1, 13] = aten.sum.dim_IntList(threshold_backward_1, [0], True)  # free: threshold_backward_1
+view_2: f32[13] = aten.view(sum_3, [13])  # free: sum_3
+t_13: f32[13, 7] = aten.t(t_12)  # free: t_12
+view_7: f32[13] = aten.view(view_2, [-1])  # free: view_2
+constant_pad_nd_4: f32[16] = aten.constant_pad_nd(view_7, [0, 3])  # free: view_7
+reduce_scatter_tensor_4: f32[4] = _c10d_functional.reduce_scatter_tensor(constant_pad_nd_4, 'avg', 4, WORLD)  # param: fc1.bias; free: constant_pad_nd_4
+wait_tensor_4: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_4)  # free: reduce_scatter_tensor_4
+view_8: f32[91] = aten.view(t_13, [-1])  # free: t_13
+constant_pad_nd_5: f32[92] = aten.constant_pad_nd(view_8, [0, 1])  # free: view_8
+reduce_scatter_tensor_5: f32[23] = _c10d_functional.reduce_scatter_tensor(constant_pad_nd_5, 'avg', 4, WORLD)  # param: fc1.weight; free: constant_pad_nd_5
+wait_tensor_5: f32[23] = _c10d_functional.wait_tensor(reduce_scatter_tensor_5)  # free: reduce_scatter_tensor_5
+return (wait_tensor_5, wait_tensor_4, None, wait_tensor_3, wait_tensor_2, wait_tensor_1, wait_tensor)""")
+
+    def test_stage_2_snapshot_fails_on_changed_collective(self) -> None:
+        """The reduce-scatter built from all-to-all (as on gloo) must fail the pinned backward."""
+        all_to_all = mock.patch.object(lowering, "sends_textbook_reduce_scatter", lambda group_name: False)
+        forward, backward = mlp_graphs(2)
+        with all_to_all:
+            changed_forward, changed_backward = mlp_graphs(2)
+        self.assertEqual(changed_forward, forward)
+        self.assertNotIn("reduce_scatter_tensor(", changed_backward)
+        # Same parameters in the same order with the same shard sizes: only the collective changed.
+        scattered = [_match(REDUCE_SCATTER, line) for line in collective_lines(backward)]
+        exchanged = [_match(ALL_TO_ALL, line) for line in collective_lines(changed_backward)]
+        self.assertEqual(len(scattered), 6)  # one reduction per parameter
+        self.assertEqual(scattered, exchanged)
+
+        if os.getenv("EXPECTTEST_ACCEPT"):
+            self.skipTest("accepting snapshots: this process still holds the old pinned literals")
+        self.maxDiff = None  # the whole diff, to read which lines changed
+        with all_to_all, self.assertRaises(AssertionError) as failure:
+            self.test_stage_2()  # its forward snapshot passes, its backward one fails
+        diff = str(failure.exception).splitlines()
+        pinned = [line for line in diff if line.startswith("- ")]
+        actual = [line for line in diff if line.startswith("+ ")]
+        self.assertTrue(any("= _c10d_functional.reduce_scatter_tensor(" in line for line in pinned), diff)
+        self.assertTrue(any("= _c10d_functional.all_to_all_single(" in line for line in actual), diff)
+        self.assertFalse(any("reduce_scatter_tensor(" in line for line in actual), diff)
+
+    def test_stage_3(self) -> None:
+        forward, backward = mlp_graphs(3)
+        self.assertExpectedInline(forward, """\
+input primals_1: f32[23]
+input primals_2: f32[4]
+input primals_3: f32[4, 7]
+input primals_4: f32[36]
+input primals_5: f32[3]
+input primals_6: f32[9]
+input primals_7: f32[1]
+all_gather_into_tensor: f32[92] = _c10d_functional.all_gather_into_tensor(primals_1, 4, WORLD)  # param: fc1.weight; free: primals_1
+wait_tensor: f32[92] = _c10d_functional.wait_tensor(all_gather_into_tensor)  # free: all_gather_into_tensor
+slice_1: f32[91] = aten.slice.Tensor(wait_tensor, 0, 0, 91)  # free: wait_tensor
+view: f32[13, 7] = aten.view(slice_1, [13, 7])  # free: slice_1
+all_gather_into_tensor_1: f32[16] = _c10d_functional.all_gather_into_tensor(primals_2, 4, WORLD)  # param: fc1.bias; free: primals_2
+wait_tensor_1: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_1)  # free: all_gather_into_tensor_1
+slice_2: f32[13] = aten.slice.Tensor(wait_tensor_1, 0, 0, 13)  # free: wait_tensor_1
+view_1: f32[13] = aten.view(slice_2, [13])  # free: slice_2
+t: f32[7, 13] = aten.t(view)  # free: view
+addmm: f32[4, 13] = aten.addmm(view_1, primals_3, t)  # free: view_1, t
+relu: f32[4, 13] = aten.relu(addmm)  # free: addmm
+all_gather_into_tensor_2: f32[144] = _c10d_functional.all_gather_into_tensor(primals_4, 4, WORLD)  # param: fc2.weight
+wait_tensor_2: f32[144] = _c10d_functional.wait_tensor(all_gather_into_tensor_2)  # free: all_gather_into_tensor_2
+slice_3: f32[143] = aten.slice.Tensor(wait_tensor_2, 0, 0, 143)  # free: wait_tensor_2
+view_2: f32[11, 13] = aten.view(slice_3, [11, 13])  # free: slice_3
+all_gather_into_tensor_3: f32[12] = _c10d_functional.all_gather_into_tensor(primals_5, 4, WORLD)  # param: fc2.bias; free: primals_5
+wait_tensor_3: f32[12] = _c10d_functional.wait_tensor(all_gather_into_tensor_3)  # free: all_gather_into_tensor_3
+slice_4: f32[11] = aten.slice.Tensor(wait_tensor_3, 0, 0, 11)  # free: wait_tensor_3
+view_3: f32[11] = aten.view(slice_4, [11])  # free: slice_4
+t_1: f32[13, 11] = aten.t(view_2)  # free: view_2
+addmm_1: f32[4, 11] = aten.addmm(view_3, relu, t_1)  # free: view_3, t_1
+relu_1: f32[4, 11] = aten.relu(addmm_1)  # free: addmm_1
+all_gather_into_tensor_4: f32[36] = _c10d_functional.all_gather_into_tensor(primals_6, 4, WORLD)  # param: fc3.weight
+wait_tensor_4: f32[36] = _c10d_functional.wait_tensor(all_gather_into_tensor_4)  # free: all_gather_into_tensor_4
+slice_5: f32[33] = aten.slice.Tensor(wait_tensor_4, 0, 0, 33)  # free: wait_tensor_4
+view_4: f32[3, 11] = aten.view(slice_5, [3, 11])  # free: slice_5
+all_gather_into_tensor_5: f32[4] = _c10d_functional.all_gather_into_tensor(primals_7, 4, WORLD)  # param: fc3.bias; free: primals_7
+wait_tensor_5: f32[4] = _c10d_functional.wait_tensor(all_gather_into_tensor_5)  # free: all_gather_into_tensor_5
+slice_6: f32[3] = aten.slice.Tensor(wait_tensor_5, 0, 0, 3)  # free: wait_tensor_5
+view_5: f32[3] = aten.view(slice_6, [3])  # free: slice_6
+t_2: f32[11, 3] = aten.t(view_4)  # free: view_4
+addmm_2: f32[4, 3] = aten.addmm(view_5, relu_1, t_2)  # free: view_5, t_2
+pow_1: f32[4, 3] = aten.pow.Tensor_Scalar(addmm_2, 2)
+mean: f32[] = aten.mean(pow_1)  # free: pow_1
+return (mean, primals_3, primals_4, primals_6, relu, relu_1, addmm_2)""")
+        self.assertExpectedInline(backward, """\
+input primals_3: f32[4, 7]
+input primals_4: f32[36]
+input primals_6: f32[9]
+input relu: f32[4, 13]
+input relu_1: f32[4, 11]
+input addmm_2: f32[4, 3]
+input tangents_1: f32[]
+expand: f32[4, 3] = aten.expand(tangents_1, [4, 3])  # free: tangents_1
+div: f32[4, 3] = aten.div.Scalar(expand, 12)  # free: expand
+pow_2: f32[4, 3] = aten.pow.Tensor_Scalar(addmm_2, 1.0)  # free: addmm_2
+mul: f32[4, 3] = aten.mul.Scalar(pow_2, 2.0)  # free: pow_2
+mul_1: f32[4, 3] = aten.mul.Tensor(div, mul)  # free: div, mul
+all_gather_into_tensor: f32[36] = _c10d_functional.all_gather_into_tensor(primals_6, 4, WORLD)  # param: fc3.weight; free: primals_6
+wait_tensor: f32[36] = _c10d_functional.wait_tensor(all_gather_into_tensor)  # free: all_gather_into_tensor
+slice_1: f32[33] = aten.slice.Tensor(wait_tensor, 0, 0, 33)  # free: wait_tensor
+view_3: f32[3, 11] = aten.view(slice_1, [3, 11])  # free: slice_1
+t_2: f32[11, 3] = aten.t(view_3)  # free: view_3
+t_3: f32[3, 11] = aten.t(t_2)  # free: t_2
+mm: f32[4, 11] = aten.mm(mul_1, t_3)  # free: t_3
+t_4: f32[3, 4] = aten.t(mul_1)
+mm_1: f32[3, 11] = aten.mm(t_4, relu_1)  # free: t_4
+t_5: f32[11, 3] = aten.t(mm_1)  # free: mm_1
+sum_1: f32[1, 3] = aten.sum.dim_IntList(mul_1, [0], True)  # free: mul_1
+view: f32[3] = aten.view(sum_1, [3])  # free: sum_1
+t_6: f32[3, 11] = aten.t(t_5)  # free: t_5
+view_4: f32[3] = aten.view(view, [-1])  # free: view
+constant_pad_nd: f32[4] = aten.constant_pad_nd(view_4, [0, 1])  # free: view_4
+reduce_scatter_tensor: f32[1] = _c10d_functional.reduce_scatter_tensor(constant_pad_nd, 'avg', 4, WORLD)  # param: fc3.bias; free: constant_pad_nd
+wait_tensor_1: f32[1] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
+view_5: f32[33] = aten.view(t_6, [-1])  # free: t_6
+constant_pad_nd_1: f32[36] = aten.constant_pad_nd(view_5, [0, 3])  # free: view_5
+reduce_scatter_tensor_1: f32[9] = _c10d_functional.reduce_scatter_tensor(constant_pad_nd_1, 'avg', 4, WORLD)  # param: fc3.weight; free: constant_pad_nd_1
+wait_tensor_2: f32[9] = _c10d_functional.wait_tensor(reduce_scatter_tensor_1)  # free: reduce_scatter_tensor_1
+detach_1: f32[4, 11] = aten.detach(relu_1)  # free: relu_1
+detach_2: f32[4, 11] = aten.detach(detach_1)  # free: detach_1
+threshold_backward: f32[4, 11] = aten.threshold_backward(mm, detach_2, 0)  # free: mm, detach_2
+all_gather_into_tensor_1: f32[144] = _c10d_functional.all_gather_into_tensor(primals_4, 4, WORLD)  # param: fc2.weight; free: primals_4
+wait_tensor_3: f32[144] = _c10d_functional.wait_tensor(all_gather_into_tensor_1)  # free: all_gather_into_tensor_1
+slice_2: f32[143] = aten.slice.Tensor(wait_tensor_3, 0, 0, 143)  # free: wait_tensor_3
+view_6: f32[11, 13] = aten.view(slice_2, [11, 13])  # free: slice_2
+t_1: f32[13, 11] = aten.t(view_6)  # free: view_6
+t_7: f32[11, 13] = aten.t(t_1)  # free: t_1
+mm_2: f32[4, 13] = aten.mm(threshold_backward, t_7)  # free: t_7
+t_8: f32[11, 4] = aten.t(threshold_backward)
+mm_3: f32[11, 13] = aten.mm(t_8, relu)  # free: t_8
+t_9: f32[13, 11] = aten.t(mm_3)  # free: mm_3
+sum_2: f32[1, 11] = aten.sum.dim_IntList(threshold_backward, [0], True)  # free: threshold_backward
+view_1: f32[11] = aten.view(sum_2, [11])  # free: sum_2
+t_10: f32[11, 13] = aten.t(t_9)  # free: t_9
+view_7: f32[11] = aten.view(view_1, [-1])  # free: view_1
+constant_pad_nd_2: f32[12] = aten.constant_pad_nd(view_7, [0, 1])  # free: view_7
+reduce_scatter_tensor_2: f32[3] = _c10d_functional.reduce_scatter_tensor(constant_pad_nd_2, 'avg', 4, WORLD)  # param: fc2.bias; free: constant_pad_nd_2
+wait_tensor_4: f32[3] = _c10d_functional.wait_tensor(reduce_scatter_tensor_2)  # free: reduce_scatter_tensor_2
+view_8: f32[143] = aten.view(t_10, [-1])  # free: t_10
+constant_pad_nd_3: f32[144] = aten.constant_pad_nd(view_8, [0, 1])  # free: view_8
+reduce_scatter_tensor_3: f32[36] = _c10d_functional.reduce_scatter_tensor(constant_pad_nd_3, 'avg', 4, WORLD)  # param: fc2.weight; free: constant_pad_nd_3
+wait_tensor_5: f32[36] = _c10d_functional.wait_tensor(reduce_scatter_tensor_3)  # free: reduce_scatter_tensor_3
+detach: f32[4, 13] = aten.detach(relu)  # free: relu
+detach_3: f32[4, 13] = aten.detach(detach)  # free: detach
+threshold_backward_1: f32[4, 13] = aten.threshold_backward(mm_2, detach_3, 0)  # free: mm_2, detach_3
+t_11: f32[13, 4] = aten.t(threshold_backward_1)
+mm_4: f32[13, 7] = aten.mm(t_11, primals_3)  # free: t_11, primals_3
+t_12: f32[7, 13] = aten.t(mm_4)  # free: mm_4
+sum_3: f32[1, 13] = aten.sum.dim_IntList(threshold_backward_1, [0], True)  # free: threshold_backward_1
+view_2: f32[13] = aten.view(sum_3, [13])  # free: sum_3
+t_13: f32[13, 7] = aten.t(t_12)  # free: t_12
+view_9: f32[13] = aten.view(view_2, [-1])  # free: view_2
+constant_pad_nd_4: f32[16] = aten.constant_pad_nd(view_9, [0, 3])  # free: view_9
+reduce_scatter_tensor_4: f32[4] = _c10d_functional.reduce_scatter_tensor(constant_pad_nd_4, 'avg', 4, WORLD)  # param: fc1.bias; free: constant_pad_nd_4
+wait_tensor_6: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_4)  # free: reduce_scatter_tensor_4
+view_10: f32[91] = aten.view(t_13, [-1])  # free: t_13
+constant_pad_nd_5: f32[92] = aten.constant_pad_nd(view_10, [0, 1])  # free: view_10
+reduce_scatter_tensor_5: f32[23] = _c10d_functional.reduce_scatter_tensor(constant_pad_nd_5, 'avg', 4, WORLD)  # param: fc1.weight; free: constant_pad_nd_5
+wait_tensor_7: f32[23] = _c10d_functional.wait_tensor(reduce_scatter_tensor_5)  # free: reduce_scatter_tensor_5
+return (wait_tensor_7, wait_tensor_6, None, wait_tensor_5, wait_tensor_4, wait_tensor_2, wait_tensor_1)""")
+
+
+class TestGPTSnapshots(FakeGroupTestCase):
+    def test_stage_0(self) -> None:
+        forward, backward = gpt_graphs(0)
+        self.assertExpectedInline(forward, """\
+input primals_1: i64[2, 8]
+input primals_2: f32[32, 16]
+input primals_3: f32[8, 16]
+input primals_4: f32[16]
+input primals_5: f32[16]
+input primals_6: f32[48, 16]
+input primals_7: f32[48]
+input primals_8: f32[16, 16]
+input primals_9: f32[16]
+input primals_10: f32[16]
+input primals_11: f32[16]
+input primals_12: f32[64, 16]
+input primals_13: f32[64]
+input primals_14: f32[16, 64]
+input primals_15: f32[16]
+input primals_16: f32[16]
+input primals_17: f32[16]
+input primals_18: f32[48, 16]
+input primals_19: f32[48]
+input primals_20: f32[16, 16]
+input primals_21: f32[16]
+input primals_22: f32[16]
+input primals_23: f32[16]
+input primals_24: f32[64, 16]
+input primals_25: f32[64]
+input primals_26: f32[16, 64]
+input primals_27: f32[16]
+input primals_28: f32[16]
+input primals_29: f32[16]
+input primals_30: i64[2, 8]
+arange: i64[8] = aten.arange(8, device = device(type='cpu'), pin_memory = False)
+embedding: f32[2, 8, 16] = aten.embedding(primals_2, primals_1)
+embedding_1: f32[8, 16] = aten.embedding(primals_3, arange)  # free: primals_3
+add: f32[2, 8, 16] = aten.add.Tensor(embedding, embedding_1)  # free: embedding, embedding_1
+unshard_2: f32[16] = aten.clone(primals_4)  # free: primals_4
+unshard_3: f32[16] = aten.clone(primals_5)  # free: primals_5
+native_layer_norm: (f32[2, 8, 16], f32[2, 8, 1], f32[2, 8, 1]) = aten.native_layer_norm(add, [16], unshard_2, unshard_3, 1e-05)
+getitem: f32[2, 8, 16] = native_layer_norm[0]
+getitem_1: f32[2, 8, 1] = native_layer_norm[1]
+getitem_2: f32[2, 8, 1] = native_layer_norm[2]  # free: native_layer_norm
+view: f32[16, 16] = aten.view(getitem, [16, 16])  # free: getitem
+t: f32[16, 48] = aten.t(primals_6)  # free: primals_6
+addmm: f32[16, 48] = aten.addmm(primals_7, view, t)  # free: primals_7
+view_1: f32[2, 8, 48] = aten.view(addmm, [2, 8, 48])  # free: addmm
+split: (f32[2, 8, 16], f32[2, 8, 16], f32[2, 8, 16]) = aten.split.Tensor(view_1, 16, 2)  # free: view_1
+getitem_3: f32[2, 8, 16] = split[0]
+getitem_4: f32[2, 8, 16] = split[1]
+getitem_5: f32[2, 8, 16] = split[2]  # free: split
+view_2: f32[2, 8, 2, 8] = aten.view(getitem_3, [2, 8, 2, 8])  # free: getitem_3
+transpose: f32[2, 2, 8, 8] = aten.transpose.int(view_2, 1, 2)  # free: view_2
+view_3: f32[2, 8, 2, 8] = aten.view(getitem_4, [2, 8, 2, 8])  # free: getitem_4
+transpose_1: f32[2, 2, 8, 8] = aten.transpose.int(view_3, 1, 2)  # free: view_3
+view_4: f32[2, 8, 2, 8] = aten.view(getitem_5, [2, 8, 2, 8])  # free: getitem_5
+transpose_2: f32[2, 2, 8, 8] = aten.transpose.int(view_4, 1, 2)  # free: view_4
+_scaled_dot_product_flash_attention_for_cpu: (f32[2, 2, 8, 8], f32[2, 2, 8]) = aten._scaled_dot_product_flash_attention_for_cpu(transpose, transpose_1, transpose_2, 0.0, True)
+getitem_6: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu[0]
+getitem_7: f32[2, 2, 8] = _scaled_dot_product_flash_attention_for_cpu[1]  # free: _scaled_dot_product_flash_attention_for_cpu
+detach: f32[2, 2, 8, 8] = aten.detach(getitem_6)
+transpose_3: f32[2, 8, 2, 8] = aten.transpose.int(getitem_6, 1, 2)  # free: getitem_6
+view_5: f32[2, 8, 16] = aten.view(transpose_3, [2, 8, 16])  # free: transpose_3
+view_6: f32[16, 16] = aten.view(view_5, [16, 16])  # free: view_5
+t_1: f32[16, 16] = aten.t(primals_8)  # free: primals_8
+addmm_1: f32[16, 16] = aten.addmm(primals_9, view_6, t_1)  # free: primals_9
+view_7: f32[2, 8, 16] = aten.view(addmm_1, [2, 8, 16])  # free: addmm_1
+add_1: f32[2, 8, 16] = aten.add.Tensor(add, view_7)  # free: view_7
+unshard_8: f32[16] = aten.clone(primals_10)  # free: primals_10
+unshard_9: f32[16] = aten.clone(primals_11)  # free: primals_11
+native_layer_norm_1: (f32[2, 8, 16], f32[2, 8, 1], f32[2, 8, 1]) = aten.native_layer_norm(add_1, [16], unshard_8, unshard_9, 1e-05)
+getitem_8: f32[2, 8, 16] = native_layer_norm_1[0]
+getitem_9: f32[2, 8, 1] = native_layer_norm_1[1]
+getitem_10: f32[2, 8, 1] = native_layer_norm_1[2]  # free: native_layer_norm_1
+view_8: f32[16, 16] = aten.view(getitem_8, [16, 16])  # free: getitem_8
+t_2: f32[16, 64] = aten.t(primals_12)  # free: primals_12
+addmm_2: f32[16, 64] = aten.addmm(primals_13, view_8, t_2)  # free: primals_13
+view_9: f32[2, 8, 64] = aten.view(addmm_2, [2, 8, 64])
+gelu: f32[2, 8, 64] = aten.gelu(view_9)  # free: view_9
+view_10: f32[16, 64] = aten.view(gelu, [16, 64])  # free: gelu
+t_3: f32[64, 16] = aten.t(primals_14)  # free: primals_14
+addmm_3: f32[16, 16] = aten.addmm(primals_15, view_10, t_3)  # free: primals_15
+view_11: f32[2, 8, 16] = aten.view(addmm_3, [2, 8, 16])  # free: addmm_3
+add_2: f32[2, 8, 16] = aten.add.Tensor(add_1, view_11)  # free: view_11
+unshard_14: f32[16] = aten.clone(primals_16)  # free: primals_16
+unshard_15: f32[16] = aten.clone(primals_17)  # free: primals_17
+native_layer_norm_2: (f32[2, 8, 16], f32[2, 8, 1], f32[2, 8, 1]) = aten.native_layer_norm(add_2, [16], unshard_14, unshard_15, 1e-05)
+getitem_11: f32[2, 8, 16] = native_layer_norm_2[0]
+getitem_12: f32[2, 8, 1] = native_layer_norm_2[1]
+getitem_13: f32[2, 8, 1] = native_layer_norm_2[2]  # free: native_layer_norm_2
+view_12: f32[16, 16] = aten.view(getitem_11, [16, 16])  # free: getitem_11
+t_4: f32[16, 48] = aten.t(primals_18)  # free: primals_18
+addmm_4: f32[16, 48] = aten.addmm(primals_19, view_12, t_4)  # free: primals_19
+view_13: f32[2, 8, 48] = aten.view(addmm_4, [2, 8, 48])  # free: addmm_4
+split_1: (f32[2, 8, 16], f32[2, 8, 16], f32[2, 8, 16]) = aten.split.Tensor(view_13, 16, 2)  # free: view_13
+getitem_14: f32[2, 8, 16] = split_1[0]
+getitem_15: f32[2, 8, 16] = split_1[1]
+getitem_16: f32[2, 8, 16] = split_1[2]  # free: split_1
+view_14: f32[2, 8, 2, 8] = aten.view(getitem_14, [2, 8, 2, 8])  # free: getitem_14
+transpose_4: f32[2, 2, 8, 8] = aten.transpose.int(view_14, 1, 2)  # free: view_14
+view_15: f32[2, 8, 2, 8] = aten.view(getitem_15, [2, 8, 2, 8])  # free: getitem_15
+transpose_5: f32[2, 2, 8, 8] = aten.transpose.int(view_15, 1, 2)  # free: view_15
+view_16: f32[2, 8, 2, 8] = aten.view(getitem_16, [2, 8, 2, 8])  # free: getitem_16
+transpose_6: f32[2, 2, 8, 8] = aten.transpose.int(view_16, 1, 2)  # free: view_16
+_scaled_dot_product_flash_attention_for_cpu_1: (f32[2, 2, 8, 8], f32[2, 2, 8]) = aten._scaled_dot_product_flash_attention_for_cpu(transpose_4, transpose_5, transpose_6, 0.0, True)
+getitem_17: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_1[0]
+getitem_18: f32[2, 2, 8] = _scaled_dot_product_flash_attention_for_cpu_1[1]  # free: _scaled_dot_product_flash_attention_for_cpu_1
+detach_1: f32[2, 2, 8, 8] = aten.detach(getitem_17)
+transpose_7: f32[2, 8, 2, 8] = aten.transpose.int(getitem_17, 1, 2)  # free: getitem_17
+view_17: f32[2, 8, 16] = aten.view(transpose_7, [2, 8, 16])  # free: transpose_7
+view_18: f32[16, 16] = aten.view(view_17, [16, 16])  # free: view_17
+t_5: f32[16, 16] = aten.t(primals_20)  # free: primals_20
+addmm_5: f32[16, 16] = aten.addmm(primals_21, view_18, t_5)  # free: primals_21
+view_19: f32[2, 8, 16] = aten.view(addmm_5, [2, 8, 16])  # free: addmm_5
+add_3: f32[2, 8, 16] = aten.add.Tensor(add_2, view_19)  # free: view_19
+unshard_20: f32[16] = aten.clone(primals_22)  # free: primals_22
+unshard_21: f32[16] = aten.clone(primals_23)  # free: primals_23
+native_layer_norm_3: (f32[2, 8, 16], f32[2, 8, 1], f32[2, 8, 1]) = aten.native_layer_norm(add_3, [16], unshard_20, unshard_21, 1e-05)
+getitem_19: f32[2, 8, 16] = native_layer_norm_3[0]
+getitem_20: f32[2, 8, 1] = native_layer_norm_3[1]
+getitem_21: f32[2, 8, 1] = native_layer_norm_3[2]  # free: native_layer_norm_3
+view_20: f32[16, 16] = aten.view(getitem_19, [16, 16])  # free: getitem_19
+t_6: f32[16, 64] = aten.t(primals_24)  # free: primals_24
+addmm_6: f32[16, 64] = aten.addmm(primals_25, view_20, t_6)  # free: primals_25
+view_21: f32[2, 8, 64] = aten.view(addmm_6, [2, 8, 64])
+gelu_1: f32[2, 8, 64] = aten.gelu(view_21)  # free: view_21
+view_22: f32[16, 64] = aten.view(gelu_1, [16, 64])  # free: gelu_1
+t_7: f32[64, 16] = aten.t(primals_26)  # free: primals_26
+addmm_7: f32[16, 16] = aten.addmm(primals_27, view_22, t_7)  # free: primals_27
+view_23: f32[2, 8, 16] = aten.view(addmm_7, [2, 8, 16])  # free: addmm_7
+add_4: f32[2, 8, 16] = aten.add.Tensor(add_3, view_23)  # free: view_23
+unshard_26: f32[16] = aten.clone(primals_28)  # free: primals_28
+unshard_27: f32[16] = aten.clone(primals_29)  # free: primals_29
+native_layer_norm_4: (f32[2, 8, 16], f32[2, 8, 1], f32[2, 8, 1]) = aten.native_layer_norm(add_4, [16], unshard_26, unshard_27, 1e-05)
+getitem_22: f32[2, 8, 16] = native_layer_norm_4[0]
+getitem_23: f32[2, 8, 1] = native_layer_norm_4[1]
+getitem_24: f32[2, 8, 1] = native_layer_norm_4[2]  # free: native_layer_norm_4
+t_8: f32[16, 32] = aten.t(primals_2)  # free: primals_2
+view_24: f32[16, 16] = aten.view(getitem_22, [16, 16])  # free: getitem_22
+mm: f32[16, 32] = aten.mm(view_24, t_8)
+_unsafe_view: f32[2, 8, 32] = aten._unsafe_view(mm, [2, 8, 32])  # free: mm
+view_25: f32[16, 32] = aten.view(_unsafe_view, [-1, 32])  # free: _unsafe_view
+view_26: i64[16] = aten.view(primals_30, [-1])  # free: primals_30
+_log_softmax: f32[16, 32] = aten._log_softmax(view_25, 1, False)  # free: view_25
+nll_loss_forward: (f32[], f32[]) = aten.nll_loss_forward(_log_softmax, view_26, None, 1, -100)
+getitem_25: f32[] = nll_loss_forward[0]
+getitem_26: f32[] = nll_loss_forward[1]  # free: nll_loss_forward
+t_11: f32[32, 16] = aten.t(t_8)  # free: t_8
+t_13: f32[16, 64] = aten.t(t_7)  # free: t_7
+t_17: f32[64, 16] = aten.t(t_6)  # free: t_6
+t_21: f32[16, 16] = aten.t(t_5)  # free: t_5
+detach_4: f32[2, 2, 8, 8] = aten.detach(detach_1)  # free: detach_1
+t_25: f32[48, 16] = aten.t(t_4)  # free: t_4
+t_29: f32[16, 64] = aten.t(t_3)  # free: t_3
+t_33: f32[64, 16] = aten.t(t_2)  # free: t_2
+t_37: f32[16, 16] = aten.t(t_1)  # free: t_1
+detach_5: f32[2, 2, 8, 8] = aten.detach(detach)  # free: detach
+t_41: f32[48, 16] = aten.t(t)  # free: t
+return (getitem_25, primals_1, arange, add, unshard_2, unshard_3, getitem_1, getitem_2, view, transpose, transpose_1, transpose_2, getitem_7, view_6, add_1, unshard_8, unshard_9, getitem_9, getitem_10, view_8, addmm_2, view_10, add_2, unshard_14, unshard_15, getitem_12, getitem_13, view_12, transpose_4, transpose_5, transpose_6, getitem_18, view_18, add_3, unshard_20, unshard_21, getitem_20, getitem_21, view_20, addmm_6, view_22, add_4, unshard_26, unshard_27, getitem_23, getitem_24, view_24, view_26, _log_softmax, getitem_26, t_11, t_13, t_17, t_21, detach_4, t_25, t_29, t_33, t_37, detach_5, t_41)""")
+        self.assertExpectedInline(backward, """\
+input primals_1: i64[2, 8]
+input arange: i64[8]
+input add: f32[2, 8, 16]
+input unshard_2: f32[16]
+input unshard_3: f32[16]
+input getitem_1: f32[2, 8, 1]
+input getitem_2: f32[2, 8, 1]
+input view: f32[16, 16]
+input transpose: f32[2, 2, 8, 8]
+input transpose_1: f32[2, 2, 8, 8]
+input transpose_2: f32[2, 2, 8, 8]
+input getitem_7: f32[2, 2, 8]
+input view_6: f32[16, 16]
+input add_1: f32[2, 8, 16]
+input unshard_8: f32[16]
+input unshard_9: f32[16]
+input getitem_9: f32[2, 8, 1]
+input getitem_10: f32[2, 8, 1]
+input view_8: f32[16, 16]
+input addmm_2: f32[16, 64]
+input view_10: f32[16, 64]
+input add_2: f32[2, 8, 16]
+input unshard_14: f32[16]
+input unshard_15: f32[16]
+input getitem_12: f32[2, 8, 1]
+input getitem_13: f32[2, 8, 1]
+input view_12: f32[16, 16]
+input transpose_4: f32[2, 2, 8, 8]
+input transpose_5: f32[2, 2, 8, 8]
+input transpose_6: f32[2, 2, 8, 8]
+input getitem_18: f32[2, 2, 8]
+input view_18: f32[16, 16]
+input add_3: f32[2, 8, 16]
+input unshard_20: f32[16]
+input unshard_21: f32[16]
+input getitem_20: f32[2, 8, 1]
+input getitem_21: f32[2, 8, 1]
+input view_20: f32[16, 16]
+input addmm_6: f32[16, 64]
+input view_22: f32[16, 64]
+input add_4: f32[2, 8, 16]
+input unshard_26: f32[16]
+input unshard_27: f32[16]
+input getitem_23: f32[2, 8, 1]
+input getitem_24: f32[2, 8, 1]
+input view_24: f32[16, 16]
+input view_26: i64[16]
+input _log_softmax: f32[16, 32]
+input getitem_26: f32[]
+input t_11: f32[32, 16]
+input t_13: f32[16, 64]
+input t_17: f32[64, 16]
+input t_21: f32[16, 16]
+input detach_4: f32[2, 2, 8, 8]
+input t_25: f32[48, 16]
+input t_29: f32[16, 64]
+input t_33: f32[64, 16]
+input t_37: f32[16, 16]
+input detach_5: f32[2, 2, 8, 8]
+input t_41: f32[48, 16]
+input tangents_1: f32[]
+nll_loss_backward: f32[16, 32] = aten.nll_loss_backward(tangents_1, _log_softmax, view_26, None, 1, -100, getitem_26)  # free: tangents_1, view_26, getitem_26
+detach_2: f32[16, 32] = aten.detach(_log_softmax)  # free: _log_softmax
+detach_3: f32[16, 32] = aten.detach(detach_2)  # free: detach_2
+_log_softmax_backward_data: f32[16, 32] = aten._log_softmax_backward_data(nll_loss_backward, detach_3, 1, torch.float32)  # free: nll_loss_backward, detach_3
+view_27: f32[2, 8, 32] = aten.view(_log_softmax_backward_data, [2, 8, 32])  # free: _log_softmax_backward_data
+view_28: f32[16, 32] = aten.view(view_27, [16, 32])  # free: view_27
+t_9: f32[32, 16] = aten.t(view_28)
+mm_1: f32[32, 16] = aten.mm(t_9, view_24)  # free: t_9, view_24
+t_10: f32[16, 32] = aten.t(mm_1)  # free: mm_1
+mm_2: f32[16, 16] = aten.mm(view_28, t_11)  # free: view_28, t_11
+view_29: f32[2, 8, 16] = aten.view(mm_2, [2, 8, 16])  # free: mm_2
+t_12: f32[32, 16] = aten.t(t_10)  # free: t_10
+native_layer_norm_backward: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_29, add_4, [16], getitem_23, getitem_24, unshard_26, unshard_27, [True, True, True])  # free: view_29, add_4, getitem_23, getitem_24, unshard_26, unshard_27
+getitem_27: f32[2, 8, 16] = native_layer_norm_backward[0]
+getitem_28: f32[16] = native_layer_norm_backward[1]
+getitem_29: f32[16] = native_layer_norm_backward[2]  # free: native_layer_norm_backward
+all_reduce: f32[16] = _c10d_functional.all_reduce(getitem_29, 'sum', WORLD)  # param: ln_f.bias; free: getitem_29
+wait_tensor: f32[16] = _c10d_functional.wait_tensor(all_reduce)  # free: all_reduce
+div: f32[16] = aten.div.Tensor(wait_tensor, 4)  # free: wait_tensor
+all_reduce_1: f32[16] = _c10d_functional.all_reduce(getitem_28, 'sum', WORLD)  # param: ln_f.weight; free: getitem_28
+wait_tensor_1: f32[16] = _c10d_functional.wait_tensor(all_reduce_1)  # free: all_reduce_1
+div_1: f32[16] = aten.div.Tensor(wait_tensor_1, 4)  # free: wait_tensor_1
+view_30: f32[16, 16] = aten.view(getitem_27, [16, 16])
+mm_3: f32[16, 64] = aten.mm(view_30, t_13)  # free: t_13
+t_14: f32[16, 16] = aten.t(view_30)
+mm_4: f32[16, 64] = aten.mm(t_14, view_22)  # free: t_14, view_22
+t_15: f32[64, 16] = aten.t(mm_4)  # free: mm_4
+sum_1: f32[1, 16] = aten.sum.dim_IntList(view_30, [0], True)  # free: view_30
+view_31: f32[16] = aten.view(sum_1, [16])  # free: sum_1
+t_16: f32[16, 64] = aten.t(t_15)  # free: t_15
+view_32: f32[2, 8, 64] = aten.view(mm_3, [2, 8, 64])  # free: mm_3
+all_reduce_2: f32[16] = _c10d_functional.all_reduce(view_31, 'sum', WORLD)  # param: blocks.1.out.bias; free: view_31
+wait_tensor_2: f32[16] = _c10d_functional.wait_tensor(all_reduce_2)  # free: all_reduce_2
+div_2: f32[16] = aten.div.Tensor(wait_tensor_2, 4)  # free: wait_tensor_2
+all_reduce_3: f32[16, 64] = _c10d_functional.all_reduce(t_16, 'sum', WORLD)  # param: blocks.1.out.weight; free: t_16
+wait_tensor_3: f32[16, 64] = _c10d_functional.wait_tensor(all_reduce_3)  # free: all_reduce_3
+div_3: f32[16, 64] = aten.div.Tensor(wait_tensor_3, 4)  # free: wait_tensor_3
+view_21: f32[2, 8, 64] = aten.view(addmm_6, [2, 8, 64])  # free: addmm_6
+gelu_backward: f32[2, 8, 64] = aten.gelu_backward(view_32, view_21)  # free: view_32, view_21
+view_33: f32[16, 64] = aten.view(gelu_backward, [16, 64])  # free: gelu_backward
+mm_5: f32[16, 16] = aten.mm(view_33, t_17)  # free: t_17
+t_18: f32[64, 16] = aten.t(view_33)
+mm_6: f32[64, 16] = aten.mm(t_18, view_20)  # free: t_18, view_20
+t_19: f32[16, 64] = aten.t(mm_6)  # free: mm_6
+sum_2: f32[1, 64] = aten.sum.dim_IntList(view_33, [0], True)  # free: view_33
+view_34: f32[64] = aten.view(sum_2, [64])  # free: sum_2
+t_20: f32[64, 16] = aten.t(t_19)  # free: t_19
+view_35: f32[2, 8, 16] = aten.view(mm_5, [2, 8, 16])  # free: mm_5
+all_reduce_4: f32[64] = _c10d_functional.all_reduce(view_34, 'sum', WORLD)  # param: blocks.1.fc.bias; free: view_34
+wait_tensor_4: f32[64] = _c10d_functional.wait_tensor(all_reduce_4)  # free: all_reduce_4
+div_4: f32[64] = aten.div.Tensor(wait_tensor_4, 4)  # free: wait_tensor_4
+all_reduce_5: f32[64, 16] = _c10d_functional.all_reduce(t_20, 'sum', WORLD)  # param: blocks.1.fc.weight; free: t_20
+wait_tensor_5: f32[64, 16] = _c10d_functional.wait_tensor(all_reduce_5)  # free: all_reduce_5
+div_5: f32[64, 16] = aten.div.Tensor(wait_tensor_5, 4)  # free: wait_tensor_5
+native_layer_norm_backward_1: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_35, add_3, [16], getitem_20, getitem_21, unshard_20, unshard_21, [True, True, True])  # free: view_35, add_3, getitem_20, getitem_21, unshard_20, unshard_21
+getitem_30: f32[2, 8, 16] = native_layer_norm_backward_1[0]
+getitem_31: f32[16] = native_layer_norm_backward_1[1]
+getitem_32: f32[16] = native_layer_norm_backward_1[2]  # free: native_layer_norm_backward_1
+add_5: f32[2, 8, 16] = aten.add.Tensor(getitem_27, getitem_30)  # free: getitem_27, getitem_30
+all_reduce_6: f32[16] = _c10d_functional.all_reduce(getitem_32, 'sum', WORLD)  # param: blocks.1.ln2.bias; free: getitem_32
+wait_tensor_6: f32[16] = _c10d_functional.wait_tensor(all_reduce_6)  # free: all_reduce_6
+div_6: f32[16] = aten.div.Tensor(wait_tensor_6, 4)  # free: wait_tensor_6
+all_reduce_7: f32[16] = _c10d_functional.all_reduce(getitem_31, 'sum', WORLD)  # param: blocks.1.ln2.weight; free: getitem_31
+wait_tensor_7: f32[16] = _c10d_functional.wait_tensor(all_reduce_7)  # free: all_reduce_7
+div_7: f32[16] = aten.div.Tensor(wait_tensor_7, 4)  # free: wait_tensor_7
+view_36: f32[16, 16] = aten.view(add_5, [16, 16])
+mm_7: f32[16, 16] = aten.mm(view_36, t_21)  # free: t_21
+t_22: f32[16, 16] = aten.t(view_36)
+mm_8: f32[16, 16] = aten.mm(t_22, view_18)  # free: t_22, view_18
+t_23: f32[16, 16] = aten.t(mm_8)  # free: mm_8
+sum_3: f32[1, 16] = aten.sum.dim_IntList(view_36, [0], True)  # free: view_36
+view_37: f32[16] = aten.view(sum_3, [16])  # free: sum_3
+t_24: f32[16, 16] = aten.t(t_23)  # free: t_23
+view_38: f32[2, 8, 16] = aten.view(mm_7, [2, 8, 16])  # free: mm_7
+all_reduce_8: f32[16] = _c10d_functional.all_reduce(view_37, 'sum', WORLD)  # param: blocks.1.attn.proj.bias; free: view_37
+wait_tensor_8: f32[16] = _c10d_functional.wait_tensor(all_reduce_8)  # free: all_reduce_8
+div_8: f32[16] = aten.div.Tensor(wait_tensor_8, 4)  # free: wait_tensor_8
+all_reduce_9: f32[16, 16] = _c10d_functional.all_reduce(t_24, 'sum', WORLD)  # param: blocks.1.attn.proj.weight; free: t_24
+wait_tensor_9: f32[16, 16] = _c10d_functional.wait_tensor(all_reduce_9)  # free: all_reduce_9
+div_9: f32[16, 16] = aten.div.Tensor(wait_tensor_9, 4)  # free: wait_tensor_9
+view_39: f32[2, 8, 2, 8] = aten.view(view_38, [2, 8, 2, 8])  # free: view_38
+transpose_8: f32[2, 2, 8, 8] = aten.transpose.int(view_39, 1, 2)  # free: view_39
+_scaled_dot_product_flash_attention_for_cpu_backward: (f32[2, 2, 8, 8], f32[2, 2, 8, 8], f32[2, 2, 8, 8]) = aten._scaled_dot_product_flash_attention_for_cpu_backward(transpose_8, transpose_4, transpose_5, transpose_6, detach_4, getitem_18, 0.0, True)  # free: transpose_8, transpose_4, transpose_5, transpose_6, detach_4, getitem_18
+getitem_33: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[0]
+getitem_34: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[1]
+getitem_35: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[2]  # free: _scaled_dot_product_flash_attention_for_cpu_backward
+transpose_9: f32[2, 8, 2, 8] = aten.transpose.int(getitem_35, 1, 2)  # free: getitem_35
+view_40: f32[2, 8, 16] = aten.view(transpose_9, [2, 8, 16])  # free: transpose_9
+transpose_10: f32[2, 8, 2, 8] = aten.transpose.int(getitem_34, 1, 2)  # free: getitem_34
+view_41: f32[2, 8, 16] = aten.view(transpose_10, [2, 8, 16])  # free: transpose_10
+transpose_11: f32[2, 8, 2, 8] = aten.transpose.int(getitem_33, 1, 2)  # free: getitem_33
+view_42: f32[2, 8, 16] = aten.view(transpose_11, [2, 8, 16])  # free: transpose_11
+cat: f32[2, 8, 48] = aten.cat([view_42, view_41, view_40], 2)  # free: view_42, view_41, view_40
+view_43: f32[16, 48] = aten.view(cat, [16, 48])  # free: cat
+mm_9: f32[16, 16] = aten.mm(view_43, t_25)  # free: t_25
+t_26: f32[48, 16] = aten.t(view_43)
+mm_10: f32[48, 16] = aten.mm(t_26, view_12)  # free: t_26, view_12
+t_27: f32[16, 48] = aten.t(mm_10)  # free: mm_10
+sum_4: f32[1, 48] = aten.sum.dim_IntList(view_43, [0], True)  # free: view_43
+view_44: f32[48] = aten.view(sum_4, [48])  # free: sum_4
+t_28: f32[48, 16] = aten.t(t_27)  # free: t_27
+view_45: f32[2, 8, 16] = aten.view(mm_9, [2, 8, 16])  # free: mm_9
+all_reduce_10: f32[48] = _c10d_functional.all_reduce(view_44, 'sum', WORLD)  # param: blocks.1.attn.qkv.bias; free: view_44
+wait_tensor_10: f32[48] = _c10d_functional.wait_tensor(all_reduce_10)  # free: all_reduce_10
+div_10: f32[48] = aten.div.Tensor(wait_tensor_10, 4)  # free: wait_tensor_10
+all_reduce_11: f32[48, 16] = _c10d_functional.all_reduce(t_28, 'sum', WORLD)  # param: blocks.1.attn.qkv.weight; free: t_28
+wait_tensor_11: f32[48, 16] = _c10d_functional.wait_tensor(all_reduce_11)  # free: all_reduce_11
+div_11: f32[48, 16] = aten.div.Tensor(wait_tensor_11, 4)  # free: wait_tensor_11
+native_layer_norm_backward_2: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_45, add_2, [16], getitem_12, getitem_13, unshard_14, unshard_15, [True, True, True])  # free: view_45, add_2, getitem_12, getitem_13, unshard_14, unshard_15
+getitem_36: f32[2, 8, 16] = native_layer_norm_backward_2[0]
+getitem_37: f32[16] = native_layer_norm_backward_2[1]
+getitem_38: f32[16] = native_layer_norm_backward_2[2]  # free: native_layer_norm_backward_2
+add_6: f32[2, 8, 16] = aten.add.Tensor(add_5, getitem_36)  # free: add_5, getitem_36
+all_reduce_12: f32[16] = _c10d_functional.all_reduce(getitem_38, 'sum', WORLD)  # param: blocks.1.ln1.bias; free: getitem_38
+wait_tensor_12: f32[16] = _c10d_functional.wait_tensor(all_reduce_12)  # free: all_reduce_12
+div_12: f32[16] = aten.div.Tensor(wait_tensor_12, 4)  # free: wait_tensor_12
+all_reduce_13: f32[16] = _c10d_functional.all_reduce(getitem_37, 'sum', WORLD)  # param: blocks.1.ln1.weight; free: getitem_37
+wait_tensor_13: f32[16] = _c10d_functional.wait_tensor(all_reduce_13)  # free: all_reduce_13
+div_13: f32[16] = aten.div.Tensor(wait_tensor_13, 4)  # free: wait_tensor_13
+view_46: f32[16, 16] = aten.view(add_6, [16, 16])
+mm_11: f32[16, 64] = aten.mm(view_46, t_29)  # free: t_29
+t_30: f32[16, 16] = aten.t(view_46)
+mm_12: f32[16, 64] = aten.mm(t_30, view_10)  # free: t_30, view_10
+t_31: f32[64, 16] = aten.t(mm_12)  # free: mm_12
+sum_5: f32[1, 16] = aten.sum.dim_IntList(view_46, [0], True)  # free: view_46
+view_47: f32[16] = aten.view(sum_5, [16])  # free: sum_5
+t_32: f32[16, 64] = aten.t(t_31)  # free: t_31
+view_48: f32[2, 8, 64] = aten.view(mm_11, [2, 8, 64])  # free: mm_11
+all_reduce_14: f32[16] = _c10d_functional.all_reduce(view_47, 'sum', WORLD)  # param: blocks.0.out.bias; free: view_47
+wait_tensor_14: f32[16] = _c10d_functional.wait_tensor(all_reduce_14)  # free: all_reduce_14
+div_14: f32[16] = aten.div.Tensor(wait_tensor_14, 4)  # free: wait_tensor_14
+all_reduce_15: f32[16, 64] = _c10d_functional.all_reduce(t_32, 'sum', WORLD)  # param: blocks.0.out.weight; free: t_32
+wait_tensor_15: f32[16, 64] = _c10d_functional.wait_tensor(all_reduce_15)  # free: all_reduce_15
+div_15: f32[16, 64] = aten.div.Tensor(wait_tensor_15, 4)  # free: wait_tensor_15
+view_9: f32[2, 8, 64] = aten.view(addmm_2, [2, 8, 64])  # free: addmm_2
+gelu_backward_1: f32[2, 8, 64] = aten.gelu_backward(view_48, view_9)  # free: view_48, view_9
+view_49: f32[16, 64] = aten.view(gelu_backward_1, [16, 64])  # free: gelu_backward_1
+mm_13: f32[16, 16] = aten.mm(view_49, t_33)  # free: t_33
+t_34: f32[64, 16] = aten.t(view_49)
+mm_14: f32[64, 16] = aten.mm(t_34, view_8)  # free: t_34, view_8
+t_35: f32[16, 64] = aten.t(mm_14)  # free: mm_14
+sum_6: f32[1, 64] = aten.sum.dim_IntList(view_49, [0], True)  # free: view_49
+view_50: f32[64] = aten.view(sum_6, [64])  # free: sum_6
+t_36: f32[64, 16] = aten.t(t_35)  # free: t_35
+view_51: f32[2, 8, 16] = aten.view(mm_13, [2, 8, 16])  # free: mm_13
+all_reduce_16: f32[64] = _c10d_functional.all_reduce(view_50, 'sum', WORLD)  # param: blocks.0.fc.bias; free: view_50
+wait_tensor_16: f32[64] = _c10d_functional.wait_tensor(all_reduce_16)  # free: all_reduce_16
+div_16: f32[64] = aten.div.Tensor(wait_tensor_16, 4)  # free: wait_tensor_16
+all_reduce_17: f32[64, 16] = _c10d_functional.all_reduce(t_36, 'sum', WORLD)  # param: blocks.0.fc.weight; free: t_36
+wait_tensor_17: f32[64, 16] = _c10d_functional.wait_tensor(all_reduce_17)  # free: all_reduce_17
+div_17: f32[64, 16] = aten.div.Tensor(wait_tensor_17, 4)  # free: wait_tensor_17
+native_layer_norm_backward_3: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_51, add_1, [16], getitem_9, getitem_10, unshard_8, unshard_9, [True, True, True])  # free: view_51, add_1, getitem_9, getitem_10, unshard_8, unshard_9
+getitem_39: f32[2, 8, 16] = native_layer_norm_backward_3[0]
+getitem_40: f32[16] = native_layer_norm_backward_3[1]
+getitem_41: f32[16] = native_layer_norm_backward_3[2]  # free: native_layer_norm_backward_3
+add_7: f32[2, 8, 16] = aten.add.Tensor(add_6, getitem_39)  # free: add_6, getitem_39
+all_reduce_18: f32[16] = _c10d_functional.all_reduce(getitem_41, 'sum', WORLD)  # param: blocks.0.ln2.bias; free: getitem_41
+wait_tensor_18: f32[16] = _c10d_functional.wait_tensor(all_reduce_18)  # free: all_reduce_18
+div_18: f32[16] = aten.div.Tensor(wait_tensor_18, 4)  # free: wait_tensor_18
+all_reduce_19: f32[16] = _c10d_functional.all_reduce(getitem_40, 'sum', WORLD)  # param: blocks.0.ln2.weight; free: getitem_40
+wait_tensor_19: f32[16] = _c10d_functional.wait_tensor(all_reduce_19)  # free: all_reduce_19
+div_19: f32[16] = aten.div.Tensor(wait_tensor_19, 4)  # free: wait_tensor_19
+view_52: f32[16, 16] = aten.view(add_7, [16, 16])
+mm_15: f32[16, 16] = aten.mm(view_52, t_37)  # free: t_37
+t_38: f32[16, 16] = aten.t(view_52)
+mm_16: f32[16, 16] = aten.mm(t_38, view_6)  # free: t_38, view_6
+t_39: f32[16, 16] = aten.t(mm_16)  # free: mm_16
+sum_7: f32[1, 16] = aten.sum.dim_IntList(view_52, [0], True)  # free: view_52
+view_53: f32[16] = aten.view(sum_7, [16])  # free: sum_7
+t_40: f32[16, 16] = aten.t(t_39)  # free: t_39
+view_54: f32[2, 8, 16] = aten.view(mm_15, [2, 8, 16])  # free: mm_15
+all_reduce_20: f32[16] = _c10d_functional.all_reduce(view_53, 'sum', WORLD)  # param: blocks.0.attn.proj.bias; free: view_53
+wait_tensor_20: f32[16] = _c10d_functional.wait_tensor(all_reduce_20)  # free: all_reduce_20
+div_20: f32[16] = aten.div.Tensor(wait_tensor_20, 4)  # free: wait_tensor_20
+all_reduce_21: f32[16, 16] = _c10d_functional.all_reduce(t_40, 'sum', WORLD)  # param: blocks.0.attn.proj.weight; free: t_40
+wait_tensor_21: f32[16, 16] = _c10d_functional.wait_tensor(all_reduce_21)  # free: all_reduce_21
+div_21: f32[16, 16] = aten.div.Tensor(wait_tensor_21, 4)  # free: wait_tensor_21
+view_55: f32[2, 8, 2, 8] = aten.view(view_54, [2, 8, 2, 8])  # free: view_54
+transpose_12: f32[2, 2, 8, 8] = aten.transpose.int(view_55, 1, 2)  # free: view_55
+_scaled_dot_product_flash_attention_for_cpu_backward_1: (f32[2, 2, 8, 8], f32[2, 2, 8, 8], f32[2, 2, 8, 8]) = aten._scaled_dot_product_flash_attention_for_cpu_backward(transpose_12, transpose, transpose_1, transpose_2, detach_5, getitem_7, 0.0, True)  # free: transpose_12, transpose, transpose_1, transpose_2, detach_5, getitem_7
+getitem_42: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[0]
+getitem_43: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[1]
+getitem_44: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[2]  # free: _scaled_dot_product_flash_attention_for_cpu_backward_1
+transpose_13: f32[2, 8, 2, 8] = aten.transpose.int(getitem_44, 1, 2)  # free: getitem_44
+view_56: f32[2, 8, 16] = aten.view(transpose_13, [2, 8, 16])  # free: transpose_13
+transpose_14: f32[2, 8, 2, 8] = aten.transpose.int(getitem_43, 1, 2)  # free: getitem_43
+view_57: f32[2, 8, 16] = aten.view(transpose_14, [2, 8, 16])  # free: transpose_14
+transpose_15: f32[2, 8, 2, 8] = aten.transpose.int(getitem_42, 1, 2)  # free: getitem_42
+view_58: f32[2, 8, 16] = aten.view(transpose_15, [2, 8, 16])  # free: transpose_15
+cat_1: f32[2, 8, 48] = aten.cat([view_58, view_57, view_56], 2)  # free: view_58, view_57, view_56
+view_59: f32[16, 48] = aten.view(cat_1, [16, 48])  # free: cat_1
+mm_17: f32[16, 16] = aten.mm(view_59, t_41)  # free: t_41
+t_42: f32[48, 16] = aten.t(view_59)
+mm_18: f32[48, 16] = aten.mm(t_42, view)  # free: t_42, view
+t_43: f32[16, 48] = aten.t(mm_18)  # free: mm_18
+sum_8: f32[1, 48] = aten.sum.dim_IntList(view_59, [0], True)  # free: view_59
+view_60: f32[48] = aten.view(sum_8, [48])  # free: sum_8
+t_44: f32[48, 16] = aten.t(t_43)  # free: t_43
+view_61: f32[2, 8, 16] = aten.view(mm_17, [2, 8, 16])  # free: mm_17
+all_reduce_22: f32[48] = _c10d_functional.all_reduce(view_60, 'sum', WORLD)  # param: blocks.0.attn.qkv.bias; free: view_60
+wait_tensor_22: f32[48] = _c10d_functional.wait_tensor(all_reduce_22)  # free: all_reduce_22
+div_22: f32[48] = aten.div.Tensor(wait_tensor_22, 4)  # free: wait_tensor_22
+all_reduce_23: f32[48, 16] = _c10d_functional.all_reduce(t_44, 'sum', WORLD)  # param: blocks.0.attn.qkv.weight; free: t_44
+wait_tensor_23: f32[48, 16] = _c10d_functional.wait_tensor(all_reduce_23)  # free: all_reduce_23
+div_23: f32[48, 16] = aten.div.Tensor(wait_tensor_23, 4)  # free: wait_tensor_23
+native_layer_norm_backward_4: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_61, add, [16], getitem_1, getitem_2, unshard_2, unshard_3, [True, True, True])  # free: view_61, add, getitem_1, getitem_2, unshard_2, unshard_3
+getitem_45: f32[2, 8, 16] = native_layer_norm_backward_4[0]
+getitem_46: f32[16] = native_layer_norm_backward_4[1]
+getitem_47: f32[16] = native_layer_norm_backward_4[2]  # free: native_layer_norm_backward_4
+add_8: f32[2, 8, 16] = aten.add.Tensor(add_7, getitem_45)  # free: add_7, getitem_45
+all_reduce_24: f32[16] = _c10d_functional.all_reduce(getitem_47, 'sum', WORLD)  # param: blocks.0.ln1.bias; free: getitem_47
+wait_tensor_24: f32[16] = _c10d_functional.wait_tensor(all_reduce_24)  # free: all_reduce_24
+div_24: f32[16] = aten.div.Tensor(wait_tensor_24, 4)  # free: wait_tensor_24
+all_reduce_25: f32[16] = _c10d_functional.all_reduce(getitem_46, 'sum', WORLD)  # param: blocks.0.ln1.weight; free: getitem_46
+wait_tensor_25: f32[16] = _c10d_functional.wait_tensor(all_reduce_25)  # free: all_reduce_25
+div_25: f32[16] = aten.div.Tensor(wait_tensor_25, 4)  # free: wait_tensor_25
+sum_9: f32[1, 8, 16] = aten.sum.dim_IntList(add_8, [0], True)
+view_62: f32[8, 16] = aten.view(sum_9, [8, 16])  # free: sum_9
+embedding_dense_backward: f32[8, 16] = aten.embedding_dense_backward(view_62, arange, 8, -1, False)  # free: view_62, arange
+all_reduce_26: f32[8, 16] = _c10d_functional.all_reduce(embedding_dense_backward, 'sum', WORLD)  # param: wpe.weight; free: embedding_dense_backward
+wait_tensor_26: f32[8, 16] = _c10d_functional.wait_tensor(all_reduce_26)  # free: all_reduce_26
+div_26: f32[8, 16] = aten.div.Tensor(wait_tensor_26, 4)  # free: wait_tensor_26
+embedding_dense_backward_1: f32[32, 16] = aten.embedding_dense_backward(add_8, primals_1, 32, -1, False)  # free: add_8, primals_1
+add_9: f32[32, 16] = aten.add.Tensor(t_12, embedding_dense_backward_1)  # free: t_12, embedding_dense_backward_1
+all_reduce_27: f32[32, 16] = _c10d_functional.all_reduce(add_9, 'sum', WORLD)  # param: wte.weight; free: add_9
+wait_tensor_27: f32[32, 16] = _c10d_functional.wait_tensor(all_reduce_27)  # free: all_reduce_27
+div_27: f32[32, 16] = aten.div.Tensor(wait_tensor_27, 4)  # free: wait_tensor_27
+return (None, div_27, div_26, div_25, div_24, div_23, div_22, div_21, div_20, div_19, div_18, div_17, div_16, div_15, div_14, div_13, div_12, div_11, div_10, div_9, div_8, div_7, div_6, div_5, div_4, div_3, div_2, div_1, div, None)""")
+
+    def test_stage_1(self) -> None:
+        forward, backward = gpt_graphs(1)
+        self.assertExpectedInline(forward, """\
+input primals_1: i64[2, 8]
+input primals_2: f32[128]
+input primals_3: f32[32]
+input primals_4: f32[4]
+input primals_5: f32[4]
+input primals_6: f32[192]
+input primals_7: f32[12]
+input primals_8: f32[64]
+input primals_9: f32[4]
+input primals_10: f32[4]
+input primals_11: f32[4]
+input primals_12: f32[256]
+input primals_13: f32[16]
+input primals_14: f32[256]
+input primals_15: f32[4]
+input primals_16: f32[4]
+input primals_17: f32[4]
+input primals_18: f32[192]
+input primals_19: f32[12]
+input primals_20: f32[64]
+input primals_21: f32[4]
+input primals_22: f32[4]
+input primals_23: f32[4]
+input primals_24: f32[256]
+input primals_25: f32[16]
+input primals_26: f32[256]
+input primals_27: f32[4]
+input primals_28: f32[4]
+input primals_29: f32[4]
+input primals_30: i64[2, 8]
+all_gather_into_tensor: f32[512] = _c10d_functional.all_gather_into_tensor(primals_2, 4, WORLD)  # param: wte.weight; free: primals_2
+wait_tensor: f32[512] = _c10d_functional.wait_tensor(all_gather_into_tensor)  # free: all_gather_into_tensor
+view_27: f32[32, 16] = aten.view(wait_tensor, [32, 16])  # free: wait_tensor
+all_gather_into_tensor_1: f32[128] = _c10d_functional.all_gather_into_tensor(primals_3, 4, WORLD)  # param: wpe.weight; free: primals_3
+wait_tensor_1: f32[128] = _c10d_functional.wait_tensor(all_gather_into_tensor_1)  # free: all_gather_into_tensor_1
+view_28: f32[8, 16] = aten.view(wait_tensor_1, [8, 16])  # free: wait_tensor_1
+all_gather_into_tensor_2: f32[16] = _c10d_functional.all_gather_into_tensor(primals_4, 4, WORLD)  # param: blocks.0.ln1.weight; free: primals_4
+wait_tensor_2: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_2)  # free: all_gather_into_tensor_2
+view_29: f32[16] = aten.view(wait_tensor_2, [16])  # free: wait_tensor_2
+all_gather_into_tensor_3: f32[16] = _c10d_functional.all_gather_into_tensor(primals_5, 4, WORLD)  # param: blocks.0.ln1.bias; free: primals_5
+wait_tensor_3: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_3)  # free: all_gather_into_tensor_3
+view_30: f32[16] = aten.view(wait_tensor_3, [16])  # free: wait_tensor_3
+all_gather_into_tensor_4: f32[768] = _c10d_functional.all_gather_into_tensor(primals_6, 4, WORLD)  # param: blocks.0.attn.qkv.weight; free: primals_6
+wait_tensor_4: f32[768] = _c10d_functional.wait_tensor(all_gather_into_tensor_4)  # free: all_gather_into_tensor_4
+view_31: f32[48, 16] = aten.view(wait_tensor_4, [48, 16])  # free: wait_tensor_4
+all_gather_into_tensor_5: f32[48] = _c10d_functional.all_gather_into_tensor(primals_7, 4, WORLD)  # param: blocks.0.attn.qkv.bias; free: primals_7
+wait_tensor_5: f32[48] = _c10d_functional.wait_tensor(all_gather_into_tensor_5)  # free: all_gather_into_tensor_5
+view_32: f32[48] = aten.view(wait_tensor_5, [48])  # free: wait_tensor_5
+all_gather_into_tensor_6: f32[256] = _c10d_functional.all_gather_into_tensor(primals_8, 4, WORLD)  # param: blocks.0.attn.proj.weight; free: primals_8
+wait_tensor_6: f32[256] = _c10d_functional.wait_tensor(all_gather_into_tensor_6)  # free: all_gather_into_tensor_6
+view_33: f32[16, 16] = aten.view(wait_tensor_6, [16, 16])  # free: wait_tensor_6
+all_gather_into_tensor_7: f32[16] = _c10d_functional.all_gather_into_tensor(primals_9, 4, WORLD)  # param: blocks.0.attn.proj.bias; free: primals_9
+wait_tensor_7: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_7)  # free: all_gather_into_tensor_7
+view_34: f32[16] = aten.view(wait_tensor_7, [16])  # free: wait_tensor_7
+all_gather_into_tensor_8: f32[16] = _c10d_functional.all_gather_into_tensor(primals_10, 4, WORLD)  # param: blocks.0.ln2.weight; free: primals_10
+wait_tensor_8: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_8)  # free: all_gather_into_tensor_8
+view_35: f32[16] = aten.view(wait_tensor_8, [16])  # free: wait_tensor_8
+all_gather_into_tensor_9: f32[16] = _c10d_functional.all_gather_into_tensor(primals_11, 4, WORLD)  # param: blocks.0.ln2.bias; free: primals_11
+wait_tensor_9: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_9)  # free: all_gather_into_tensor_9
+view_36: f32[16] = aten.view(wait_tensor_9, [16])  # free: wait_tensor_9
+all_gather_into_tensor_10: f32[1024] = _c10d_functional.all_gather_into_tensor(primals_12, 4, WORLD)  # param: blocks.0.fc.weight; free: primals_12
+wait_tensor_10: f32[1024] = _c10d_functional.wait_tensor(all_gather_into_tensor_10)  # free: all_gather_into_tensor_10
+view_37: f32[64, 16] = aten.view(wait_tensor_10, [64, 16])  # free: wait_tensor_10
+all_gather_into_tensor_11: f32[64] = _c10d_functional.all_gather_into_tensor(primals_13, 4, WORLD)  # param: blocks.0.fc.bias; free: primals_13
+wait_tensor_11: f32[64] = _c10d_functional.wait_tensor(all_gather_into_tensor_11)  # free: all_gather_into_tensor_11
+view_38: f32[64] = aten.view(wait_tensor_11, [64])  # free: wait_tensor_11
+all_gather_into_tensor_12: f32[1024] = _c10d_functional.all_gather_into_tensor(primals_14, 4, WORLD)  # param: blocks.0.out.weight; free: primals_14
+wait_tensor_12: f32[1024] = _c10d_functional.wait_tensor(all_gather_into_tensor_12)  # free: all_gather_into_tensor_12
+view_39: f32[16, 64] = aten.view(wait_tensor_12, [16, 64])  # free: wait_tensor_12
+all_gather_into_tensor_13: f32[16] = _c10d_functional.all_gather_into_tensor(primals_15, 4, WORLD)  # param: blocks.0.out.bias; free: primals_15
+wait_tensor_13: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_13)  # free: all_gather_into_tensor_13
+view_40: f32[16] = aten.view(wait_tensor_13, [16])  # free: wait_tensor_13
+all_gather_into_tensor_14: f32[16] = _c10d_functional.all_gather_into_tensor(primals_16, 4, WORLD)  # param: blocks.1.ln1.weight; free: primals_16
+wait_tensor_14: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_14)  # free: all_gather_into_tensor_14
+view_41: f32[16] = aten.view(wait_tensor_14, [16])  # free: wait_tensor_14
+all_gather_into_tensor_15: f32[16] = _c10d_functional.all_gather_into_tensor(primals_17, 4, WORLD)  # param: blocks.1.ln1.bias; free: primals_17
+wait_tensor_15: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_15)  # free: all_gather_into_tensor_15
+view_42: f32[16] = aten.view(wait_tensor_15, [16])  # free: wait_tensor_15
+all_gather_into_tensor_16: f32[768] = _c10d_functional.all_gather_into_tensor(primals_18, 4, WORLD)  # param: blocks.1.attn.qkv.weight; free: primals_18
+wait_tensor_16: f32[768] = _c10d_functional.wait_tensor(all_gather_into_tensor_16)  # free: all_gather_into_tensor_16
+view_43: f32[48, 16] = aten.view(wait_tensor_16, [48, 16])  # free: wait_tensor_16
+all_gather_into_tensor_17: f32[48] = _c10d_functional.all_gather_into_tensor(primals_19, 4, WORLD)  # param: blocks.1.attn.qkv.bias; free: primals_19
+wait_tensor_17: f32[48] = _c10d_functional.wait_tensor(all_gather_into_tensor_17)  # free: all_gather_into_tensor_17
+view_44: f32[48] = aten.view(wait_tensor_17, [48])  # free: wait_tensor_17
+all_gather_into_tensor_18: f32[256] = _c10d_functional.all_gather_into_tensor(primals_20, 4, WORLD)  # param: blocks.1.attn.proj.weight; free: primals_20
+wait_tensor_18: f32[256] = _c10d_functional.wait_tensor(all_gather_into_tensor_18)  # free: all_gather_into_tensor_18
+view_45: f32[16, 16] = aten.view(wait_tensor_18, [16, 16])  # free: wait_tensor_18
+all_gather_into_tensor_19: f32[16] = _c10d_functional.all_gather_into_tensor(primals_21, 4, WORLD)  # param: blocks.1.attn.proj.bias; free: primals_21
+wait_tensor_19: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_19)  # free: all_gather_into_tensor_19
+view_46: f32[16] = aten.view(wait_tensor_19, [16])  # free: wait_tensor_19
+all_gather_into_tensor_20: f32[16] = _c10d_functional.all_gather_into_tensor(primals_22, 4, WORLD)  # param: blocks.1.ln2.weight; free: primals_22
+wait_tensor_20: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_20)  # free: all_gather_into_tensor_20
+view_47: f32[16] = aten.view(wait_tensor_20, [16])  # free: wait_tensor_20
+all_gather_into_tensor_21: f32[16] = _c10d_functional.all_gather_into_tensor(primals_23, 4, WORLD)  # param: blocks.1.ln2.bias; free: primals_23
+wait_tensor_21: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_21)  # free: all_gather_into_tensor_21
+view_48: f32[16] = aten.view(wait_tensor_21, [16])  # free: wait_tensor_21
+all_gather_into_tensor_22: f32[1024] = _c10d_functional.all_gather_into_tensor(primals_24, 4, WORLD)  # param: blocks.1.fc.weight; free: primals_24
+wait_tensor_22: f32[1024] = _c10d_functional.wait_tensor(all_gather_into_tensor_22)  # free: all_gather_into_tensor_22
+view_49: f32[64, 16] = aten.view(wait_tensor_22, [64, 16])  # free: wait_tensor_22
+all_gather_into_tensor_23: f32[64] = _c10d_functional.all_gather_into_tensor(primals_25, 4, WORLD)  # param: blocks.1.fc.bias; free: primals_25
+wait_tensor_23: f32[64] = _c10d_functional.wait_tensor(all_gather_into_tensor_23)  # free: all_gather_into_tensor_23
+view_50: f32[64] = aten.view(wait_tensor_23, [64])  # free: wait_tensor_23
+all_gather_into_tensor_24: f32[1024] = _c10d_functional.all_gather_into_tensor(primals_26, 4, WORLD)  # param: blocks.1.out.weight; free: primals_26
+wait_tensor_24: f32[1024] = _c10d_functional.wait_tensor(all_gather_into_tensor_24)  # free: all_gather_into_tensor_24
+view_51: f32[16, 64] = aten.view(wait_tensor_24, [16, 64])  # free: wait_tensor_24
+all_gather_into_tensor_25: f32[16] = _c10d_functional.all_gather_into_tensor(primals_27, 4, WORLD)  # param: blocks.1.out.bias; free: primals_27
+wait_tensor_25: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_25)  # free: all_gather_into_tensor_25
+view_52: f32[16] = aten.view(wait_tensor_25, [16])  # free: wait_tensor_25
+all_gather_into_tensor_26: f32[16] = _c10d_functional.all_gather_into_tensor(primals_28, 4, WORLD)  # param: ln_f.weight; free: primals_28
+wait_tensor_26: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_26)  # free: all_gather_into_tensor_26
+view_53: f32[16] = aten.view(wait_tensor_26, [16])  # free: wait_tensor_26
+all_gather_into_tensor_27: f32[16] = _c10d_functional.all_gather_into_tensor(primals_29, 4, WORLD)  # param: ln_f.bias; free: primals_29
+wait_tensor_27: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_27)  # free: all_gather_into_tensor_27
+view_54: f32[16] = aten.view(wait_tensor_27, [16])  # free: wait_tensor_27
+arange: i64[8] = aten.arange(8, device = device(type='cpu'), pin_memory = False)
+embedding: f32[2, 8, 16] = aten.embedding(view_27, primals_1)
+embedding_1: f32[8, 16] = aten.embedding(view_28, arange)  # free: view_28
+add: f32[2, 8, 16] = aten.add.Tensor(embedding, embedding_1)  # free: embedding, embedding_1
+native_layer_norm: (f32[2, 8, 16], f32[2, 8, 1], f32[2, 8, 1]) = aten.native_layer_norm(add, [16], view_29, view_30, 1e-05)
+getitem: f32[2, 8, 16] = native_layer_norm[0]
+getitem_1: f32[2, 8, 1] = native_layer_norm[1]
+getitem_2: f32[2, 8, 1] = native_layer_norm[2]  # free: native_layer_norm
+view: f32[16, 16] = aten.view(getitem, [16, 16])  # free: getitem
+t: f32[16, 48] = aten.t(view_31)  # free: view_31
+addmm: f32[16, 48] = aten.addmm(view_32, view, t)  # free: view_32
+view_1: f32[2, 8, 48] = aten.view(addmm, [2, 8, 48])  # free: addmm
+split: (f32[2, 8, 16], f32[2, 8, 16], f32[2, 8, 16]) = aten.split.Tensor(view_1, 16, 2)  # free: view_1
+getitem_3: f32[2, 8, 16] = split[0]
+getitem_4: f32[2, 8, 16] = split[1]
+getitem_5: f32[2, 8, 16] = split[2]  # free: split
+view_2: f32[2, 8, 2, 8] = aten.view(getitem_3, [2, 8, 2, 8])  # free: getitem_3
+transpose: f32[2, 2, 8, 8] = aten.transpose.int(view_2, 1, 2)  # free: view_2
+view_3: f32[2, 8, 2, 8] = aten.view(getitem_4, [2, 8, 2, 8])  # free: getitem_4
+transpose_1: f32[2, 2, 8, 8] = aten.transpose.int(view_3, 1, 2)  # free: view_3
+view_4: f32[2, 8, 2, 8] = aten.view(getitem_5, [2, 8, 2, 8])  # free: getitem_5
+transpose_2: f32[2, 2, 8, 8] = aten.transpose.int(view_4, 1, 2)  # free: view_4
+_scaled_dot_product_flash_attention_for_cpu: (f32[2, 2, 8, 8], f32[2, 2, 8]) = aten._scaled_dot_product_flash_attention_for_cpu(transpose, transpose_1, transpose_2, 0.0, True)
+getitem_6: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu[0]
+getitem_7: f32[2, 2, 8] = _scaled_dot_product_flash_attention_for_cpu[1]  # free: _scaled_dot_product_flash_attention_for_cpu
+detach: f32[2, 2, 8, 8] = aten.detach(getitem_6)
+transpose_3: f32[2, 8, 2, 8] = aten.transpose.int(getitem_6, 1, 2)  # free: getitem_6
+view_5: f32[2, 8, 16] = aten.view(transpose_3, [2, 8, 16])  # free: transpose_3
+view_6: f32[16, 16] = aten.view(view_5, [16, 16])  # free: view_5
+t_1: f32[16, 16] = aten.t(view_33)  # free: view_33
+addmm_1: f32[16, 16] = aten.addmm(view_34, view_6, t_1)  # free: view_34
+view_7: f32[2, 8, 16] = aten.view(addmm_1, [2, 8, 16])  # free: addmm_1
+add_1: f32[2, 8, 16] = aten.add.Tensor(add, view_7)  # free: view_7
+native_layer_norm_1: (f32[2, 8, 16], f32[2, 8, 1], f32[2, 8, 1]) = aten.native_layer_norm(add_1, [16], view_35, view_36, 1e-05)
+getitem_8: f32[2, 8, 16] = native_layer_norm_1[0]
+getitem_9: f32[2, 8, 1] = native_layer_norm_1[1]
+getitem_10: f32[2, 8, 1] = native_layer_norm_1[2]  # free: native_layer_norm_1
+view_8: f32[16, 16] = aten.view(getitem_8, [16, 16])  # free: getitem_8
+t_2: f32[16, 64] = aten.t(view_37)  # free: view_37
+addmm_2: f32[16, 64] = aten.addmm(view_38, view_8, t_2)  # free: view_38
+view_9: f32[2, 8, 64] = aten.view(addmm_2, [2, 8, 64])
+gelu: f32[2, 8, 64] = aten.gelu(view_9)  # free: view_9
+view_10: f32[16, 64] = aten.view(gelu, [16, 64])  # free: gelu
+t_3: f32[64, 16] = aten.t(view_39)  # free: view_39
+addmm_3: f32[16, 16] = aten.addmm(view_40, view_10, t_3)  # free: view_40
+view_11: f32[2, 8, 16] = aten.view(addmm_3, [2, 8, 16])  # free: addmm_3
+add_2: f32[2, 8, 16] = aten.add.Tensor(add_1, view_11)  # free: view_11
+native_layer_norm_2: (f32[2, 8, 16], f32[2, 8, 1], f32[2, 8, 1]) = aten.native_layer_norm(add_2, [16], view_41, view_42, 1e-05)
+getitem_11: f32[2, 8, 16] = native_layer_norm_2[0]
+getitem_12: f32[2, 8, 1] = native_layer_norm_2[1]
+getitem_13: f32[2, 8, 1] = native_layer_norm_2[2]  # free: native_layer_norm_2
+view_12: f32[16, 16] = aten.view(getitem_11, [16, 16])  # free: getitem_11
+t_4: f32[16, 48] = aten.t(view_43)  # free: view_43
+addmm_4: f32[16, 48] = aten.addmm(view_44, view_12, t_4)  # free: view_44
+view_13: f32[2, 8, 48] = aten.view(addmm_4, [2, 8, 48])  # free: addmm_4
+split_1: (f32[2, 8, 16], f32[2, 8, 16], f32[2, 8, 16]) = aten.split.Tensor(view_13, 16, 2)  # free: view_13
+getitem_14: f32[2, 8, 16] = split_1[0]
+getitem_15: f32[2, 8, 16] = split_1[1]
+getitem_16: f32[2, 8, 16] = split_1[2]  # free: split_1
+view_14: f32[2, 8, 2, 8] = aten.view(getitem_14, [2, 8, 2, 8])  # free: getitem_14
+transpose_4: f32[2, 2, 8, 8] = aten.transpose.int(view_14, 1, 2)  # free: view_14
+view_15: f32[2, 8, 2, 8] = aten.view(getitem_15, [2, 8, 2, 8])  # free: getitem_15
+transpose_5: f32[2, 2, 8, 8] = aten.transpose.int(view_15, 1, 2)  # free: view_15
+view_16: f32[2, 8, 2, 8] = aten.view(getitem_16, [2, 8, 2, 8])  # free: getitem_16
+transpose_6: f32[2, 2, 8, 8] = aten.transpose.int(view_16, 1, 2)  # free: view_16
+_scaled_dot_product_flash_attention_for_cpu_1: (f32[2, 2, 8, 8], f32[2, 2, 8]) = aten._scaled_dot_product_flash_attention_for_cpu(transpose_4, transpose_5, transpose_6, 0.0, True)
+getitem_17: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_1[0]
+getitem_18: f32[2, 2, 8] = _scaled_dot_product_flash_attention_for_cpu_1[1]  # free: _scaled_dot_product_flash_attention_for_cpu_1
+detach_1: f32[2, 2, 8, 8] = aten.detach(getitem_17)
+transpose_7: f32[2, 8, 2, 8] = aten.transpose.int(getitem_17, 1, 2)  # free: getitem_17
+view_17: f32[2, 8, 16] = aten.view(transpose_7, [2, 8, 16])  # free: transpose_7
+view_18: f32[16, 16] = aten.view(view_17, [16, 16])  # free: view_17
+t_5: f32[16, 16] = aten.t(view_45)  # free: view_45
+addmm_5: f32[16, 16] = aten.addmm(view_46, view_18, t_5)  # free: view_46
+view_19: f32[2, 8, 16] = aten.view(addmm_5, [2, 8, 16])  # free: addmm_5
+add_3: f32[2, 8, 16] = aten.add.Tensor(add_2, view_19)  # free: view_19
+native_layer_norm_3: (f32[2, 8, 16], f32[2, 8, 1], f32[2, 8, 1]) = aten.native_layer_norm(add_3, [16], view_47, view_48, 1e-05)
+getitem_19: f32[2, 8, 16] = native_layer_norm_3[0]
+getitem_20: f32[2, 8, 1] = native_layer_norm_3[1]
+getitem_21: f32[2, 8, 1] = native_layer_norm_3[2]  # free: native_layer_norm_3
+view_20: f32[16, 16] = aten.view(getitem_19, [16, 16])  # free: getitem_19
+t_6: f32[16, 64] = aten.t(view_49)  # free: view_49
+addmm_6: f32[16, 64] = aten.addmm(view_50, view_20, t_6)  # free: view_50
+view_21: f32[2, 8, 64] = aten.view(addmm_6, [2, 8, 64])
+gelu_1: f32[2, 8, 64] = aten.gelu(view_21)  # free: view_21
+view_22: f32[16, 64] = aten.view(gelu_1, [16, 64])  # free: gelu_1
+t_7: f32[64, 16] = aten.t(view_51)  # free: view_51
+addmm_7: f32[16, 16] = aten.addmm(view_52, view_22, t_7)  # free: view_52
+view_23: f32[2, 8, 16] = aten.view(addmm_7, [2, 8, 16])  # free: addmm_7
+add_4: f32[2, 8, 16] = aten.add.Tensor(add_3, view_23)  # free: view_23
+native_layer_norm_4: (f32[2, 8, 16], f32[2, 8, 1], f32[2, 8, 1]) = aten.native_layer_norm(add_4, [16], view_53, view_54, 1e-05)
+getitem_22: f32[2, 8, 16] = native_layer_norm_4[0]
+getitem_23: f32[2, 8, 1] = native_layer_norm_4[1]
+getitem_24: f32[2, 8, 1] = native_layer_norm_4[2]  # free: native_layer_norm_4
+t_8: f32[16, 32] = aten.t(view_27)  # free: view_27
+view_24: f32[16, 16] = aten.view(getitem_22, [16, 16])  # free: getitem_22
+mm: f32[16, 32] = aten.mm(view_24, t_8)
+_unsafe_view: f32[2, 8, 32] = aten._unsafe_view(mm, [2, 8, 32])  # free: mm
+view_25: f32[16, 32] = aten.view(_unsafe_view, [-1, 32])  # free: _unsafe_view
+view_26: i64[16] = aten.view(primals_30, [-1])  # free: primals_30
+_log_softmax: f32[16, 32] = aten._log_softmax(view_25, 1, False)  # free: view_25
+nll_loss_forward: (f32[], f32[]) = aten.nll_loss_forward(_log_softmax, view_26, None, 1, -100)
+getitem_25: f32[] = nll_loss_forward[0]
+getitem_26: f32[] = nll_loss_forward[1]  # free: nll_loss_forward
+t_11: f32[32, 16] = aten.t(t_8)  # free: t_8
+t_13: f32[16, 64] = aten.t(t_7)  # free: t_7
+t_17: f32[64, 16] = aten.t(t_6)  # free: t_6
+t_21: f32[16, 16] = aten.t(t_5)  # free: t_5
+detach_4: f32[2, 2, 8, 8] = aten.detach(detach_1)  # free: detach_1
+t_25: f32[48, 16] = aten.t(t_4)  # free: t_4
+t_29: f32[16, 64] = aten.t(t_3)  # free: t_3
+t_33: f32[64, 16] = aten.t(t_2)  # free: t_2
+t_37: f32[16, 16] = aten.t(t_1)  # free: t_1
+detach_5: f32[2, 2, 8, 8] = aten.detach(detach)  # free: detach
+t_41: f32[48, 16] = aten.t(t)  # free: t
+return (getitem_25, primals_1, arange, add, view_29, view_30, getitem_1, getitem_2, view, transpose, transpose_1, transpose_2, getitem_7, view_6, add_1, view_35, view_36, getitem_9, getitem_10, view_8, addmm_2, view_10, add_2, view_41, view_42, getitem_12, getitem_13, view_12, transpose_4, transpose_5, transpose_6, getitem_18, view_18, add_3, view_47, view_48, getitem_20, getitem_21, view_20, addmm_6, view_22, add_4, view_53, view_54, getitem_23, getitem_24, view_24, view_26, _log_softmax, getitem_26, t_11, t_13, t_17, t_21, detach_4, t_25, t_29, t_33, t_37, detach_5, t_41)""")
+        self.assertExpectedInline(backward, """\
+input primals_1: i64[2, 8]
+input arange: i64[8]
+input add: f32[2, 8, 16]
+input unshard_2: f32[16]
+input unshard_3: f32[16]
+input getitem_1: f32[2, 8, 1]
+input getitem_2: f32[2, 8, 1]
+input view: f32[16, 16]
+input transpose: f32[2, 2, 8, 8]
+input transpose_1: f32[2, 2, 8, 8]
+input transpose_2: f32[2, 2, 8, 8]
+input getitem_7: f32[2, 2, 8]
+input view_6: f32[16, 16]
+input add_1: f32[2, 8, 16]
+input unshard_8: f32[16]
+input unshard_9: f32[16]
+input getitem_9: f32[2, 8, 1]
+input getitem_10: f32[2, 8, 1]
+input view_8: f32[16, 16]
+input addmm_2: f32[16, 64]
+input view_10: f32[16, 64]
+input add_2: f32[2, 8, 16]
+input unshard_14: f32[16]
+input unshard_15: f32[16]
+input getitem_12: f32[2, 8, 1]
+input getitem_13: f32[2, 8, 1]
+input view_12: f32[16, 16]
+input transpose_4: f32[2, 2, 8, 8]
+input transpose_5: f32[2, 2, 8, 8]
+input transpose_6: f32[2, 2, 8, 8]
+input getitem_18: f32[2, 2, 8]
+input view_18: f32[16, 16]
+input add_3: f32[2, 8, 16]
+input unshard_20: f32[16]
+input unshard_21: f32[16]
+input getitem_20: f32[2, 8, 1]
+input getitem_21: f32[2, 8, 1]
+input view_20: f32[16, 16]
+input addmm_6: f32[16, 64]
+input view_22: f32[16, 64]
+input add_4: f32[2, 8, 16]
+input unshard_26: f32[16]
+input unshard_27: f32[16]
+input getitem_23: f32[2, 8, 1]
+input getitem_24: f32[2, 8, 1]
+input view_24: f32[16, 16]
+input view_26: i64[16]
+input _log_softmax: f32[16, 32]
+input getitem_26: f32[]
+input t_11: f32[32, 16]
+input t_13: f32[16, 64]
+input t_17: f32[64, 16]
+input t_21: f32[16, 16]
+input detach_4: f32[2, 2, 8, 8]
+input t_25: f32[48, 16]
+input t_29: f32[16, 64]
+input t_33: f32[64, 16]
+input t_37: f32[16, 16]
+input detach_5: f32[2, 2, 8, 8]
+input t_41: f32[48, 16]
+input tangents_1: f32[]
+nll_loss_backward: f32[16, 32] = aten.nll_loss_backward(tangents_1, _log_softmax, view_26, None, 1, -100, getitem_26)  # free: tangents_1, view_26, getitem_26
+detach_2: f32[16, 32] = aten.detach(_log_softmax)  # free: _log_softmax
+detach_3: f32[16, 32] = aten.detach(detach_2)  # free: detach_2
+_log_softmax_backward_data: f32[16, 32] = aten._log_softmax_backward_data(nll_loss_backward, detach_3, 1, torch.float32)  # free: nll_loss_backward, detach_3
+view_27: f32[2, 8, 32] = aten.view(_log_softmax_backward_data, [2, 8, 32])  # free: _log_softmax_backward_data
+view_28: f32[16, 32] = aten.view(view_27, [16, 32])  # free: view_27
+t_9: f32[32, 16] = aten.t(view_28)
+mm_1: f32[32, 16] = aten.mm(t_9, view_24)  # free: t_9, view_24
+t_10: f32[16, 32] = aten.t(mm_1)  # free: mm_1
+mm_2: f32[16, 16] = aten.mm(view_28, t_11)  # free: view_28, t_11
+view_29: f32[2, 8, 16] = aten.view(mm_2, [2, 8, 16])  # free: mm_2
+t_12: f32[32, 16] = aten.t(t_10)  # free: t_10
+native_layer_norm_backward: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_29, add_4, [16], getitem_23, getitem_24, unshard_26, unshard_27, [True, True, True])  # free: view_29, add_4, getitem_23, getitem_24, unshard_26, unshard_27
+getitem_27: f32[2, 8, 16] = native_layer_norm_backward[0]
+getitem_28: f32[16] = native_layer_norm_backward[1]
+getitem_29: f32[16] = native_layer_norm_backward[2]  # free: native_layer_norm_backward
+view_30: f32[16, 16] = aten.view(getitem_27, [16, 16])
+mm_3: f32[16, 64] = aten.mm(view_30, t_13)  # free: t_13
+t_14: f32[16, 16] = aten.t(view_30)
+mm_4: f32[16, 64] = aten.mm(t_14, view_22)  # free: t_14, view_22
+t_15: f32[64, 16] = aten.t(mm_4)  # free: mm_4
+sum_1: f32[1, 16] = aten.sum.dim_IntList(view_30, [0], True)  # free: view_30
+view_31: f32[16] = aten.view(sum_1, [16])  # free: sum_1
+t_16: f32[16, 64] = aten.t(t_15)  # free: t_15
+view_32: f32[2, 8, 64] = aten.view(mm_3, [2, 8, 64])  # free: mm_3
+view_21: f32[2, 8, 64] = aten.view(addmm_6, [2, 8, 64])  # free: addmm_6
+gelu_backward: f32[2, 8, 64] = aten.gelu_backward(view_32, view_21)  # free: view_32, view_21
+view_33: f32[16, 64] = aten.view(gelu_backward, [16, 64])  # free: gelu_backward
+mm_5: f32[16, 16] = aten.mm(view_33, t_17)  # free: t_17
+t_18: f32[64, 16] = aten.t(view_33)
+mm_6: f32[64, 16] = aten.mm(t_18, view_20)  # free: t_18, view_20
+t_19: f32[16, 64] = aten.t(mm_6)  # free: mm_6
+sum_2: f32[1, 64] = aten.sum.dim_IntList(view_33, [0], True)  # free: view_33
+view_34: f32[64] = aten.view(sum_2, [64])  # free: sum_2
+t_20: f32[64, 16] = aten.t(t_19)  # free: t_19
+view_35: f32[2, 8, 16] = aten.view(mm_5, [2, 8, 16])  # free: mm_5
+native_layer_norm_backward_1: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_35, add_3, [16], getitem_20, getitem_21, unshard_20, unshard_21, [True, True, True])  # free: view_35, add_3, getitem_20, getitem_21, unshard_20, unshard_21
+getitem_30: f32[2, 8, 16] = native_layer_norm_backward_1[0]
+getitem_31: f32[16] = native_layer_norm_backward_1[1]
+getitem_32: f32[16] = native_layer_norm_backward_1[2]  # free: native_layer_norm_backward_1
+add_5: f32[2, 8, 16] = aten.add.Tensor(getitem_27, getitem_30)  # free: getitem_27, getitem_30
+view_36: f32[16, 16] = aten.view(add_5, [16, 16])
+mm_7: f32[16, 16] = aten.mm(view_36, t_21)  # free: t_21
+t_22: f32[16, 16] = aten.t(view_36)
+mm_8: f32[16, 16] = aten.mm(t_22, view_18)  # free: t_22, view_18
+t_23: f32[16, 16] = aten.t(mm_8)  # free: mm_8
+sum_3: f32[1, 16] = aten.sum.dim_IntList(view_36, [0], True)  # free: view_36
+view_37: f32[16] = aten.view(sum_3, [16])  # free: sum_3
+t_24: f32[16, 16] = aten.t(t_23)  # free: t_23
+view_38: f32[2, 8, 16] = aten.view(mm_7, [2, 8, 16])  # free: mm_7
+view_39: f32[2, 8, 2, 8] = aten.view(view_38, [2, 8, 2, 8])  # free: view_38
+transpose_8: f32[2, 2, 8, 8] = aten.transpose.int(view_39, 1, 2)  # free: view_39
+_scaled_dot_product_flash_attention_for_cpu_backward: (f32[2, 2, 8, 8], f32[2, 2, 8, 8], f32[2, 2, 8, 8]) = aten._scaled_dot_product_flash_attention_for_cpu_backward(transpose_8, transpose_4, transpose_5, transpose_6, detach_4, getitem_18, 0.0, True)  # free: transpose_8, transpose_4, transpose_5, transpose_6, detach_4, getitem_18
+getitem_33: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[0]
+getitem_34: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[1]
+getitem_35: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[2]  # free: _scaled_dot_product_flash_attention_for_cpu_backward
+transpose_9: f32[2, 8, 2, 8] = aten.transpose.int(getitem_35, 1, 2)  # free: getitem_35
+view_40: f32[2, 8, 16] = aten.view(transpose_9, [2, 8, 16])  # free: transpose_9
+transpose_10: f32[2, 8, 2, 8] = aten.transpose.int(getitem_34, 1, 2)  # free: getitem_34
+view_41: f32[2, 8, 16] = aten.view(transpose_10, [2, 8, 16])  # free: transpose_10
+transpose_11: f32[2, 8, 2, 8] = aten.transpose.int(getitem_33, 1, 2)  # free: getitem_33
+view_42: f32[2, 8, 16] = aten.view(transpose_11, [2, 8, 16])  # free: transpose_11
+cat: f32[2, 8, 48] = aten.cat([view_42, view_41, view_40], 2)  # free: view_42, view_41, view_40
+view_43: f32[16, 48] = aten.view(cat, [16, 48])  # free: cat
+mm_9: f32[16, 16] = aten.mm(view_43, t_25)  # free: t_25
+t_26: f32[48, 16] = aten.t(view_43)
+mm_10: f32[48, 16] = aten.mm(t_26, view_12)  # free: t_26, view_12
+t_27: f32[16, 48] = aten.t(mm_10)  # free: mm_10
+sum_4: f32[1, 48] = aten.sum.dim_IntList(view_43, [0], True)  # free: view_43
+view_44: f32[48] = aten.view(sum_4, [48])  # free: sum_4
+t_28: f32[48, 16] = aten.t(t_27)  # free: t_27
+view_45: f32[2, 8, 16] = aten.view(mm_9, [2, 8, 16])  # free: mm_9
+native_layer_norm_backward_2: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_45, add_2, [16], getitem_12, getitem_13, unshard_14, unshard_15, [True, True, True])  # free: view_45, add_2, getitem_12, getitem_13, unshard_14, unshard_15
+getitem_36: f32[2, 8, 16] = native_layer_norm_backward_2[0]
+getitem_37: f32[16] = native_layer_norm_backward_2[1]
+getitem_38: f32[16] = native_layer_norm_backward_2[2]  # free: native_layer_norm_backward_2
+add_6: f32[2, 8, 16] = aten.add.Tensor(add_5, getitem_36)  # free: add_5, getitem_36
+view_46: f32[16, 16] = aten.view(add_6, [16, 16])
+mm_11: f32[16, 64] = aten.mm(view_46, t_29)  # free: t_29
+t_30: f32[16, 16] = aten.t(view_46)
+mm_12: f32[16, 64] = aten.mm(t_30, view_10)  # free: t_30, view_10
+t_31: f32[64, 16] = aten.t(mm_12)  # free: mm_12
+sum_5: f32[1, 16] = aten.sum.dim_IntList(view_46, [0], True)  # free: view_46
+view_47: f32[16] = aten.view(sum_5, [16])  # free: sum_5
+t_32: f32[16, 64] = aten.t(t_31)  # free: t_31
+view_48: f32[2, 8, 64] = aten.view(mm_11, [2, 8, 64])  # free: mm_11
+view_9: f32[2, 8, 64] = aten.view(addmm_2, [2, 8, 64])  # free: addmm_2
+gelu_backward_1: f32[2, 8, 64] = aten.gelu_backward(view_48, view_9)  # free: view_48, view_9
+view_49: f32[16, 64] = aten.view(gelu_backward_1, [16, 64])  # free: gelu_backward_1
+mm_13: f32[16, 16] = aten.mm(view_49, t_33)  # free: t_33
+t_34: f32[64, 16] = aten.t(view_49)
+mm_14: f32[64, 16] = aten.mm(t_34, view_8)  # free: t_34, view_8
+t_35: f32[16, 64] = aten.t(mm_14)  # free: mm_14
+sum_6: f32[1, 64] = aten.sum.dim_IntList(view_49, [0], True)  # free: view_49
+view_50: f32[64] = aten.view(sum_6, [64])  # free: sum_6
+t_36: f32[64, 16] = aten.t(t_35)  # free: t_35
+view_51: f32[2, 8, 16] = aten.view(mm_13, [2, 8, 16])  # free: mm_13
+native_layer_norm_backward_3: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_51, add_1, [16], getitem_9, getitem_10, unshard_8, unshard_9, [True, True, True])  # free: view_51, add_1, getitem_9, getitem_10, unshard_8, unshard_9
+getitem_39: f32[2, 8, 16] = native_layer_norm_backward_3[0]
+getitem_40: f32[16] = native_layer_norm_backward_3[1]
+getitem_41: f32[16] = native_layer_norm_backward_3[2]  # free: native_layer_norm_backward_3
+add_7: f32[2, 8, 16] = aten.add.Tensor(add_6, getitem_39)  # free: add_6, getitem_39
+view_52: f32[16, 16] = aten.view(add_7, [16, 16])
+mm_15: f32[16, 16] = aten.mm(view_52, t_37)  # free: t_37
+t_38: f32[16, 16] = aten.t(view_52)
+mm_16: f32[16, 16] = aten.mm(t_38, view_6)  # free: t_38, view_6
+t_39: f32[16, 16] = aten.t(mm_16)  # free: mm_16
+sum_7: f32[1, 16] = aten.sum.dim_IntList(view_52, [0], True)  # free: view_52
+view_53: f32[16] = aten.view(sum_7, [16])  # free: sum_7
+t_40: f32[16, 16] = aten.t(t_39)  # free: t_39
+view_54: f32[2, 8, 16] = aten.view(mm_15, [2, 8, 16])  # free: mm_15
+view_55: f32[2, 8, 2, 8] = aten.view(view_54, [2, 8, 2, 8])  # free: view_54
+transpose_12: f32[2, 2, 8, 8] = aten.transpose.int(view_55, 1, 2)  # free: view_55
+_scaled_dot_product_flash_attention_for_cpu_backward_1: (f32[2, 2, 8, 8], f32[2, 2, 8, 8], f32[2, 2, 8, 8]) = aten._scaled_dot_product_flash_attention_for_cpu_backward(transpose_12, transpose, transpose_1, transpose_2, detach_5, getitem_7, 0.0, True)  # free: transpose_12, transpose, transpose_1, transpose_2, detach_5, getitem_7
+getitem_42: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[0]
+getitem_43: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[1]
+getitem_44: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[2]  # free: _scaled_dot_product_flash_attention_for_cpu_backward_1
+transpose_13: f32[2, 8, 2, 8] = aten.transpose.int(getitem_44, 1, 2)  # free: getitem_44
+view_56: f32[2, 8, 16] = aten.view(transpose_13, [2, 8, 16])  # free: transpose_13
+transpose_14: f32[2, 8, 2, 8] = aten.transpose.int(getitem_43, 1, 2)  # free: getitem_43
+view_57: f32[2, 8, 16] = aten.view(transpose_14, [2, 8, 16])  # free: transpose_14
+transpose_15: f32[2, 8, 2, 8] = aten.transpose.int(getitem_42, 1, 2)  # free: getitem_42
+view_58: f32[2, 8, 16] = aten.view(transpose_15, [2, 8, 16])  # free: transpose_15
+cat_1: f32[2, 8, 48] = aten.cat([view_58, view_57, view_56], 2)  # free: view_58, view_57, view_56
+view_59: f32[16, 48] = aten.view(cat_1, [16, 48])  # free: cat_1
+mm_17: f32[16, 16] = aten.mm(view_59, t_41)  # free: t_41
+t_42: f32[48, 16] = aten.t(view_59)
+mm_18: f32[48, 16] = aten.mm(t_42, view)  # free: t_42, view
+t_43: f32[16, 48] = aten.t(mm_18)  # free: mm_18
+sum_8: f32[1, 48] = aten.sum.dim_IntList(view_59, [0], True)  # free: view_59
+view_60: f32[48] = aten.view(sum_8, [48])  # free: sum_8
+t_44: f32[48, 16] = aten.t(t_43)  # free: t_43
+view_61: f32[2, 8, 16] = aten.view(mm_17, [2, 8, 16])  # free: mm_17
+native_layer_norm_backward_4: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_61, add, [16], getitem_1, getitem_2, unshard_2, unshard_3, [True, True, True])  # free: view_61, add, getitem_1, getitem_2, unshard_2, unshard_3
+getitem_45: f32[2, 8, 16] = native_layer_norm_backward_4[0]
+getitem_46: f32[16] = native_layer_norm_backward_4[1]
+getitem_47: f32[16] = native_layer_norm_backward_4[2]  # free: native_layer_norm_backward_4
+add_8: f32[2, 8, 16] = aten.add.Tensor(add_7, getitem_45)  # free: add_7, getitem_45
+sum_9: f32[1, 8, 16] = aten.sum.dim_IntList(add_8, [0], True)
+view_62: f32[8, 16] = aten.view(sum_9, [8, 16])  # free: sum_9
+embedding_dense_backward: f32[8, 16] = aten.embedding_dense_backward(view_62, arange, 8, -1, False)  # free: view_62, arange
+embedding_dense_backward_1: f32[32, 16] = aten.embedding_dense_backward(add_8, primals_1, 32, -1, False)  # free: add_8, primals_1
+add_9: f32[32, 16] = aten.add.Tensor(t_12, embedding_dense_backward_1)  # free: t_12, embedding_dense_backward_1
+view_63: f32[16] = aten.view(getitem_29, [-1])  # free: getitem_29
+reduce_scatter_tensor: f32[4] = _c10d_functional.reduce_scatter_tensor(view_63, 'avg', 4, WORLD)  # param: ln_f.bias; free: view_63
+wait_tensor: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
+view_64: f32[16] = aten.view(getitem_28, [-1])  # free: getitem_28
+reduce_scatter_tensor_1: f32[4] = _c10d_functional.reduce_scatter_tensor(view_64, 'avg', 4, WORLD)  # param: ln_f.weight; free: view_64
+wait_tensor_1: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_1)  # free: reduce_scatter_tensor_1
+view_65: f32[16] = aten.view(view_31, [-1])  # free: view_31
+reduce_scatter_tensor_2: f32[4] = _c10d_functional.reduce_scatter_tensor(view_65, 'avg', 4, WORLD)  # param: blocks.1.out.bias; free: view_65
+wait_tensor_2: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_2)  # free: reduce_scatter_tensor_2
+view_66: f32[1024] = aten.view(t_16, [-1])  # free: t_16
+reduce_scatter_tensor_3: f32[256] = _c10d_functional.reduce_scatter_tensor(view_66, 'avg', 4, WORLD)  # param: blocks.1.out.weight; free: view_66
+wait_tensor_3: f32[256] = _c10d_functional.wait_tensor(reduce_scatter_tensor_3)  # free: reduce_scatter_tensor_3
+view_67: f32[64] = aten.view(view_34, [-1])  # free: view_34
+reduce_scatter_tensor_4: f32[16] = _c10d_functional.reduce_scatter_tensor(view_67, 'avg', 4, WORLD)  # param: blocks.1.fc.bias; free: view_67
+wait_tensor_4: f32[16] = _c10d_functional.wait_tensor(reduce_scatter_tensor_4)  # free: reduce_scatter_tensor_4
+view_68: f32[1024] = aten.view(t_20, [-1])  # free: t_20
+reduce_scatter_tensor_5: f32[256] = _c10d_functional.reduce_scatter_tensor(view_68, 'avg', 4, WORLD)  # param: blocks.1.fc.weight; free: view_68
+wait_tensor_5: f32[256] = _c10d_functional.wait_tensor(reduce_scatter_tensor_5)  # free: reduce_scatter_tensor_5
+view_69: f32[16] = aten.view(getitem_32, [-1])  # free: getitem_32
+reduce_scatter_tensor_6: f32[4] = _c10d_functional.reduce_scatter_tensor(view_69, 'avg', 4, WORLD)  # param: blocks.1.ln2.bias; free: view_69
+wait_tensor_6: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_6)  # free: reduce_scatter_tensor_6
+view_70: f32[16] = aten.view(getitem_31, [-1])  # free: getitem_31
+reduce_scatter_tensor_7: f32[4] = _c10d_functional.reduce_scatter_tensor(view_70, 'avg', 4, WORLD)  # param: blocks.1.ln2.weight; free: view_70
+wait_tensor_7: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_7)  # free: reduce_scatter_tensor_7
+view_71: f32[16] = aten.view(view_37, [-1])  # free: view_37
+reduce_scatter_tensor_8: f32[4] = _c10d_functional.reduce_scatter_tensor(view_71, 'avg', 4, WORLD)  # param: blocks.1.attn.proj.bias; free: view_71
+wait_tensor_8: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_8)  # free: reduce_scatter_tensor_8
+view_72: f32[256] = aten.view(t_24, [-1])  # free: t_24
+reduce_scatter_tensor_9: f32[64] = _c10d_functional.reduce_scatter_tensor(view_72, 'avg', 4, WORLD)  # param: blocks.1.attn.proj.weight; free: view_72
+wait_tensor_9: f32[64] = _c10d_functional.wait_tensor(reduce_scatter_tensor_9)  # free: reduce_scatter_tensor_9
+view_73: f32[48] = aten.view(view_44, [-1])  # free: view_44
+reduce_scatter_tensor_10: f32[12] = _c10d_functional.reduce_scatter_tensor(view_73, 'avg', 4, WORLD)  # param: blocks.1.attn.qkv.bias; free: view_73
+wait_tensor_10: f32[12] = _c10d_functional.wait_tensor(reduce_scatter_tensor_10)  # free: reduce_scatter_tensor_10
+view_74: f32[768] = aten.view(t_28, [-1])  # free: t_28
+reduce_scatter_tensor_11: f32[192] = _c10d_functional.reduce_scatter_tensor(view_74, 'avg', 4, WORLD)  # param: blocks.1.attn.qkv.weight; free: view_74
+wait_tensor_11: f32[192] = _c10d_functional.wait_tensor(reduce_scatter_tensor_11)  # free: reduce_scatter_tensor_11
+view_75: f32[16] = aten.view(getitem_38, [-1])  # free: getitem_38
+reduce_scatter_tensor_12: f32[4] = _c10d_functional.reduce_scatter_tensor(view_75, 'avg', 4, WORLD)  # param: blocks.1.ln1.bias; free: view_75
+wait_tensor_12: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_12)  # free: reduce_scatter_tensor_12
+view_76: f32[16] = aten.view(getitem_37, [-1])  # free: getitem_37
+reduce_scatter_tensor_13: f32[4] = _c10d_functional.reduce_scatter_tensor(view_76, 'avg', 4, WORLD)  # param: blocks.1.ln1.weight; free: view_76
+wait_tensor_13: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_13)  # free: reduce_scatter_tensor_13
+view_77: f32[16] = aten.view(view_47, [-1])  # free: view_47
+reduce_scatter_tensor_14: f32[4] = _c10d_functional.reduce_scatter_tensor(view_77, 'avg', 4, WORLD)  # param: blocks.0.out.bias; free: view_77
+wait_tensor_14: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_14)  # free: reduce_scatter_tensor_14
+view_78: f32[1024] = aten.view(t_32, [-1])  # free: t_32
+reduce_scatter_tensor_15: f32[256] = _c10d_functional.reduce_scatter_tensor(view_78, 'avg', 4, WORLD)  # param: blocks.0.out.weight; free: view_78
+wait_tensor_15: f32[256] = _c10d_functional.wait_tensor(reduce_scatter_tensor_15)  # free: reduce_scatter_tensor_15
+view_79: f32[64] = aten.view(view_50, [-1])  # free: view_50
+reduce_scatter_tensor_16: f32[16] = _c10d_functional.reduce_scatter_tensor(view_79, 'avg', 4, WORLD)  # param: blocks.0.fc.bias; free: view_79
+wait_tensor_16: f32[16] = _c10d_functional.wait_tensor(reduce_scatter_tensor_16)  # free: reduce_scatter_tensor_16
+view_80: f32[1024] = aten.view(t_36, [-1])  # free: t_36
+reduce_scatter_tensor_17: f32[256] = _c10d_functional.reduce_scatter_tensor(view_80, 'avg', 4, WORLD)  # param: blocks.0.fc.weight; free: view_80
+wait_tensor_17: f32[256] = _c10d_functional.wait_tensor(reduce_scatter_tensor_17)  # free: reduce_scatter_tensor_17
+view_81: f32[16] = aten.view(getitem_41, [-1])  # free: getitem_41
+reduce_scatter_tensor_18: f32[4] = _c10d_functional.reduce_scatter_tensor(view_81, 'avg', 4, WORLD)  # param: blocks.0.ln2.bias; free: view_81
+wait_tensor_18: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_18)  # free: reduce_scatter_tensor_18
+view_82: f32[16] = aten.view(getitem_40, [-1])  # free: getitem_40
+reduce_scatter_tensor_19: f32[4] = _c10d_functional.reduce_scatter_tensor(view_82, 'avg', 4, WORLD)  # param: blocks.0.ln2.weight; free: view_82
+wait_tensor_19: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_19)  # free: reduce_scatter_tensor_19
+view_83: f32[16] = aten.view(view_53, [-1])  # free: view_53
+reduce_scatter_tensor_20: f32[4] = _c10d_functional.reduce_scatter_tensor(view_83, 'avg', 4, WORLD)  # param: blocks.0.attn.proj.bias; free: view_83
+wait_tensor_20: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_20)  # free: reduce_scatter_tensor_20
+view_84: f32[256] = aten.view(t_40, [-1])  # free: t_40
+reduce_scatter_tensor_21: f32[64] = _c10d_functional.reduce_scatter_tensor(view_84, 'avg', 4, WORLD)  # param: blocks.0.attn.proj.weight; free: view_84
+wait_tensor_21: f32[64] = _c10d_functional.wait_tensor(reduce_scatter_tensor_21)  # free: reduce_scatter_tensor_21
+view_85: f32[48] = aten.view(view_60, [-1])  # free: view_60
+reduce_scatter_tensor_22: f32[12] = _c10d_functional.reduce_scatter_tensor(view_85, 'avg', 4, WORLD)  # param: blocks.0.attn.qkv.bias; free: view_85
+wait_tensor_22: f32[12] = _c10d_functional.wait_tensor(reduce_scatter_tensor_22)  # free: reduce_scatter_tensor_22
+view_86: f32[768] = aten.view(t_44, [-1])  # free: t_44
+reduce_scatter_tensor_23: f32[192] = _c10d_functional.reduce_scatter_tensor(view_86, 'avg', 4, WORLD)  # param: blocks.0.attn.qkv.weight; free: view_86
+wait_tensor_23: f32[192] = _c10d_functional.wait_tensor(reduce_scatter_tensor_23)  # free: reduce_scatter_tensor_23
+view_87: f32[16] = aten.view(getitem_47, [-1])  # free: getitem_47
+reduce_scatter_tensor_24: f32[4] = _c10d_functional.reduce_scatter_tensor(view_87, 'avg', 4, WORLD)  # param: blocks.0.ln1.bias; free: view_87
+wait_tensor_24: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_24)  # free: reduce_scatter_tensor_24
+view_88: f32[16] = aten.view(getitem_46, [-1])  # free: getitem_46
+reduce_scatter_tensor_25: f32[4] = _c10d_functional.reduce_scatter_tensor(view_88, 'avg', 4, WORLD)  # param: blocks.0.ln1.weight; free: view_88
+wait_tensor_25: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_25)  # free: reduce_scatter_tensor_25
+view_89: f32[128] = aten.view(embedding_dense_backward, [-1])  # free: embedding_dense_backward
+reduce_scatter_tensor_26: f32[32] = _c10d_functional.reduce_scatter_tensor(view_89, 'avg', 4, WORLD)  # param: wpe.weight; free: view_89
+wait_tensor_26: f32[32] = _c10d_functional.wait_tensor(reduce_scatter_tensor_26)  # free: reduce_scatter_tensor_26
+view_90: f32[512] = aten.view(add_9, [-1])  # free: add_9
+reduce_scatter_tensor_27: f32[128] = _c10d_functional.reduce_scatter_tensor(view_90, 'avg', 4, WORLD)  # param: wte.weight; free: view_90
+wait_tensor_27: f32[128] = _c10d_functional.wait_tensor(reduce_scatter_tensor_27)  # free: reduce_scatter_tensor_27
+return (None, wait_tensor_27, wait_tensor_26, wait_tensor_25, wait_tensor_24, wait_tensor_23, wait_tensor_22, wait_tensor_21, wait_tensor_20, wait_tensor_19, wait_tensor_18, wait_tensor_17, wait_tensor_16, wait_tensor_15, wait_tensor_14, wait_tensor_13, wait_tensor_12, wait_tensor_11, wait_tensor_10, wait_tensor_9, wait_tensor_8, wait_tensor_7, wait_tensor_6, wait_tensor_5, wait_tensor_4, wait_tensor_3, wait_tensor_2, wait_tensor_1, wait_tensor, None)""")
+
+    def test_stage_2(self) -> None:
+        forward, backward = gpt_graphs(2)
+        self.assertExpectedInline(forward, """\
+input primals_1: i64[2, 8]
+input primals_2: f32[128]
+input primals_3: f32[32]
+input primals_4: f32[4]
+input primals_5: f32[4]
+input primals_6: f32[192]
+input primals_7: f32[12]
+input primals_8: f32[64]
+input primals_9: f32[4]
+input primals_10: f32[4]
+input primals_11: f32[4]
+input primals_12: f32[256]
+input primals_13: f32[16]
+input primals_14: f32[256]
+input primals_15: f32[4]
+input primals_16: f32[4]
+input primals_17: f32[4]
+input primals_18: f32[192]
+input primals_19: f32[12]
+input primals_20: f32[64]
+input primals_21: f32[4]
+input primals_22: f32[4]
+input primals_23: f32[4]
+input primals_24: f32[256]
+input primals_25: f32[16]
+input primals_26: f32[256]
+input primals_27: f32[4]
+input primals_28: f32[4]
+input primals_29: f32[4]
+input primals_30: i64[2, 8]
+all_gather_into_tensor: f32[512] = _c10d_functional.all_gather_into_tensor(primals_2, 4, WORLD)  # param: wte.weight; free: primals_2
+wait_tensor: f32[512] = _c10d_functional.wait_tensor(all_gather_into_tensor)  # free: all_gather_into_tensor
+view_27: f32[32, 16] = aten.view(wait_tensor, [32, 16])  # free: wait_tensor
+all_gather_into_tensor_1: f32[128] = _c10d_functional.all_gather_into_tensor(primals_3, 4, WORLD)  # param: wpe.weight; free: primals_3
+wait_tensor_1: f32[128] = _c10d_functional.wait_tensor(all_gather_into_tensor_1)  # free: all_gather_into_tensor_1
+view_28: f32[8, 16] = aten.view(wait_tensor_1, [8, 16])  # free: wait_tensor_1
+all_gather_into_tensor_2: f32[16] = _c10d_functional.all_gather_into_tensor(primals_4, 4, WORLD)  # param: blocks.0.ln1.weight; free: primals_4
+wait_tensor_2: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_2)  # free: all_gather_into_tensor_2
+view_29: f32[16] = aten.view(wait_tensor_2, [16])  # free: wait_tensor_2
+all_gather_into_tensor_3: f32[16] = _c10d_functional.all_gather_into_tensor(primals_5, 4, WORLD)  # param: blocks.0.ln1.bias; free: primals_5
+wait_tensor_3: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_3)  # free: all_gather_into_tensor_3
+view_30: f32[16] = aten.view(wait_tensor_3, [16])  # free: wait_tensor_3
+all_gather_into_tensor_4: f32[768] = _c10d_functional.all_gather_into_tensor(primals_6, 4, WORLD)  # param: blocks.0.attn.qkv.weight; free: primals_6
+wait_tensor_4: f32[768] = _c10d_functional.wait_tensor(all_gather_into_tensor_4)  # free: all_gather_into_tensor_4
+view_31: f32[48, 16] = aten.view(wait_tensor_4, [48, 16])  # free: wait_tensor_4
+all_gather_into_tensor_5: f32[48] = _c10d_functional.all_gather_into_tensor(primals_7, 4, WORLD)  # param: blocks.0.attn.qkv.bias; free: primals_7
+wait_tensor_5: f32[48] = _c10d_functional.wait_tensor(all_gather_into_tensor_5)  # free: all_gather_into_tensor_5
+view_32: f32[48] = aten.view(wait_tensor_5, [48])  # free: wait_tensor_5
+all_gather_into_tensor_6: f32[256] = _c10d_functional.all_gather_into_tensor(primals_8, 4, WORLD)  # param: blocks.0.attn.proj.weight; free: primals_8
+wait_tensor_6: f32[256] = _c10d_functional.wait_tensor(all_gather_into_tensor_6)  # free: all_gather_into_tensor_6
+view_33: f32[16, 16] = aten.view(wait_tensor_6, [16, 16])  # free: wait_tensor_6
+all_gather_into_tensor_7: f32[16] = _c10d_functional.all_gather_into_tensor(primals_9, 4, WORLD)  # param: blocks.0.attn.proj.bias; free: primals_9
+wait_tensor_7: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_7)  # free: all_gather_into_tensor_7
+view_34: f32[16] = aten.view(wait_tensor_7, [16])  # free: wait_tensor_7
+all_gather_into_tensor_8: f32[16] = _c10d_functional.all_gather_into_tensor(primals_10, 4, WORLD)  # param: blocks.0.ln2.weight; free: primals_10
+wait_tensor_8: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_8)  # free: all_gather_into_tensor_8
+view_35: f32[16] = aten.view(wait_tensor_8, [16])  # free: wait_tensor_8
+all_gather_into_tensor_9: f32[16] = _c10d_functional.all_gather_into_tensor(primals_11, 4, WORLD)  # param: blocks.0.ln2.bias; free: primals_11
+wait_tensor_9: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_9)  # free: all_gather_into_tensor_9
+view_36: f32[16] = aten.view(wait_tensor_9, [16])  # free: wait_tensor_9
+all_gather_into_tensor_10: f32[1024] = _c10d_functional.all_gather_into_tensor(primals_12, 4, WORLD)  # param: blocks.0.fc.weight; free: primals_12
+wait_tensor_10: f32[1024] = _c10d_functional.wait_tensor(all_gather_into_tensor_10)  # free: all_gather_into_tensor_10
+view_37: f32[64, 16] = aten.view(wait_tensor_10, [64, 16])  # free: wait_tensor_10
+all_gather_into_tensor_11: f32[64] = _c10d_functional.all_gather_into_tensor(primals_13, 4, WORLD)  # param: blocks.0.fc.bias; free: primals_13
+wait_tensor_11: f32[64] = _c10d_functional.wait_tensor(all_gather_into_tensor_11)  # free: all_gather_into_tensor_11
+view_38: f32[64] = aten.view(wait_tensor_11, [64])  # free: wait_tensor_11
+all_gather_into_tensor_12: f32[1024] = _c10d_functional.all_gather_into_tensor(primals_14, 4, WORLD)  # param: blocks.0.out.weight; free: primals_14
+wait_tensor_12: f32[1024] = _c10d_functional.wait_tensor(all_gather_into_tensor_12)  # free: all_gather_into_tensor_12
+view_39: f32[16, 64] = aten.view(wait_tensor_12, [16, 64])  # free: wait_tensor_12
+all_gather_into_tensor_13: f32[16] = _c10d_functional.all_gather_into_tensor(primals_15, 4, WORLD)  # param: blocks.0.out.bias; free: primals_15
+wait_tensor_13: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_13)  # free: all_gather_into_tensor_13
+view_40: f32[16] = aten.view(wait_tensor_13, [16])  # free: wait_tensor_13
+all_gather_into_tensor_14: f32[16] = _c10d_functional.all_gather_into_tensor(primals_16, 4, WORLD)  # param: blocks.1.ln1.weight; free: primals_16
+wait_tensor_14: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_14)  # free: all_gather_into_tensor_14
+view_41: f32[16] = aten.view(wait_tensor_14, [16])  # free: wait_tensor_14
+all_gather_into_tensor_15: f32[16] = _c10d_functional.all_gather_into_tensor(primals_17, 4, WORLD)  # param: blocks.1.ln1.bias; free: primals_17
+wait_tensor_15: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_15)  # free: all_gather_into_tensor_15
+view_42: f32[16] = aten.view(wait_tensor_15, [16])  # free: wait_tensor_15
+all_gather_into_tensor_16: f32[768] = _c10d_functional.all_gather_into_tensor(primals_18, 4, WORLD)  # param: blocks.1.attn.qkv.weight; free: primals_18
+wait_tensor_16: f32[768] = _c10d_functional.wait_tensor(all_gather_into_tensor_16)  # free: all_gather_into_tensor_16
+view_43: f32[48, 16] = aten.view(wait_tensor_16, [48, 16])  # free: wait_tensor_16
+all_gather_into_tensor_17: f32[48] = _c10d_functional.all_gather_into_tensor(primals_19, 4, WORLD)  # param: blocks.1.attn.qkv.bias; free: primals_19
+wait_tensor_17: f32[48] = _c10d_functional.wait_tensor(all_gather_into_tensor_17)  # free: all_gather_into_tensor_17
+view_44: f32[48] = aten.view(wait_tensor_17, [48])  # free: wait_tensor_17
+all_gather_into_tensor_18: f32[256] = _c10d_functional.all_gather_into_tensor(primals_20, 4, WORLD)  # param: blocks.1.attn.proj.weight; free: primals_20
+wait_tensor_18: f32[256] = _c10d_functional.wait_tensor(all_gather_into_tensor_18)  # free: all_gather_into_tensor_18
+view_45: f32[16, 16] = aten.view(wait_tensor_18, [16, 16])  # free: wait_tensor_18
+all_gather_into_tensor_19: f32[16] = _c10d_functional.all_gather_into_tensor(primals_21, 4, WORLD)  # param: blocks.1.attn.proj.bias; free: primals_21
+wait_tensor_19: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_19)  # free: all_gather_into_tensor_19
+view_46: f32[16] = aten.view(wait_tensor_19, [16])  # free: wait_tensor_19
+all_gather_into_tensor_20: f32[16] = _c10d_functional.all_gather_into_tensor(primals_22, 4, WORLD)  # param: blocks.1.ln2.weight; free: primals_22
+wait_tensor_20: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_20)  # free: all_gather_into_tensor_20
+view_47: f32[16] = aten.view(wait_tensor_20, [16])  # free: wait_tensor_20
+all_gather_into_tensor_21: f32[16] = _c10d_functional.all_gather_into_tensor(primals_23, 4, WORLD)  # param: blocks.1.ln2.bias; free: primals_23
+wait_tensor_21: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_21)  # free: all_gather_into_tensor_21
+view_48: f32[16] = aten.view(wait_tensor_21, [16])  # free: wait_tensor_21
+all_gather_into_tensor_22: f32[1024] = _c10d_functional.all_gather_into_tensor(primals_24, 4, WORLD)  # param: blocks.1.fc.weight; free: primals_24
+wait_tensor_22: f32[1024] = _c10d_functional.wait_tensor(all_gather_into_tensor_22)  # free: all_gather_into_tensor_22
+view_49: f32[64, 16] = aten.view(wait_tensor_22, [64, 16])  # free: wait_tensor_22
+all_gather_into_tensor_23: f32[64] = _c10d_functional.all_gather_into_tensor(primals_25, 4, WORLD)  # param: blocks.1.fc.bias; free: primals_25
+wait_tensor_23: f32[64] = _c10d_functional.wait_tensor(all_gather_into_tensor_23)  # free: all_gather_into_tensor_23
+view_50: f32[64] = aten.view(wait_tensor_23, [64])  # free: wait_tensor_23
+all_gather_into_tensor_24: f32[1024] = _c10d_functional.all_gather_into_tensor(primals_26, 4, WORLD)  # param: blocks.1.out.weight; free: primals_26
+wait_tensor_24: f32[1024] = _c10d_functional.wait_tensor(all_gather_into_tensor_24)  # free: all_gather_into_tensor_24
+view_51: f32[16, 64] = aten.view(wait_tensor_24, [16, 64])  # free: wait_tensor_24
+all_gather_into_tensor_25: f32[16] = _c10d_functional.all_gather_into_tensor(primals_27, 4, WORLD)  # param: blocks.1.out.bias; free: primals_27
+wait_tensor_25: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_25)  # free: all_gather_into_tensor_25
+view_52: f32[16] = aten.view(wait_tensor_25, [16])  # free: wait_tensor_25
+all_gather_into_tensor_26: f32[16] = _c10d_functional.all_gather_into_tensor(primals_28, 4, WORLD)  # param: ln_f.weight; free: primals_28
+wait_tensor_26: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_26)  # free: all_gather_into_tensor_26
+view_53: f32[16] = aten.view(wait_tensor_26, [16])  # free: wait_tensor_26
+all_gather_into_tensor_27: f32[16] = _c10d_functional.all_gather_into_tensor(primals_29, 4, WORLD)  # param: ln_f.bias; free: primals_29
+wait_tensor_27: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_27)  # free: all_gather_into_tensor_27
+view_54: f32[16] = aten.view(wait_tensor_27, [16])  # free: wait_tensor_27
+arange: i64[8] = aten.arange(8, device = device(type='cpu'), pin_memory = False)
+embedding: f32[2, 8, 16] = aten.embedding(view_27, primals_1)
+embedding_1: f32[8, 16] = aten.embedding(view_28, arange)  # free: view_28
+add: f32[2, 8, 16] = aten.add.Tensor(embedding, embedding_1)  # free: embedding, embedding_1
+native_layer_norm: (f32[2, 8, 16], f32[2, 8, 1], f32[2, 8, 1]) = aten.native_layer_norm(add, [16], view_29, view_30, 1e-05)
+getitem: f32[2, 8, 16] = native_layer_norm[0]
+getitem_1: f32[2, 8, 1] = native_layer_norm[1]
+getitem_2: f32[2, 8, 1] = native_layer_norm[2]  # free: native_layer_norm
+view: f32[16, 16] = aten.view(getitem, [16, 16])  # free: getitem
+t: f32[16, 48] = aten.t(view_31)  # free: view_31
+addmm: f32[16, 48] = aten.addmm(view_32, view, t)  # free: view_32
+view_1: f32[2, 8, 48] = aten.view(addmm, [2, 8, 48])  # free: addmm
+split: (f32[2, 8, 16], f32[2, 8, 16], f32[2, 8, 16]) = aten.split.Tensor(view_1, 16, 2)  # free: view_1
+getitem_3: f32[2, 8, 16] = split[0]
+getitem_4: f32[2, 8, 16] = split[1]
+getitem_5: f32[2, 8, 16] = split[2]  # free: split
+view_2: f32[2, 8, 2, 8] = aten.view(getitem_3, [2, 8, 2, 8])  # free: getitem_3
+transpose: f32[2, 2, 8, 8] = aten.transpose.int(view_2, 1, 2)  # free: view_2
+view_3: f32[2, 8, 2, 8] = aten.view(getitem_4, [2, 8, 2, 8])  # free: getitem_4
+transpose_1: f32[2, 2, 8, 8] = aten.transpose.int(view_3, 1, 2)  # free: view_3
+view_4: f32[2, 8, 2, 8] = aten.view(getitem_5, [2, 8, 2, 8])  # free: getitem_5
+transpose_2: f32[2, 2, 8, 8] = aten.transpose.int(view_4, 1, 2)  # free: view_4
+_scaled_dot_product_flash_attention_for_cpu: (f32[2, 2, 8, 8], f32[2, 2, 8]) = aten._scaled_dot_product_flash_attention_for_cpu(transpose, transpose_1, transpose_2, 0.0, True)
+getitem_6: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu[0]
+getitem_7: f32[2, 2, 8] = _scaled_dot_product_flash_attention_for_cpu[1]  # free: _scaled_dot_product_flash_attention_for_cpu
+detach: f32[2, 2, 8, 8] = aten.detach(getitem_6)
+transpose_3: f32[2, 8, 2, 8] = aten.transpose.int(getitem_6, 1, 2)  # free: getitem_6
+view_5: f32[2, 8, 16] = aten.view(transpose_3, [2, 8, 16])  # free: transpose_3
+view_6: f32[16, 16] = aten.view(view_5, [16, 16])  # free: view_5
+t_1: f32[16, 16] = aten.t(view_33)  # free: view_33
+addmm_1: f32[16, 16] = aten.addmm(view_34, view_6, t_1)  # free: view_34
+view_7: f32[2, 8, 16] = aten.view(addmm_1, [2, 8, 16])  # free: addmm_1
+add_1: f32[2, 8, 16] = aten.add.Tensor(add, view_7)  # free: view_7
+native_layer_norm_1: (f32[2, 8, 16], f32[2, 8, 1], f32[2, 8, 1]) = aten.native_layer_norm(add_1, [16], view_35, view_36, 1e-05)
+getitem_8: f32[2, 8, 16] = native_layer_norm_1[0]
+getitem_9: f32[2, 8, 1] = native_layer_norm_1[1]
+getitem_10: f32[2, 8, 1] = native_layer_norm_1[2]  # free: native_layer_norm_1
+view_8: f32[16, 16] = aten.view(getitem_8, [16, 16])  # free: getitem_8
+t_2: f32[16, 64] = aten.t(view_37)  # free: view_37
+addmm_2: f32[16, 64] = aten.addmm(view_38, view_8, t_2)  # free: view_38
+view_9: f32[2, 8, 64] = aten.view(addmm_2, [2, 8, 64])
+gelu: f32[2, 8, 64] = aten.gelu(view_9)  # free: view_9
+view_10: f32[16, 64] = aten.view(gelu, [16, 64])  # free: gelu
+t_3: f32[64, 16] = aten.t(view_39)  # free: view_39
+addmm_3: f32[16, 16] = aten.addmm(view_40, view_10, t_3)  # free: view_40
+view_11: f32[2, 8, 16] = aten.view(addmm_3, [2, 8, 16])  # free: addmm_3
+add_2: f32[2, 8, 16] = aten.add.Tensor(add_1, view_11)  # free: view_11
+native_layer_norm_2: (f32[2, 8, 16], f32[2, 8, 1], f32[2, 8, 1]) = aten.native_layer_norm(add_2, [16], view_41, view_42, 1e-05)
+getitem_11: f32[2, 8, 16] = native_layer_norm_2[0]
+getitem_12: f32[2, 8, 1] = native_layer_norm_2[1]
+getitem_13: f32[2, 8, 1] = native_layer_norm_2[2]  # free: native_layer_norm_2
+view_12: f32[16, 16] = aten.view(getitem_11, [16, 16])  # free: getitem_11
+t_4: f32[16, 48] = aten.t(view_43)  # free: view_43
+addmm_4: f32[16, 48] = aten.addmm(view_44, view_12, t_4)  # free: view_44
+view_13: f32[2, 8, 48] = aten.view(addmm_4, [2, 8, 48])  # free: addmm_4
+split_1: (f32[2, 8, 16], f32[2, 8, 16], f32[2, 8, 16]) = aten.split.Tensor(view_13, 16, 2)  # free: view_13
+getitem_14: f32[2, 8, 16] = split_1[0]
+getitem_15: f32[2, 8, 16] = split_1[1]
+getitem_16: f32[2, 8, 16] = split_1[2]  # free: split_1
+view_14: f32[2, 8, 2, 8] = aten.view(getitem_14, [2, 8, 2, 8])  # free: getitem_14
+transpose_4: f32[2, 2, 8, 8] = aten.transpose.int(view_14, 1, 2)  # free: view_14
+view_15: f32[2, 8, 2, 8] = aten.view(getitem_15, [2, 8, 2, 8])  # free: getitem_15
+transpose_5: f32[2, 2, 8, 8] = aten.transpose.int(view_15, 1, 2)  # free: view_15
+view_16: f32[2, 8, 2, 8] = aten.view(getitem_16, [2, 8, 2, 8])  # free: getitem_16
+transpose_6: f32[2, 2, 8, 8] = aten.transpose.int(view_16, 1, 2)  # free: view_16
+_scaled_dot_product_flash_attention_for_cpu_1: (f32[2, 2, 8, 8], f32[2, 2, 8]) = aten._scaled_dot_product_flash_attention_for_cpu(transpose_4, transpose_5, transpose_6, 0.0, True)
+getitem_17: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_1[0]
+getitem_18: f32[2, 2, 8] = _scaled_dot_product_flash_attention_for_cpu_1[1]  # free: _scaled_dot_product_flash_attention_for_cpu_1
+detach_1: f32[2, 2, 8, 8] = aten.detach(getitem_17)
+transpose_7: f32[2, 8, 2, 8] = aten.transpose.int(getitem_17, 1, 2)  # free: getitem_17
+view_17: f32[2, 8, 16] = aten.view(transpose_7, [2, 8, 16])  # free: transpose_7
+view_18: f32[16, 16] = aten.view(view_17, [16, 16])  # free: view_17
+t_5: f32[16, 16] = aten.t(view_45)  # free: view_45
+addmm_5: f32[16, 16] = aten.addmm(view_46, view_18, t_5)  # free: view_46
+view_19: f32[2, 8, 16] = aten.view(addmm_5, [2, 8, 16])  # free: addmm_5
+add_3: f32[2, 8, 16] = aten.add.Tensor(add_2, view_19)  # free: view_19
+native_layer_norm_3: (f32[2, 8, 16], f32[2, 8, 1], f32[2, 8, 1]) = aten.native_layer_norm(add_3, [16], view_47, view_48, 1e-05)
+getitem_19: f32[2, 8, 16] = native_layer_norm_3[0]
+getitem_20: f32[2, 8, 1] = native_layer_norm_3[1]
+getitem_21: f32[2, 8, 1] = native_layer_norm_3[2]  # free: native_layer_norm_3
+view_20: f32[16, 16] = aten.view(getitem_19, [16, 16])  # free: getitem_19
+t_6: f32[16, 64] = aten.t(view_49)  # free: view_49
+addmm_6: f32[16, 64] = aten.addmm(view_50, view_20, t_6)  # free: view_50
+view_21: f32[2, 8, 64] = aten.view(addmm_6, [2, 8, 64])
+gelu_1: f32[2, 8, 64] = aten.gelu(view_21)  # free: view_21
+view_22: f32[16, 64] = aten.view(gelu_1, [16, 64])  # free: gelu_1
+t_7: f32[64, 16] = aten.t(view_51)  # free: view_51
+addmm_7: f32[16, 16] = aten.addmm(view_52, view_22, t_7)  # free: view_52
+view_23: f32[2, 8, 16] = aten.view(addmm_7, [2, 8, 16])  # free: addmm_7
+add_4: f32[2, 8, 16] = aten.add.Tensor(add_3, view_23)  # free: view_23
+native_layer_norm_4: (f32[2, 8, 16], f32[2, 8, 1], f32[2, 8, 1]) = aten.native_layer_norm(add_4, [16], view_53, view_54, 1e-05)
+getitem_22: f32[2, 8, 16] = native_layer_norm_4[0]
+getitem_23: f32[2, 8, 1] = native_layer_norm_4[1]
+getitem_24: f32[2, 8, 1] = native_layer_norm_4[2]  # free: native_layer_norm_4
+t_8: f32[16, 32] = aten.t(view_27)  # free: view_27
+view_24: f32[16, 16] = aten.view(getitem_22, [16, 16])  # free: getitem_22
+mm: f32[16, 32] = aten.mm(view_24, t_8)
+_unsafe_view: f32[2, 8, 32] = aten._unsafe_view(mm, [2, 8, 32])  # free: mm
+view_25: f32[16, 32] = aten.view(_unsafe_view, [-1, 32])  # free: _unsafe_view
+view_26: i64[16] = aten.view(primals_30, [-1])  # free: primals_30
+_log_softmax: f32[16, 32] = aten._log_softmax(view_25, 1, False)  # free: view_25
+nll_loss_forward: (f32[], f32[]) = aten.nll_loss_forward(_log_softmax, view_26, None, 1, -100)
+getitem_25: f32[] = nll_loss_forward[0]
+getitem_26: f32[] = nll_loss_forward[1]  # free: nll_loss_forward
+t_11: f32[32, 16] = aten.t(t_8)  # free: t_8
+t_13: f32[16, 64] = aten.t(t_7)  # free: t_7
+t_17: f32[64, 16] = aten.t(t_6)  # free: t_6
+t_21: f32[16, 16] = aten.t(t_5)  # free: t_5
+detach_4: f32[2, 2, 8, 8] = aten.detach(detach_1)  # free: detach_1
+t_25: f32[48, 16] = aten.t(t_4)  # free: t_4
+t_29: f32[16, 64] = aten.t(t_3)  # free: t_3
+t_33: f32[64, 16] = aten.t(t_2)  # free: t_2
+t_37: f32[16, 16] = aten.t(t_1)  # free: t_1
+detach_5: f32[2, 2, 8, 8] = aten.detach(detach)  # free: detach
+t_41: f32[48, 16] = aten.t(t)  # free: t
+return (getitem_25, primals_1, arange, add, view_29, view_30, getitem_1, getitem_2, view, transpose, transpose_1, transpose_2, getitem_7, view_6, add_1, view_35, view_36, getitem_9, getitem_10, view_8, addmm_2, view_10, add_2, view_41, view_42, getitem_12, getitem_13, view_12, transpose_4, transpose_5, transpose_6, getitem_18, view_18, add_3, view_47, view_48, getitem_20, getitem_21, view_20, addmm_6, view_22, add_4, view_53, view_54, getitem_23, getitem_24, view_24, view_26, _log_softmax, getitem_26, t_11, t_13, t_17, t_21, detach_4, t_25, t_29, t_33, t_37, detach_5, t_41)""")
+        self.assertExpectedInline(backward, """\
+input primals_1: i64[2, 8]
+input arange: i64[8]
+input add: f32[2, 8, 16]
+input unshard_2: f32[16]
+input unshard_3: f32[16]
+input getitem_1: f32[2, 8, 1]
+input getitem_2: f32[2, 8, 1]
+input view: f32[16, 16]
+input transpose: f32[2, 2, 8, 8]
+input transpose_1: f32[2, 2, 8, 8]
+input transpose_2: f32[2, 2, 8, 8]
+input getitem_7: f32[2, 2, 8]
+input view_6: f32[16, 16]
+input add_1: f32[2, 8, 16]
+input unshard_8: f32[16]
+input unshard_9: f32[16]
+input getitem_9: f32[2, 8, 1]
+input getitem_10: f32[2, 8, 1]
+input view_8: f32[16, 16]
+input addmm_2: f32[16, 64]
+input view_10: f32[16, 64]
+input add_2: f32[2, 8, 16]
+input unshard_14: f32[16]
+input unshard_15: f32[16]
+input getitem_12: f32[2, 8, 1]
+input getitem_13: f32[2, 8, 1]
+input view_12: f32[16, 16]
+input transpose_4: f32[2, 2, 8, 8]
+input transpose_5: f32[2, 2, 8, 8]
+input transpose_6: f32[2, 2, 8, 8]
+input getitem_18: f32[2, 2, 8]
+input view_18: f32[16, 16]
+input add_3: f32[2, 8, 16]
+input unshard_20: f32[16]
+input unshard_21: f32[16]
+input getitem_20: f32[2, 8, 1]
+input getitem_21: f32[2, 8, 1]
+input view_20: f32[16, 16]
+input addmm_6: f32[16, 64]
+input view_22: f32[16, 64]
+input add_4: f32[2, 8, 16]
+input unshard_26: f32[16]
+input unshard_27: f32[16]
+input getitem_23: f32[2, 8, 1]
+input getitem_24: f32[2, 8, 1]
+input view_24: f32[16, 16]
+input view_26: i64[16]
+input _log_softmax: f32[16, 32]
+input getitem_26: f32[]
+input t_11: f32[32, 16]
+input t_13: f32[16, 64]
+input t_17: f32[64, 16]
+input t_21: f32[16, 16]
+input detach_4: f32[2, 2, 8, 8]
+input t_25: f32[48, 16]
+input t_29: f32[16, 64]
+input t_33: f32[64, 16]
+input t_37: f32[16, 16]
+input detach_5: f32[2, 2, 8, 8]
+input t_41: f32[48, 16]
+input tangents_1: f32[]
+nll_loss_backward: f32[16, 32] = aten.nll_loss_backward(tangents_1, _log_softmax, view_26, None, 1, -100, getitem_26)  # free: tangents_1, view_26, getitem_26
+detach_2: f32[16, 32] = aten.detach(_log_softmax)  # free: _log_softmax
+detach_3: f32[16, 32] = aten.detach(detach_2)  # free: detach_2
+_log_softmax_backward_data: f32[16, 32] = aten._log_softmax_backward_data(nll_loss_backward, detach_3, 1, torch.float32)  # free: nll_loss_backward, detach_3
+view_27: f32[2, 8, 32] = aten.view(_log_softmax_backward_data, [2, 8, 32])  # free: _log_softmax_backward_data
+view_28: f32[16, 32] = aten.view(view_27, [16, 32])  # free: view_27
+t_9: f32[32, 16] = aten.t(view_28)
+mm_1: f32[32, 16] = aten.mm(t_9, view_24)  # free: t_9, view_24
+t_10: f32[16, 32] = aten.t(mm_1)  # free: mm_1
+mm_2: f32[16, 16] = aten.mm(view_28, t_11)  # free: view_28, t_11
+view_29: f32[2, 8, 16] = aten.view(mm_2, [2, 8, 16])  # free: mm_2
+t_12: f32[32, 16] = aten.t(t_10)  # free: t_10
+native_layer_norm_backward: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_29, add_4, [16], getitem_23, getitem_24, unshard_26, unshard_27, [True, True, True])  # free: view_29, add_4, getitem_23, getitem_24, unshard_26, unshard_27
+getitem_27: f32[2, 8, 16] = native_layer_norm_backward[0]
+getitem_28: f32[16] = native_layer_norm_backward[1]
+getitem_29: f32[16] = native_layer_norm_backward[2]  # free: native_layer_norm_backward
+view_63: f32[16] = aten.view(getitem_29, [-1])  # free: getitem_29
+reduce_scatter_tensor: f32[4] = _c10d_functional.reduce_scatter_tensor(view_63, 'avg', 4, WORLD)  # param: ln_f.bias; free: view_63
+wait_tensor: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
+view_64: f32[16] = aten.view(getitem_28, [-1])  # free: getitem_28
+reduce_scatter_tensor_1: f32[4] = _c10d_functional.reduce_scatter_tensor(view_64, 'avg', 4, WORLD)  # param: ln_f.weight; free: view_64
+wait_tensor_1: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_1)  # free: reduce_scatter_tensor_1
+view_30: f32[16, 16] = aten.view(getitem_27, [16, 16])
+mm_3: f32[16, 64] = aten.mm(view_30, t_13)  # free: t_13
+t_14: f32[16, 16] = aten.t(view_30)
+mm_4: f32[16, 64] = aten.mm(t_14, view_22)  # free: t_14, view_22
+t_15: f32[64, 16] = aten.t(mm_4)  # free: mm_4
+sum_1: f32[1, 16] = aten.sum.dim_IntList(view_30, [0], True)  # free: view_30
+view_31: f32[16] = aten.view(sum_1, [16])  # free: sum_1
+t_16: f32[16, 64] = aten.t(t_15)  # free: t_15
+view_32: f32[2, 8, 64] = aten.view(mm_3, [2, 8, 64])  # free: mm_3
+view_65: f32[16] = aten.view(view_31, [-1])  # free: view_31
+reduce_scatter_tensor_2: f32[4] = _c10d_functional.reduce_scatter_tensor(view_65, 'avg', 4, WORLD)  # param: blocks.1.out.bias; free: view_65
+wait_tensor_2: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_2)  # free: reduce_scatter_tensor_2
+view_66: f32[1024] = aten.view(t_16, [-1])  # free: t_16
+reduce_scatter_tensor_3: f32[256] = _c10d_functional.reduce_scatter_tensor(view_66, 'avg', 4, WORLD)  # param: blocks.1.out.weight; free: view_66
+wait_tensor_3: f32[256] = _c10d_functional.wait_tensor(reduce_scatter_tensor_3)  # free: reduce_scatter_tensor_3
+view_21: f32[2, 8, 64] = aten.view(addmm_6, [2, 8, 64])  # free: addmm_6
+gelu_backward: f32[2, 8, 64] = aten.gelu_backward(view_32, view_21)  # free: view_32, view_21
+view_33: f32[16, 64] = aten.view(gelu_backward, [16, 64])  # free: gelu_backward
+mm_5: f32[16, 16] = aten.mm(view_33, t_17)  # free: t_17
+t_18: f32[64, 16] = aten.t(view_33)
+mm_6: f32[64, 16] = aten.mm(t_18, view_20)  # free: t_18, view_20
+t_19: f32[16, 64] = aten.t(mm_6)  # free: mm_6
+sum_2: f32[1, 64] = aten.sum.dim_IntList(view_33, [0], True)  # free: view_33
+view_34: f32[64] = aten.view(sum_2, [64])  # free: sum_2
+t_20: f32[64, 16] = aten.t(t_19)  # free: t_19
+view_35: f32[2, 8, 16] = aten.view(mm_5, [2, 8, 16])  # free: mm_5
+view_67: f32[64] = aten.view(view_34, [-1])  # free: view_34
+reduce_scatter_tensor_4: f32[16] = _c10d_functional.reduce_scatter_tensor(view_67, 'avg', 4, WORLD)  # param: blocks.1.fc.bias; free: view_67
+wait_tensor_4: f32[16] = _c10d_functional.wait_tensor(reduce_scatter_tensor_4)  # free: reduce_scatter_tensor_4
+view_68: f32[1024] = aten.view(t_20, [-1])  # free: t_20
+reduce_scatter_tensor_5: f32[256] = _c10d_functional.reduce_scatter_tensor(view_68, 'avg', 4, WORLD)  # param: blocks.1.fc.weight; free: view_68
+wait_tensor_5: f32[256] = _c10d_functional.wait_tensor(reduce_scatter_tensor_5)  # free: reduce_scatter_tensor_5
+native_layer_norm_backward_1: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_35, add_3, [16], getitem_20, getitem_21, unshard_20, unshard_21, [True, True, True])  # free: view_35, add_3, getitem_20, getitem_21, unshard_20, unshard_21
+getitem_30: f32[2, 8, 16] = native_layer_norm_backward_1[0]
+getitem_31: f32[16] = native_layer_norm_backward_1[1]
+getitem_32: f32[16] = native_layer_norm_backward_1[2]  # free: native_layer_norm_backward_1
+add_5: f32[2, 8, 16] = aten.add.Tensor(getitem_27, getitem_30)  # free: getitem_27, getitem_30
+view_69: f32[16] = aten.view(getitem_32, [-1])  # free: getitem_32
+reduce_scatter_tensor_6: f32[4] = _c10d_functional.reduce_scatter_tensor(view_69, 'avg', 4, WORLD)  # param: blocks.1.ln2.bias; free: view_69
+wait_tensor_6: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_6)  # free: reduce_scatter_tensor_6
+view_70: f32[16] = aten.view(getitem_31, [-1])  # free: getitem_31
+reduce_scatter_tensor_7: f32[4] = _c10d_functional.reduce_scatter_tensor(view_70, 'avg', 4, WORLD)  # param: blocks.1.ln2.weight; free: view_70
+wait_tensor_7: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_7)  # free: reduce_scatter_tensor_7
+view_36: f32[16, 16] = aten.view(add_5, [16, 16])
+mm_7: f32[16, 16] = aten.mm(view_36, t_21)  # free: t_21
+t_22: f32[16, 16] = aten.t(view_36)
+mm_8: f32[16, 16] = aten.mm(t_22, view_18)  # free: t_22, view_18
+t_23: f32[16, 16] = aten.t(mm_8)  # free: mm_8
+sum_3: f32[1, 16] = aten.sum.dim_IntList(view_36, [0], True)  # free: view_36
+view_37: f32[16] = aten.view(sum_3, [16])  # free: sum_3
+t_24: f32[16, 16] = aten.t(t_23)  # free: t_23
+view_38: f32[2, 8, 16] = aten.view(mm_7, [2, 8, 16])  # free: mm_7
+view_71: f32[16] = aten.view(view_37, [-1])  # free: view_37
+reduce_scatter_tensor_8: f32[4] = _c10d_functional.reduce_scatter_tensor(view_71, 'avg', 4, WORLD)  # param: blocks.1.attn.proj.bias; free: view_71
+wait_tensor_8: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_8)  # free: reduce_scatter_tensor_8
+view_72: f32[256] = aten.view(t_24, [-1])  # free: t_24
+reduce_scatter_tensor_9: f32[64] = _c10d_functional.reduce_scatter_tensor(view_72, 'avg', 4, WORLD)  # param: blocks.1.attn.proj.weight; free: view_72
+wait_tensor_9: f32[64] = _c10d_functional.wait_tensor(reduce_scatter_tensor_9)  # free: reduce_scatter_tensor_9
+view_39: f32[2, 8, 2, 8] = aten.view(view_38, [2, 8, 2, 8])  # free: view_38
+transpose_8: f32[2, 2, 8, 8] = aten.transpose.int(view_39, 1, 2)  # free: view_39
+_scaled_dot_product_flash_attention_for_cpu_backward: (f32[2, 2, 8, 8], f32[2, 2, 8, 8], f32[2, 2, 8, 8]) = aten._scaled_dot_product_flash_attention_for_cpu_backward(transpose_8, transpose_4, transpose_5, transpose_6, detach_4, getitem_18, 0.0, True)  # free: transpose_8, transpose_4, transpose_5, transpose_6, detach_4, getitem_18
+getitem_33: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[0]
+getitem_34: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[1]
+getitem_35: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[2]  # free: _scaled_dot_product_flash_attention_for_cpu_backward
+transpose_9: f32[2, 8, 2, 8] = aten.transpose.int(getitem_35, 1, 2)  # free: getitem_35
+view_40: f32[2, 8, 16] = aten.view(transpose_9, [2, 8, 16])  # free: transpose_9
+transpose_10: f32[2, 8, 2, 8] = aten.transpose.int(getitem_34, 1, 2)  # free: getitem_34
+view_41: f32[2, 8, 16] = aten.view(transpose_10, [2, 8, 16])  # free: transpose_10
+transpose_11: f32[2, 8, 2, 8] = aten.transpose.int(getitem_33, 1, 2)  # free: getitem_33
+view_42: f32[2, 8, 16] = aten.view(transpose_11, [2, 8, 16])  # free: transpose_11
+cat: f32[2, 8, 48] = aten.cat([view_42, view_41, view_40], 2)  # free: view_42, view_41, view_40
+view_43: f32[16, 48] = aten.view(cat, [16, 48])  # free: cat
+mm_9: f32[16, 16] = aten.mm(view_43, t_25)  # free: t_25
+t_26: f32[48, 16] = aten.t(view_43)
+mm_10: f32[48, 16] = aten.mm(t_26, view_12)  # free: t_26, view_12
+t_27: f32[16, 48] = aten.t(mm_10)  # free: mm_10
+sum_4: f32[1, 48] = aten.sum.dim_IntList(view_43, [0], True)  # free: view_43
+view_44: f32[48] = aten.view(sum_4, [48])  # free: sum_4
+t_28: f32[48, 16] = aten.t(t_27)  # free: t_27
+view_45: f32[2, 8, 16] = aten.view(mm_9, [2, 8, 16])  # free: mm_9
+view_73: f32[48] = aten.view(view_44, [-1])  # free: view_44
+reduce_scatter_tensor_10: f32[12] = _c10d_functional.reduce_scatter_tensor(view_73, 'avg', 4, WORLD)  # param: blocks.1.attn.qkv.bias; free: view_73
+wait_tensor_10: f32[12] = _c10d_functional.wait_tensor(reduce_scatter_tensor_10)  # free: reduce_scatter_tensor_10
+view_74: f32[768] = aten.view(t_28, [-1])  # free: t_28
+reduce_scatter_tensor_11: f32[192] = _c10d_functional.reduce_scatter_tensor(view_74, 'avg', 4, WORLD)  # param: blocks.1.attn.qkv.weight; free: view_74
+wait_tensor_11: f32[192] = _c10d_functional.wait_tensor(reduce_scatter_tensor_11)  # free: reduce_scatter_tensor_11
+native_layer_norm_backward_2: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_45, add_2, [16], getitem_12, getitem_13, unshard_14, unshard_15, [True, True, True])  # free: view_45, add_2, getitem_12, getitem_13, unshard_14, unshard_15
+getitem_36: f32[2, 8, 16] = native_layer_norm_backward_2[0]
+getitem_37: f32[16] = native_layer_norm_backward_2[1]
+getitem_38: f32[16] = native_layer_norm_backward_2[2]  # free: native_layer_norm_backward_2
+add_6: f32[2, 8, 16] = aten.add.Tensor(add_5, getitem_36)  # free: add_5, getitem_36
+view_75: f32[16] = aten.view(getitem_38, [-1])  # free: getitem_38
+reduce_scatter_tensor_12: f32[4] = _c10d_functional.reduce_scatter_tensor(view_75, 'avg', 4, WORLD)  # param: blocks.1.ln1.bias; free: view_75
+wait_tensor_12: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_12)  # free: reduce_scatter_tensor_12
+view_76: f32[16] = aten.view(getitem_37, [-1])  # free: getitem_37
+reduce_scatter_tensor_13: f32[4] = _c10d_functional.reduce_scatter_tensor(view_76, 'avg', 4, WORLD)  # param: blocks.1.ln1.weight; free: view_76
+wait_tensor_13: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_13)  # free: reduce_scatter_tensor_13
+view_46: f32[16, 16] = aten.view(add_6, [16, 16])
+mm_11: f32[16, 64] = aten.mm(view_46, t_29)  # free: t_29
+t_30: f32[16, 16] = aten.t(view_46)
+mm_12: f32[16, 64] = aten.mm(t_30, view_10)  # free: t_30, view_10
+t_31: f32[64, 16] = aten.t(mm_12)  # free: mm_12
+sum_5: f32[1, 16] = aten.sum.dim_IntList(view_46, [0], True)  # free: view_46
+view_47: f32[16] = aten.view(sum_5, [16])  # free: sum_5
+t_32: f32[16, 64] = aten.t(t_31)  # free: t_31
+view_48: f32[2, 8, 64] = aten.view(mm_11, [2, 8, 64])  # free: mm_11
+view_77: f32[16] = aten.view(view_47, [-1])  # free: view_47
+reduce_scatter_tensor_14: f32[4] = _c10d_functional.reduce_scatter_tensor(view_77, 'avg', 4, WORLD)  # param: blocks.0.out.bias; free: view_77
+wait_tensor_14: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_14)  # free: reduce_scatter_tensor_14
+view_78: f32[1024] = aten.view(t_32, [-1])  # free: t_32
+reduce_scatter_tensor_15: f32[256] = _c10d_functional.reduce_scatter_tensor(view_78, 'avg', 4, WORLD)  # param: blocks.0.out.weight; free: view_78
+wait_tensor_15: f32[256] = _c10d_functional.wait_tensor(reduce_scatter_tensor_15)  # free: reduce_scatter_tensor_15
+view_9: f32[2, 8, 64] = aten.view(addmm_2, [2, 8, 64])  # free: addmm_2
+gelu_backward_1: f32[2, 8, 64] = aten.gelu_backward(view_48, view_9)  # free: view_48, view_9
+view_49: f32[16, 64] = aten.view(gelu_backward_1, [16, 64])  # free: gelu_backward_1
+mm_13: f32[16, 16] = aten.mm(view_49, t_33)  # free: t_33
+t_34: f32[64, 16] = aten.t(view_49)
+mm_14: f32[64, 16] = aten.mm(t_34, view_8)  # free: t_34, view_8
+t_35: f32[16, 64] = aten.t(mm_14)  # free: mm_14
+sum_6: f32[1, 64] = aten.sum.dim_IntList(view_49, [0], True)  # free: view_49
+view_50: f32[64] = aten.view(sum_6, [64])  # free: sum_6
+t_36: f32[64, 16] = aten.t(t_35)  # free: t_35
+view_51: f32[2, 8, 16] = aten.view(mm_13, [2, 8, 16])  # free: mm_13
+view_79: f32[64] = aten.view(view_50, [-1])  # free: view_50
+reduce_scatter_tensor_16: f32[16] = _c10d_functional.reduce_scatter_tensor(view_79, 'avg', 4, WORLD)  # param: blocks.0.fc.bias; free: view_79
+wait_tensor_16: f32[16] = _c10d_functional.wait_tensor(reduce_scatter_tensor_16)  # free: reduce_scatter_tensor_16
+view_80: f32[1024] = aten.view(t_36, [-1])  # free: t_36
+reduce_scatter_tensor_17: f32[256] = _c10d_functional.reduce_scatter_tensor(view_80, 'avg', 4, WORLD)  # param: blocks.0.fc.weight; free: view_80
+wait_tensor_17: f32[256] = _c10d_functional.wait_tensor(reduce_scatter_tensor_17)  # free: reduce_scatter_tensor_17
+native_layer_norm_backward_3: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_51, add_1, [16], getitem_9, getitem_10, unshard_8, unshard_9, [True, True, True])  # free: view_51, add_1, getitem_9, getitem_10, unshard_8, unshard_9
+getitem_39: f32[2, 8, 16] = native_layer_norm_backward_3[0]
+getitem_40: f32[16] = native_layer_norm_backward_3[1]
+getitem_41: f32[16] = native_layer_norm_backward_3[2]  # free: native_layer_norm_backward_3
+add_7: f32[2, 8, 16] = aten.add.Tensor(add_6, getitem_39)  # free: add_6, getitem_39
+view_81: f32[16] = aten.view(getitem_41, [-1])  # free: getitem_41
+reduce_scatter_tensor_18: f32[4] = _c10d_functional.reduce_scatter_tensor(view_81, 'avg', 4, WORLD)  # param: blocks.0.ln2.bias; free: view_81
+wait_tensor_18: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_18)  # free: reduce_scatter_tensor_18
+view_82: f32[16] = aten.view(getitem_40, [-1])  # free: getitem_40
+reduce_scatter_tensor_19: f32[4] = _c10d_functional.reduce_scatter_tensor(view_82, 'avg', 4, WORLD)  # param: blocks.0.ln2.weight; free: view_82
+wait_tensor_19: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_19)  # free: reduce_scatter_tensor_19
+view_52: f32[16, 16] = aten.view(add_7, [16, 16])
+mm_15: f32[16, 16] = aten.mm(view_52, t_37)  # free: t_37
+t_38: f32[16, 16] = aten.t(view_52)
+mm_16: f32[16, 16] = aten.mm(t_38, view_6)  # free: t_38, view_6
+t_39: f32[16, 16] = aten.t(mm_16)  # free: mm_16
+sum_7: f32[1, 16] = aten.sum.dim_IntList(view_52, [0], True)  # free: view_52
+view_53: f32[16] = aten.view(sum_7, [16])  # free: sum_7
+t_40: f32[16, 16] = aten.t(t_39)  # free: t_39
+view_54: f32[2, 8, 16] = aten.view(mm_15, [2, 8, 16])  # free: mm_15
+view_83: f32[16] = aten.view(view_53, [-1])  # free: view_53
+reduce_scatter_tensor_20: f32[4] = _c10d_functional.reduce_scatter_tensor(view_83, 'avg', 4, WORLD)  # param: blocks.0.attn.proj.bias; free: view_83
+wait_tensor_20: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_20)  # free: reduce_scatter_tensor_20
+view_84: f32[256] = aten.view(t_40, [-1])  # free: t_40
+reduce_scatter_tensor_21: f32[64] = _c10d_functional.reduce_scatter_tensor(view_84, 'avg', 4, WORLD)  # param: blocks.0.attn.proj.weight; free: view_84
+wait_tensor_21: f32[64] = _c10d_functional.wait_tensor(reduce_scatter_tensor_21)  # free: reduce_scatter_tensor_21
+view_55: f32[2, 8, 2, 8] = aten.view(view_54, [2, 8, 2, 8])  # free: view_54
+transpose_12: f32[2, 2, 8, 8] = aten.transpose.int(view_55, 1, 2)  # free: view_55
+_scaled_dot_product_flash_attention_for_cpu_backward_1: (f32[2, 2, 8, 8], f32[2, 2, 8, 8], f32[2, 2, 8, 8]) = aten._scaled_dot_product_flash_attention_for_cpu_backward(transpose_12, transpose, transpose_1, transpose_2, detach_5, getitem_7, 0.0, True)  # free: transpose_12, transpose, transpose_1, transpose_2, detach_5, getitem_7
+getitem_42: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[0]
+getitem_43: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[1]
+getitem_44: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[2]  # free: _scaled_dot_product_flash_attention_for_cpu_backward_1
+transpose_13: f32[2, 8, 2, 8] = aten.transpose.int(getitem_44, 1, 2)  # free: getitem_44
+view_56: f32[2, 8, 16] = aten.view(transpose_13, [2, 8, 16])  # free: transpose_13
+transpose_14: f32[2, 8, 2, 8] = aten.transpose.int(getitem_43, 1, 2)  # free: getitem_43
+view_57: f32[2, 8, 16] = aten.view(transpose_14, [2, 8, 16])  # free: transpose_14
+transpose_15: f32[2, 8, 2, 8] = aten.transpose.int(getitem_42, 1, 2)  # free: getitem_42
+view_58: f32[2, 8, 16] = aten.view(transpose_15, [2, 8, 16])  # free: transpose_15
+cat_1: f32[2, 8, 48] = aten.cat([view_58, view_57, view_56], 2)  # free: view_58, view_57, view_56
+view_59: f32[16, 48] = aten.view(cat_1, [16, 48])  # free: cat_1
+mm_17: f32[16, 16] = aten.mm(view_59, t_41)  # free: t_41
+t_42: f32[48, 16] = aten.t(view_59)
+mm_18: f32[48, 16] = aten.mm(t_42, view)  # free: t_42, view
+t_43: f32[16, 48] = aten.t(mm_18)  # free: mm_18
+sum_8: f32[1, 48] = aten.sum.dim_IntList(view_59, [0], True)  # free: view_59
+view_60: f32[48] = aten.view(sum_8, [48])  # free: sum_8
+t_44: f32[48, 16] = aten.t(t_43)  # free: t_43
+view_61: f32[2, 8, 16] = aten.view(mm_17, [2, 8, 16])  # free: mm_17
+view_85: f32[48] = aten.view(view_60, [-1])  # free: view_60
+reduce_scatter_tensor_22: f32[12] = _c10d_functional.reduce_scatter_tensor(view_85, 'avg', 4, WORLD)  # param: blocks.0.attn.qkv.bias; free: view_85
+wait_tensor_22: f32[12] = _c10d_functional.wait_tensor(reduce_scatter_tensor_22)  # free: reduce_scatter_tensor_22
+view_86: f32[768] = aten.view(t_44, [-1])  # free: t_44
+reduce_scatter_tensor_23: f32[192] = _c10d_functional.reduce_scatter_tensor(view_86, 'avg', 4, WORLD)  # param: blocks.0.attn.qkv.weight; free: view_86
+wait_tensor_23: f32[192] = _c10d_functional.wait_tensor(reduce_scatter_tensor_23)  # free: reduce_scatter_tensor_23
+native_layer_norm_backward_4: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_61, add, [16], getitem_1, getitem_2, unshard_2, unshard_3, [True, True, True])  # free: view_61, add, getitem_1, getitem_2, unshard_2, unshard_3
+getitem_45: f32[2, 8, 16] = native_layer_norm_backward_4[0]
+getitem_46: f32[16] = native_layer_norm_backward_4[1]
+getitem_47: f32[16] = native_layer_norm_backward_4[2]  # free: native_layer_norm_backward_4
+add_8: f32[2, 8, 16] = aten.add.Tensor(add_7, getitem_45)  # free: add_7, getitem_45
+view_87: f32[16] = aten.view(getitem_47, [-1])  # free: getitem_47
+reduce_scatter_tensor_24: f32[4] = _c10d_functional.reduce_scatter_tensor(view_87, 'avg', 4, WORLD)  # param: blocks.0.ln1.bias; free: view_87
+wait_tensor_24: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_24)  # free: reduce_scatter_tensor_24
+view_88: f32[16] = aten.view(getitem_46, [-1])  # free: getitem_46
+reduce_scatter_tensor_25: f32[4] = _c10d_functional.reduce_scatter_tensor(view_88, 'avg', 4, WORLD)  # param: blocks.0.ln1.weight; free: view_88
+wait_tensor_25: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_25)  # free: reduce_scatter_tensor_25
+sum_9: f32[1, 8, 16] = aten.sum.dim_IntList(add_8, [0], True)
+view_62: f32[8, 16] = aten.view(sum_9, [8, 16])  # free: sum_9
+embedding_dense_backward: f32[8, 16] = aten.embedding_dense_backward(view_62, arange, 8, -1, False)  # free: view_62, arange
+view_89: f32[128] = aten.view(embedding_dense_backward, [-1])  # free: embedding_dense_backward
+reduce_scatter_tensor_26: f32[32] = _c10d_functional.reduce_scatter_tensor(view_89, 'avg', 4, WORLD)  # param: wpe.weight; free: view_89
+wait_tensor_26: f32[32] = _c10d_functional.wait_tensor(reduce_scatter_tensor_26)  # free: reduce_scatter_tensor_26
+embedding_dense_backward_1: f32[32, 16] = aten.embedding_dense_backward(add_8, primals_1, 32, -1, False)  # free: add_8, primals_1
+add_9: f32[32, 16] = aten.add.Tensor(t_12, embedding_dense_backward_1)  # free: t_12, embedding_dense_backward_1
+view_90: f32[512] = aten.view(add_9, [-1])  # free: add_9
+reduce_scatter_tensor_27: f32[128] = _c10d_functional.reduce_scatter_tensor(view_90, 'avg', 4, WORLD)  # param: wte.weight; free: view_90
+wait_tensor_27: f32[128] = _c10d_functional.wait_tensor(reduce_scatter_tensor_27)  # free: reduce_scatter_tensor_27
+return (None, wait_tensor_27, wait_tensor_26, wait_tensor_25, wait_tensor_24, wait_tensor_23, wait_tensor_22, wait_tensor_21, wait_tensor_20, wait_tensor_19, wait_tensor_18, wait_tensor_17, wait_tensor_16, wait_tensor_15, wait_tensor_14, wait_tensor_13, wait_tensor_12, wait_tensor_11, wait_tensor_10, wait_tensor_9, wait_tensor_8, wait_tensor_7, wait_tensor_6, wait_tensor_5, wait_tensor_4, wait_tensor_3, wait_tensor_2, wait_tensor_1, wait_tensor, None)""")
+
+    def test_stage_3(self) -> None:
+        forward, backward = gpt_graphs(3)
+        self.assertExpectedInline(forward, """\
+input primals_1: i64[2, 8]
+input primals_2: f32[128]
+input primals_3: f32[32]
+input primals_4: f32[4]
+input primals_5: f32[4]
+input primals_6: f32[192]
+input primals_7: f32[12]
+input primals_8: f32[64]
+input primals_9: f32[4]
+input primals_10: f32[4]
+input primals_11: f32[4]
+input primals_12: f32[256]
+input primals_13: f32[16]
+input primals_14: f32[256]
+input primals_15: f32[4]
+input primals_16: f32[4]
+input primals_17: f32[4]
+input primals_18: f32[192]
+input primals_19: f32[12]
+input primals_20: f32[64]
+input primals_21: f32[4]
+input primals_22: f32[4]
+input primals_23: f32[4]
+input primals_24: f32[256]
+input primals_25: f32[16]
+input primals_26: f32[256]
+input primals_27: f32[4]
+input primals_28: f32[4]
+input primals_29: f32[4]
+input primals_30: i64[2, 8]
+arange: i64[8] = aten.arange(8, device = device(type='cpu'), pin_memory = False)
+all_gather_into_tensor: f32[512] = _c10d_functional.all_gather_into_tensor(primals_2, 4, WORLD)  # param: wte.weight
+wait_tensor: f32[512] = _c10d_functional.wait_tensor(all_gather_into_tensor)  # free: all_gather_into_tensor
+view_27: f32[32, 16] = aten.view(wait_tensor, [32, 16])  # free: wait_tensor
+embedding: f32[2, 8, 16] = aten.embedding(view_27, primals_1)
+all_gather_into_tensor_1: f32[128] = _c10d_functional.all_gather_into_tensor(primals_3, 4, WORLD)  # param: wpe.weight; free: primals_3
+wait_tensor_1: f32[128] = _c10d_functional.wait_tensor(all_gather_into_tensor_1)  # free: all_gather_into_tensor_1
+view_28: f32[8, 16] = aten.view(wait_tensor_1, [8, 16])  # free: wait_tensor_1
+embedding_1: f32[8, 16] = aten.embedding(view_28, arange)  # free: view_28
+add: f32[2, 8, 16] = aten.add.Tensor(embedding, embedding_1)  # free: embedding, embedding_1
+all_gather_into_tensor_2: f32[16] = _c10d_functional.all_gather_into_tensor(primals_4, 4, WORLD)  # param: blocks.0.ln1.weight
+wait_tensor_2: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_2)  # free: all_gather_into_tensor_2
+view_29: f32[16] = aten.view(wait_tensor_2, [16])  # free: wait_tensor_2
+all_gather_into_tensor_3: f32[16] = _c10d_functional.all_gather_into_tensor(primals_5, 4, WORLD)  # param: blocks.0.ln1.bias
+wait_tensor_3: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_3)  # free: all_gather_into_tensor_3
+view_30: f32[16] = aten.view(wait_tensor_3, [16])  # free: wait_tensor_3
+native_layer_norm: (f32[2, 8, 16], f32[2, 8, 1], f32[2, 8, 1]) = aten.native_layer_norm(add, [16], view_29, view_30, 1e-05)  # free: view_29, view_30
+getitem: f32[2, 8, 16] = native_layer_norm[0]
+getitem_1: f32[2, 8, 1] = native_layer_norm[1]
+getitem_2: f32[2, 8, 1] = native_layer_norm[2]  # free: native_layer_norm
+all_gather_into_tensor_4: f32[768] = _c10d_functional.all_gather_into_tensor(primals_6, 4, WORLD)  # param: blocks.0.attn.qkv.weight
+wait_tensor_4: f32[768] = _c10d_functional.wait_tensor(all_gather_into_tensor_4)  # free: all_gather_into_tensor_4
+view_31: f32[48, 16] = aten.view(wait_tensor_4, [48, 16])  # free: wait_tensor_4
+all_gather_into_tensor_5: f32[48] = _c10d_functional.all_gather_into_tensor(primals_7, 4, WORLD)  # param: blocks.0.attn.qkv.bias; free: primals_7
+wait_tensor_5: f32[48] = _c10d_functional.wait_tensor(all_gather_into_tensor_5)  # free: all_gather_into_tensor_5
+view_32: f32[48] = aten.view(wait_tensor_5, [48])  # free: wait_tensor_5
+view: f32[16, 16] = aten.view(getitem, [16, 16])  # free: getitem
+t: f32[16, 48] = aten.t(view_31)  # free: view_31
+addmm: f32[16, 48] = aten.addmm(view_32, view, t)  # free: view_32, t
+view_1: f32[2, 8, 48] = aten.view(addmm, [2, 8, 48])  # free: addmm
+split: (f32[2, 8, 16], f32[2, 8, 16], f32[2, 8, 16]) = aten.split.Tensor(view_1, 16, 2)  # free: view_1
+getitem_3: f32[2, 8, 16] = split[0]
+getitem_4: f32[2, 8, 16] = split[1]
+getitem_5: f32[2, 8, 16] = split[2]  # free: split
+view_2: f32[2, 8, 2, 8] = aten.view(getitem_3, [2, 8, 2, 8])  # free: getitem_3
+transpose: f32[2, 2, 8, 8] = aten.transpose.int(view_2, 1, 2)  # free: view_2
+view_3: f32[2, 8, 2, 8] = aten.view(getitem_4, [2, 8, 2, 8])  # free: getitem_4
+transpose_1: f32[2, 2, 8, 8] = aten.transpose.int(view_3, 1, 2)  # free: view_3
+view_4: f32[2, 8, 2, 8] = aten.view(getitem_5, [2, 8, 2, 8])  # free: getitem_5
+transpose_2: f32[2, 2, 8, 8] = aten.transpose.int(view_4, 1, 2)  # free: view_4
+_scaled_dot_product_flash_attention_for_cpu: (f32[2, 2, 8, 8], f32[2, 2, 8]) = aten._scaled_dot_product_flash_attention_for_cpu(transpose, transpose_1, transpose_2, 0.0, True)
+getitem_6: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu[0]
+getitem_7: f32[2, 2, 8] = _scaled_dot_product_flash_attention_for_cpu[1]  # free: _scaled_dot_product_flash_attention_for_cpu
+detach: f32[2, 2, 8, 8] = aten.detach(getitem_6)
+transpose_3: f32[2, 8, 2, 8] = aten.transpose.int(getitem_6, 1, 2)  # free: getitem_6
+view_5: f32[2, 8, 16] = aten.view(transpose_3, [2, 8, 16])  # free: transpose_3
+all_gather_into_tensor_6: f32[256] = _c10d_functional.all_gather_into_tensor(primals_8, 4, WORLD)  # param: blocks.0.attn.proj.weight
+wait_tensor_6: f32[256] = _c10d_functional.wait_tensor(all_gather_into_tensor_6)  # free: all_gather_into_tensor_6
+view_33: f32[16, 16] = aten.view(wait_tensor_6, [16, 16])  # free: wait_tensor_6
+all_gather_into_tensor_7: f32[16] = _c10d_functional.all_gather_into_tensor(primals_9, 4, WORLD)  # param: blocks.0.attn.proj.bias; free: primals_9
+wait_tensor_7: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_7)  # free: all_gather_into_tensor_7
+view_34: f32[16] = aten.view(wait_tensor_7, [16])  # free: wait_tensor_7
+view_6: f32[16, 16] = aten.view(view_5, [16, 16])  # free: view_5
+t_1: f32[16, 16] = aten.t(view_33)  # free: view_33
+addmm_1: f32[16, 16] = aten.addmm(view_34, view_6, t_1)  # free: view_34, t_1
+view_7: f32[2, 8, 16] = aten.view(addmm_1, [2, 8, 16])  # free: addmm_1
+add_1: f32[2, 8, 16] = aten.add.Tensor(add, view_7)  # free: view_7
+all_gather_into_tensor_8: f32[16] = _c10d_functional.all_gather_into_tensor(primals_10, 4, WORLD)  # param: blocks.0.ln2.weight
+wait_tensor_8: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_8)  # free: all_gather_into_tensor_8
+view_35: f32[16] = aten.view(wait_tensor_8, [16])  # free: wait_tensor_8
+all_gather_into_tensor_9: f32[16] = _c10d_functional.all_gather_into_tensor(primals_11, 4, WORLD)  # param: blocks.0.ln2.bias
+wait_tensor_9: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_9)  # free: all_gather_into_tensor_9
+view_36: f32[16] = aten.view(wait_tensor_9, [16])  # free: wait_tensor_9
+native_layer_norm_1: (f32[2, 8, 16], f32[2, 8, 1], f32[2, 8, 1]) = aten.native_layer_norm(add_1, [16], view_35, view_36, 1e-05)  # free: view_35, view_36
+getitem_8: f32[2, 8, 16] = native_layer_norm_1[0]
+getitem_9: f32[2, 8, 1] = native_layer_norm_1[1]
+getitem_10: f32[2, 8, 1] = native_layer_norm_1[2]  # free: native_layer_norm_1
+all_gather_into_tensor_10: f32[1024] = _c10d_functional.all_gather_into_tensor(primals_12, 4, WORLD)  # param: blocks.0.fc.weight
+wait_tensor_10: f32[1024] = _c10d_functional.wait_tensor(all_gather_into_tensor_10)  # free: all_gather_into_tensor_10
+view_37: f32[64, 16] = aten.view(wait_tensor_10, [64, 16])  # free: wait_tensor_10
+all_gather_into_tensor_11: f32[64] = _c10d_functional.all_gather_into_tensor(primals_13, 4, WORLD)  # param: blocks.0.fc.bias; free: primals_13
+wait_tensor_11: f32[64] = _c10d_functional.wait_tensor(all_gather_into_tensor_11)  # free: all_gather_into_tensor_11
+view_38: f32[64] = aten.view(wait_tensor_11, [64])  # free: wait_tensor_11
+view_8: f32[16, 16] = aten.view(getitem_8, [16, 16])  # free: getitem_8
+t_2: f32[16, 64] = aten.t(view_37)  # free: view_37
+addmm_2: f32[16, 64] = aten.addmm(view_38, view_8, t_2)  # free: view_38, t_2
+view_9: f32[2, 8, 64] = aten.view(addmm_2, [2, 8, 64])
+gelu: f32[2, 8, 64] = aten.gelu(view_9)  # free: view_9
+all_gather_into_tensor_12: f32[1024] = _c10d_functional.all_gather_into_tensor(primals_14, 4, WORLD)  # param: blocks.0.out.weight
+wait_tensor_12: f32[1024] = _c10d_functional.wait_tensor(all_gather_into_tensor_12)  # free: all_gather_into_tensor_12
+view_39: f32[16, 64] = aten.view(wait_tensor_12, [16, 64])  # free: wait_tensor_12
+all_gather_into_tensor_13: f32[16] = _c10d_functional.all_gather_into_tensor(primals_15, 4, WORLD)  # param: blocks.0.out.bias; free: primals_15
+wait_tensor_13: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_13)  # free: all_gather_into_tensor_13
+view_40: f32[16] = aten.view(wait_tensor_13, [16])  # free: wait_tensor_13
+view_10: f32[16, 64] = aten.view(gelu, [16, 64])  # free: gelu
+t_3: f32[64, 16] = aten.t(view_39)  # free: view_39
+addmm_3: f32[16, 16] = aten.addmm(view_40, view_10, t_3)  # free: view_40, t_3
+view_11: f32[2, 8, 16] = aten.view(addmm_3, [2, 8, 16])  # free: addmm_3
+add_2: f32[2, 8, 16] = aten.add.Tensor(add_1, view_11)  # free: view_11
+all_gather_into_tensor_14: f32[16] = _c10d_functional.all_gather_into_tensor(primals_16, 4, WORLD)  # param: blocks.1.ln1.weight
+wait_tensor_14: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_14)  # free: all_gather_into_tensor_14
+view_41: f32[16] = aten.view(wait_tensor_14, [16])  # free: wait_tensor_14
+all_gather_into_tensor_15: f32[16] = _c10d_functional.all_gather_into_tensor(primals_17, 4, WORLD)  # param: blocks.1.ln1.bias
+wait_tensor_15: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_15)  # free: all_gather_into_tensor_15
+view_42: f32[16] = aten.view(wait_tensor_15, [16])  # free: wait_tensor_15
+native_layer_norm_2: (f32[2, 8, 16], f32[2, 8, 1], f32[2, 8, 1]) = aten.native_layer_norm(add_2, [16], view_41, view_42, 1e-05)  # free: view_41, view_42
+getitem_11: f32[2, 8, 16] = native_layer_norm_2[0]
+getitem_12: f32[2, 8, 1] = native_layer_norm_2[1]
+getitem_13: f32[2, 8, 1] = native_layer_norm_2[2]  # free: native_layer_norm_2
+all_gather_into_tensor_16: f32[768] = _c10d_functional.all_gather_into_tensor(primals_18, 4, WORLD)  # param: blocks.1.attn.qkv.weight
+wait_tensor_16: f32[768] = _c10d_functional.wait_tensor(all_gather_into_tensor_16)  # free: all_gather_into_tensor_16
+view_43: f32[48, 16] = aten.view(wait_tensor_16, [48, 16])  # free: wait_tensor_16
+all_gather_into_tensor_17: f32[48] = _c10d_functional.all_gather_into_tensor(primals_19, 4, WORLD)  # param: blocks.1.attn.qkv.bias; free: primals_19
+wait_tensor_17: f32[48] = _c10d_functional.wait_tensor(all_gather_into_tensor_17)  # free: all_gather_into_tensor_17
+view_44: f32[48] = aten.view(wait_tensor_17, [48])  # free: wait_tensor_17
+view_12: f32[16, 16] = aten.view(getitem_11, [16, 16])  # free: getitem_11
+t_4: f32[16, 48] = aten.t(view_43)  # free: view_43
+addmm_4: f32[16, 48] = aten.addmm(view_44, view_12, t_4)  # free: view_44, t_4
+view_13: f32[2, 8, 48] = aten.view(addmm_4, [2, 8, 48])  # free: addmm_4
+split_1: (f32[2, 8, 16], f32[2, 8, 16], f32[2, 8, 16]) = aten.split.Tensor(view_13, 16, 2)  # free: view_13
+getitem_14: f32[2, 8, 16] = split_1[0]
+getitem_15: f32[2, 8, 16] = split_1[1]
+getitem_16: f32[2, 8, 16] = split_1[2]  # free: split_1
+view_14: f32[2, 8, 2, 8] = aten.view(getitem_14, [2, 8, 2, 8])  # free: getitem_14
+transpose_4: f32[2, 2, 8, 8] = aten.transpose.int(view_14, 1, 2)  # free: view_14
+view_15: f32[2, 8, 2, 8] = aten.view(getitem_15, [2, 8, 2, 8])  # free: getitem_15
+transpose_5: f32[2, 2, 8, 8] = aten.transpose.int(view_15, 1, 2)  # free: view_15
+view_16: f32[2, 8, 2, 8] = aten.view(getitem_16, [2, 8, 2, 8])  # free: getitem_16
+transpose_6: f32[2, 2, 8, 8] = aten.transpose.int(view_16, 1, 2)  # free: view_16
+_scaled_dot_product_flash_attention_for_cpu_1: (f32[2, 2, 8, 8], f32[2, 2, 8]) = aten._scaled_dot_product_flash_attention_for_cpu(transpose_4, transpose_5, transpose_6, 0.0, True)
+getitem_17: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_1[0]
+getitem_18: f32[2, 2, 8] = _scaled_dot_product_flash_attention_for_cpu_1[1]  # free: _scaled_dot_product_flash_attention_for_cpu_1
+detach_1: f32[2, 2, 8, 8] = aten.detach(getitem_17)
+transpose_7: f32[2, 8, 2, 8] = aten.transpose.int(getitem_17, 1, 2)  # free: getitem_17
+view_17: f32[2, 8, 16] = aten.view(transpose_7, [2, 8, 16])  # free: transpose_7
+all_gather_into_tensor_18: f32[256] = _c10d_functional.all_gather_into_tensor(primals_20, 4, WORLD)  # param: blocks.1.attn.proj.weight
+wait_tensor_18: f32[256] = _c10d_functional.wait_tensor(all_gather_into_tensor_18)  # free: all_gather_into_tensor_18
+view_45: f32[16, 16] = aten.view(wait_tensor_18, [16, 16])  # free: wait_tensor_18
+all_gather_into_tensor_19: f32[16] = _c10d_functional.all_gather_into_tensor(primals_21, 4, WORLD)  # param: blocks.1.attn.proj.bias; free: primals_21
+wait_tensor_19: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_19)  # free: all_gather_into_tensor_19
+view_46: f32[16] = aten.view(wait_tensor_19, [16])  # free: wait_tensor_19
+view_18: f32[16, 16] = aten.view(view_17, [16, 16])  # free: view_17
+t_5: f32[16, 16] = aten.t(view_45)  # free: view_45
+addmm_5: f32[16, 16] = aten.addmm(view_46, view_18, t_5)  # free: view_46, t_5
+view_19: f32[2, 8, 16] = aten.view(addmm_5, [2, 8, 16])  # free: addmm_5
+add_3: f32[2, 8, 16] = aten.add.Tensor(add_2, view_19)  # free: view_19
+all_gather_into_tensor_20: f32[16] = _c10d_functional.all_gather_into_tensor(primals_22, 4, WORLD)  # param: blocks.1.ln2.weight
+wait_tensor_20: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_20)  # free: all_gather_into_tensor_20
+view_47: f32[16] = aten.view(wait_tensor_20, [16])  # free: wait_tensor_20
+all_gather_into_tensor_21: f32[16] = _c10d_functional.all_gather_into_tensor(primals_23, 4, WORLD)  # param: blocks.1.ln2.bias
+wait_tensor_21: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_21)  # free: all_gather_into_tensor_21
+view_48: f32[16] = aten.view(wait_tensor_21, [16])  # free: wait_tensor_21
+native_layer_norm_3: (f32[2, 8, 16], f32[2, 8, 1], f32[2, 8, 1]) = aten.native_layer_norm(add_3, [16], view_47, view_48, 1e-05)  # free: view_47, view_48
+getitem_19: f32[2, 8, 16] = native_layer_norm_3[0]
+getitem_20: f32[2, 8, 1] = native_layer_norm_3[1]
+getitem_21: f32[2, 8, 1] = native_layer_norm_3[2]  # free: native_layer_norm_3
+all_gather_into_tensor_22: f32[1024] = _c10d_functional.all_gather_into_tensor(primals_24, 4, WORLD)  # param: blocks.1.fc.weight
+wait_tensor_22: f32[1024] = _c10d_functional.wait_tensor(all_gather_into_tensor_22)  # free: all_gather_into_tensor_22
+view_49: f32[64, 16] = aten.view(wait_tensor_22, [64, 16])  # free: wait_tensor_22
+all_gather_into_tensor_23: f32[64] = _c10d_functional.all_gather_into_tensor(primals_25, 4, WORLD)  # param: blocks.1.fc.bias; free: primals_25
+wait_tensor_23: f32[64] = _c10d_functional.wait_tensor(all_gather_into_tensor_23)  # free: all_gather_into_tensor_23
+view_50: f32[64] = aten.view(wait_tensor_23, [64])  # free: wait_tensor_23
+view_20: f32[16, 16] = aten.view(getitem_19, [16, 16])  # free: getitem_19
+t_6: f32[16, 64] = aten.t(view_49)  # free: view_49
+addmm_6: f32[16, 64] = aten.addmm(view_50, view_20, t_6)  # free: view_50, t_6
+view_21: f32[2, 8, 64] = aten.view(addmm_6, [2, 8, 64])
+gelu_1: f32[2, 8, 64] = aten.gelu(view_21)  # free: view_21
+all_gather_into_tensor_24: f32[1024] = _c10d_functional.all_gather_into_tensor(primals_26, 4, WORLD)  # param: blocks.1.out.weight
+wait_tensor_24: f32[1024] = _c10d_functional.wait_tensor(all_gather_into_tensor_24)  # free: all_gather_into_tensor_24
+view_51: f32[16, 64] = aten.view(wait_tensor_24, [16, 64])  # free: wait_tensor_24
+all_gather_into_tensor_25: f32[16] = _c10d_functional.all_gather_into_tensor(primals_27, 4, WORLD)  # param: blocks.1.out.bias; free: primals_27
+wait_tensor_25: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_25)  # free: all_gather_into_tensor_25
+view_52: f32[16] = aten.view(wait_tensor_25, [16])  # free: wait_tensor_25
+view_22: f32[16, 64] = aten.view(gelu_1, [16, 64])  # free: gelu_1
+t_7: f32[64, 16] = aten.t(view_51)  # free: view_51
+addmm_7: f32[16, 16] = aten.addmm(view_52, view_22, t_7)  # free: view_52, t_7
+view_23: f32[2, 8, 16] = aten.view(addmm_7, [2, 8, 16])  # free: addmm_7
+add_4: f32[2, 8, 16] = aten.add.Tensor(add_3, view_23)  # free: view_23
+all_gather_into_tensor_26: f32[16] = _c10d_functional.all_gather_into_tensor(primals_28, 4, WORLD)  # param: ln_f.weight
+wait_tensor_26: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_26)  # free: all_gather_into_tensor_26
+view_53: f32[16] = aten.view(wait_tensor_26, [16])  # free: wait_tensor_26
+all_gather_into_tensor_27: f32[16] = _c10d_functional.all_gather_into_tensor(primals_29, 4, WORLD)  # param: ln_f.bias
+wait_tensor_27: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_27)  # free: all_gather_into_tensor_27
+view_54: f32[16] = aten.view(wait_tensor_27, [16])  # free: wait_tensor_27
+native_layer_norm_4: (f32[2, 8, 16], f32[2, 8, 1], f32[2, 8, 1]) = aten.native_layer_norm(add_4, [16], view_53, view_54, 1e-05)  # free: view_53, view_54
+getitem_22: f32[2, 8, 16] = native_layer_norm_4[0]
+getitem_23: f32[2, 8, 1] = native_layer_norm_4[1]
+getitem_24: f32[2, 8, 1] = native_layer_norm_4[2]  # free: native_layer_norm_4
+t_8: f32[16, 32] = aten.t(view_27)  # free: view_27
+view_24: f32[16, 16] = aten.view(getitem_22, [16, 16])  # free: getitem_22
+mm: f32[16, 32] = aten.mm(view_24, t_8)  # free: t_8
+_unsafe_view: f32[2, 8, 32] = aten._unsafe_view(mm, [2, 8, 32])  # free: mm
+view_25: f32[16, 32] = aten.view(_unsafe_view, [-1, 32])  # free: _unsafe_view
+view_26: i64[16] = aten.view(primals_30, [-1])  # free: primals_30
+_log_softmax: f32[16, 32] = aten._log_softmax(view_25, 1, False)  # free: view_25
+nll_loss_forward: (f32[], f32[]) = aten.nll_loss_forward(_log_softmax, view_26, None, 1, -100)
+getitem_25: f32[] = nll_loss_forward[0]
+getitem_26: f32[] = nll_loss_forward[1]  # free: nll_loss_forward
+detach_4: f32[2, 2, 8, 8] = aten.detach(detach_1)  # free: detach_1
+detach_5: f32[2, 2, 8, 8] = aten.detach(detach)  # free: detach
+return (getitem_25, primals_1, primals_2, primals_4, primals_5, primals_6, primals_8, primals_10, primals_11, primals_12, primals_14, primals_16, primals_17, primals_18, primals_20, primals_22, primals_23, primals_24, primals_26, primals_28, primals_29, arange, add, getitem_1, getitem_2, view, transpose, transpose_1, transpose_2, getitem_7, view_6, add_1, getitem_9, getitem_10, view_8, addmm_2, view_10, add_2, getitem_12, getitem_13, view_12, transpose_4, transpose_5, transpose_6, getitem_18, view_18, add_3, getitem_20, getitem_21, view_20, addmm_6, view_22, add_4, getitem_23, getitem_24, view_24, view_26, _log_softmax, getitem_26, detach_4, detach_5)""")
+        self.assertExpectedInline(backward, """\
+input primals_1: i64[2, 8]
+input primals_2: f32[128]
+input primals_4: f32[4]
+input primals_5: f32[4]
+input primals_6: f32[192]
+input primals_8: f32[64]
+input primals_10: f32[4]
+input primals_11: f32[4]
+input primals_12: f32[256]
+input primals_14: f32[256]
+input primals_16: f32[4]
+input primals_17: f32[4]
+input primals_18: f32[192]
+input primals_20: f32[64]
+input primals_22: f32[4]
+input primals_23: f32[4]
+input primals_24: f32[256]
+input primals_26: f32[256]
+input primals_28: f32[4]
+input primals_29: f32[4]
+input arange: i64[8]
+input add: f32[2, 8, 16]
+input getitem_1: f32[2, 8, 1]
+input getitem_2: f32[2, 8, 1]
+input view: f32[16, 16]
+input transpose: f32[2, 2, 8, 8]
+input transpose_1: f32[2, 2, 8, 8]
+input transpose_2: f32[2, 2, 8, 8]
+input getitem_7: f32[2, 2, 8]
+input view_6: f32[16, 16]
+input add_1: f32[2, 8, 16]
+input getitem_9: f32[2, 8, 1]
+input getitem_10: f32[2, 8, 1]
+input view_8: f32[16, 16]
+input addmm_2: f32[16, 64]
+input view_10: f32[16, 64]
+input add_2: f32[2, 8, 16]
+input getitem_12: f32[2, 8, 1]
+input getitem_13: f32[2, 8, 1]
+input view_12: f32[16, 16]
+input transpose_4: f32[2, 2, 8, 8]
+input transpose_5: f32[2, 2, 8, 8]
+input transpose_6: f32[2, 2, 8, 8]
+input getitem_18: f32[2, 2, 8]
+input view_18: f32[16, 16]
+input add_3: f32[2, 8, 16]
+input getitem_20: f32[2, 8, 1]
+input getitem_21: f32[2, 8, 1]
+input view_20: f32[16, 16]
+input addmm_6: f32[16, 64]
+input view_22: f32[16, 64]
+input add_4: f32[2, 8, 16]
+input getitem_23: f32[2, 8, 1]
+input getitem_24: f32[2, 8, 1]
+input view_24: f32[16, 16]
+input view_26: i64[16]
+input _log_softmax: f32[16, 32]
+input getitem_26: f32[]
+input detach_4: f32[2, 2, 8, 8]
+input detach_5: f32[2, 2, 8, 8]
+input tangents_1: f32[]
+nll_loss_backward: f32[16, 32] = aten.nll_loss_backward(tangents_1, _log_softmax, view_26, None, 1, -100, getitem_26)  # free: tangents_1, view_26, getitem_26
+detach_2: f32[16, 32] = aten.detach(_log_softmax)  # free: _log_softmax
+detach_3: f32[16, 32] = aten.detach(detach_2)  # free: detach_2
+_log_softmax_backward_data: f32[16, 32] = aten._log_softmax_backward_data(nll_loss_backward, detach_3, 1, torch.float32)  # free: nll_loss_backward, detach_3
+view_27: f32[2, 8, 32] = aten.view(_log_softmax_backward_data, [2, 8, 32])  # free: _log_softmax_backward_data
+view_28: f32[16, 32] = aten.view(view_27, [16, 32])  # free: view_27
+t_9: f32[32, 16] = aten.t(view_28)
+mm_1: f32[32, 16] = aten.mm(t_9, view_24)  # free: t_9, view_24
+t_10: f32[16, 32] = aten.t(mm_1)  # free: mm_1
+all_gather_into_tensor: f32[512] = _c10d_functional.all_gather_into_tensor(primals_2, 4, WORLD)  # param: wte.weight; free: primals_2
+wait_tensor: f32[512] = _c10d_functional.wait_tensor(all_gather_into_tensor)  # free: all_gather_into_tensor
+view_63: f32[32, 16] = aten.view(wait_tensor, [32, 16])  # free: wait_tensor
+t_8: f32[16, 32] = aten.t(view_63)  # free: view_63
+t_11: f32[32, 16] = aten.t(t_8)  # free: t_8
+mm_2: f32[16, 16] = aten.mm(view_28, t_11)  # free: view_28, t_11
+view_29: f32[2, 8, 16] = aten.view(mm_2, [2, 8, 16])  # free: mm_2
+t_12: f32[32, 16] = aten.t(t_10)  # free: t_10
+all_gather_into_tensor_1: f32[16] = _c10d_functional.all_gather_into_tensor(primals_28, 4, WORLD)  # param: ln_f.weight; free: primals_28
+wait_tensor_1: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_1)  # free: all_gather_into_tensor_1
+view_64: f32[16] = aten.view(wait_tensor_1, [16])  # free: wait_tensor_1
+all_gather_into_tensor_2: f32[16] = _c10d_functional.all_gather_into_tensor(primals_29, 4, WORLD)  # param: ln_f.bias; free: primals_29
+wait_tensor_2: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_2)  # free: all_gather_into_tensor_2
+view_65: f32[16] = aten.view(wait_tensor_2, [16])  # free: wait_tensor_2
+native_layer_norm_backward: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_29, add_4, [16], getitem_23, getitem_24, view_64, view_65, [True, True, True])  # free: view_29, add_4, getitem_23, getitem_24, view_64, view_65
+getitem_27: f32[2, 8, 16] = native_layer_norm_backward[0]
+getitem_28: f32[16] = native_layer_norm_backward[1]
+getitem_29: f32[16] = native_layer_norm_backward[2]  # free: native_layer_norm_backward
+view_66: f32[16] = aten.view(getitem_29, [-1])  # free: getitem_29
+reduce_scatter_tensor: f32[4] = _c10d_functional.reduce_scatter_tensor(view_66, 'avg', 4, WORLD)  # param: ln_f.bias; free: view_66
+wait_tensor_3: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
+view_67: f32[16] = aten.view(getitem_28, [-1])  # free: getitem_28
+reduce_scatter_tensor_1: f32[4] = _c10d_functional.reduce_scatter_tensor(view_67, 'avg', 4, WORLD)  # param: ln_f.weight; free: view_67
+wait_tensor_4: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_1)  # free: reduce_scatter_tensor_1
+view_30: f32[16, 16] = aten.view(getitem_27, [16, 16])
+all_gather_into_tensor_3: f32[1024] = _c10d_functional.all_gather_into_tensor(primals_26, 4, WORLD)  # param: blocks.1.out.weight; free: primals_26
+wait_tensor_5: f32[1024] = _c10d_functional.wait_tensor(all_gather_into_tensor_3)  # free: all_gather_into_tensor_3
+view_68: f32[16, 64] = aten.view(wait_tensor_5, [16, 64])  # free: wait_tensor_5
+t_7: f32[64, 16] = aten.t(view_68)  # free: view_68
+t_13: f32[16, 64] = aten.t(t_7)  # free: t_7
+mm_3: f32[16, 64] = aten.mm(view_30, t_13)  # free: t_13
+t_14: f32[16, 16] = aten.t(view_30)
+mm_4: f32[16, 64] = aten.mm(t_14, view_22)  # free: t_14, view_22
+t_15: f32[64, 16] = aten.t(mm_4)  # free: mm_4
+sum_1: f32[1, 16] = aten.sum.dim_IntList(view_30, [0], True)  # free: view_30
+view_31: f32[16] = aten.view(sum_1, [16])  # free: sum_1
+t_16: f32[16, 64] = aten.t(t_15)  # free: t_15
+view_32: f32[2, 8, 64] = aten.view(mm_3, [2, 8, 64])  # free: mm_3
+view_69: f32[16] = aten.view(view_31, [-1])  # free: view_31
+reduce_scatter_tensor_2: f32[4] = _c10d_functional.reduce_scatter_tensor(view_69, 'avg', 4, WORLD)  # param: blocks.1.out.bias; free: view_69
+wait_tensor_6: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_2)  # free: reduce_scatter_tensor_2
+view_70: f32[1024] = aten.view(t_16, [-1])  # free: t_16
+reduce_scatter_tensor_3: f32[256] = _c10d_functional.reduce_scatter_tensor(view_70, 'avg', 4, WORLD)  # param: blocks.1.out.weight; free: view_70
+wait_tensor_7: f32[256] = _c10d_functional.wait_tensor(reduce_scatter_tensor_3)  # free: reduce_scatter_tensor_3
+view_21: f32[2, 8, 64] = aten.view(addmm_6, [2, 8, 64])  # free: addmm_6
+gelu_backward: f32[2, 8, 64] = aten.gelu_backward(view_32, view_21)  # free: view_32, view_21
+view_33: f32[16, 64] = aten.view(gelu_backward, [16, 64])  # free: gelu_backward
+all_gather_into_tensor_4: f32[1024] = _c10d_functional.all_gather_into_tensor(primals_24, 4, WORLD)  # param: blocks.1.fc.weight; free: primals_24
+wait_tensor_8: f32[1024] = _c10d_functional.wait_tensor(all_gather_into_tensor_4)  # free: all_gather_into_tensor_4
+view_71: f32[64, 16] = aten.view(wait_tensor_8, [64, 16])  # free: wait_tensor_8
+t_6: f32[16, 64] = aten.t(view_71)  # free: view_71
+t_17: f32[64, 16] = aten.t(t_6)  # free: t_6
+mm_5: f32[16, 16] = aten.mm(view_33, t_17)  # free: t_17
+t_18: f32[64, 16] = aten.t(view_33)
+mm_6: f32[64, 16] = aten.mm(t_18, view_20)  # free: t_18, view_20
+t_19: f32[16, 64] = aten.t(mm_6)  # free: mm_6
+sum_2: f32[1, 64] = aten.sum.dim_IntList(view_33, [0], True)  # free: view_33
+view_34: f32[64] = aten.view(sum_2, [64])  # free: sum_2
+t_20: f32[64, 16] = aten.t(t_19)  # free: t_19
+view_35: f32[2, 8, 16] = aten.view(mm_5, [2, 8, 16])  # free: mm_5
+view_72: f32[64] = aten.view(view_34, [-1])  # free: view_34
+reduce_scatter_tensor_4: f32[16] = _c10d_functional.reduce_scatter_tensor(view_72, 'avg', 4, WORLD)  # param: blocks.1.fc.bias; free: view_72
+wait_tensor_9: f32[16] = _c10d_functional.wait_tensor(reduce_scatter_tensor_4)  # free: reduce_scatter_tensor_4
+view_73: f32[1024] = aten.view(t_20, [-1])  # free: t_20
+reduce_scatter_tensor_5: f32[256] = _c10d_functional.reduce_scatter_tensor(view_73, 'avg', 4, WORLD)  # param: blocks.1.fc.weight; free: view_73
+wait_tensor_10: f32[256] = _c10d_functional.wait_tensor(reduce_scatter_tensor_5)  # free: reduce_scatter_tensor_5
+all_gather_into_tensor_5: f32[16] = _c10d_functional.all_gather_into_tensor(primals_22, 4, WORLD)  # param: blocks.1.ln2.weight; free: primals_22
+wait_tensor_11: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_5)  # free: all_gather_into_tensor_5
+view_74: f32[16] = aten.view(wait_tensor_11, [16])  # free: wait_tensor_11
+all_gather_into_tensor_6: f32[16] = _c10d_functional.all_gather_into_tensor(primals_23, 4, WORLD)  # param: blocks.1.ln2.bias; free: primals_23
+wait_tensor_12: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_6)  # free: all_gather_into_tensor_6
+view_75: f32[16] = aten.view(wait_tensor_12, [16])  # free: wait_tensor_12
+native_layer_norm_backward_1: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_35, add_3, [16], getitem_20, getitem_21, view_74, view_75, [True, True, True])  # free: view_35, add_3, getitem_20, getitem_21, view_74, view_75
+getitem_30: f32[2, 8, 16] = native_layer_norm_backward_1[0]
+getitem_31: f32[16] = native_layer_norm_backward_1[1]
+getitem_32: f32[16] = native_layer_norm_backward_1[2]  # free: native_layer_norm_backward_1
+add_5: f32[2, 8, 16] = aten.add.Tensor(getitem_27, getitem_30)  # free: getitem_27, getitem_30
+view_76: f32[16] = aten.view(getitem_32, [-1])  # free: getitem_32
+reduce_scatter_tensor_6: f32[4] = _c10d_functional.reduce_scatter_tensor(view_76, 'avg', 4, WORLD)  # param: blocks.1.ln2.bias; free: view_76
+wait_tensor_13: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_6)  # free: reduce_scatter_tensor_6
+view_77: f32[16] = aten.view(getitem_31, [-1])  # free: getitem_31
+reduce_scatter_tensor_7: f32[4] = _c10d_functional.reduce_scatter_tensor(view_77, 'avg', 4, WORLD)  # param: blocks.1.ln2.weight; free: view_77
+wait_tensor_14: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_7)  # free: reduce_scatter_tensor_7
+view_36: f32[16, 16] = aten.view(add_5, [16, 16])
+all_gather_into_tensor_7: f32[256] = _c10d_functional.all_gather_into_tensor(primals_20, 4, WORLD)  # param: blocks.1.attn.proj.weight; free: primals_20
+wait_tensor_15: f32[256] = _c10d_functional.wait_tensor(all_gather_into_tensor_7)  # free: all_gather_into_tensor_7
+view_78: f32[16, 16] = aten.view(wait_tensor_15, [16, 16])  # free: wait_tensor_15
+t_5: f32[16, 16] = aten.t(view_78)  # free: view_78
+t_21: f32[16, 16] = aten.t(t_5)  # free: t_5
+mm_7: f32[16, 16] = aten.mm(view_36, t_21)  # free: t_21
+t_22: f32[16, 16] = aten.t(view_36)
+mm_8: f32[16, 16] = aten.mm(t_22, view_18)  # free: t_22, view_18
+t_23: f32[16, 16] = aten.t(mm_8)  # free: mm_8
+sum_3: f32[1, 16] = aten.sum.dim_IntList(view_36, [0], True)  # free: view_36
+view_37: f32[16] = aten.view(sum_3, [16])  # free: sum_3
+t_24: f32[16, 16] = aten.t(t_23)  # free: t_23
+view_38: f32[2, 8, 16] = aten.view(mm_7, [2, 8, 16])  # free: mm_7
+view_79: f32[16] = aten.view(view_37, [-1])  # free: view_37
+reduce_scatter_tensor_8: f32[4] = _c10d_functional.reduce_scatter_tensor(view_79, 'avg', 4, WORLD)  # param: blocks.1.attn.proj.bias; free: view_79
+wait_tensor_16: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_8)  # free: reduce_scatter_tensor_8
+view_80: f32[256] = aten.view(t_24, [-1])  # free: t_24
+reduce_scatter_tensor_9: f32[64] = _c10d_functional.reduce_scatter_tensor(view_80, 'avg', 4, WORLD)  # param: blocks.1.attn.proj.weight; free: view_80
+wait_tensor_17: f32[64] = _c10d_functional.wait_tensor(reduce_scatter_tensor_9)  # free: reduce_scatter_tensor_9
+view_39: f32[2, 8, 2, 8] = aten.view(view_38, [2, 8, 2, 8])  # free: view_38
+transpose_8: f32[2, 2, 8, 8] = aten.transpose.int(view_39, 1, 2)  # free: view_39
+_scaled_dot_product_flash_attention_for_cpu_backward: (f32[2, 2, 8, 8], f32[2, 2, 8, 8], f32[2, 2, 8, 8]) = aten._scaled_dot_product_flash_attention_for_cpu_backward(transpose_8, transpose_4, transpose_5, transpose_6, detach_4, getitem_18, 0.0, True)  # free: transpose_8, transpose_4, transpose_5, transpose_6, detach_4, getitem_18
+getitem_33: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[0]
+getitem_34: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[1]
+getitem_35: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[2]  # free: _scaled_dot_product_flash_attention_for_cpu_backward
+transpose_9: f32[2, 8, 2, 8] = aten.transpose.int(getitem_35, 1, 2)  # free: getitem_35
+view_40: f32[2, 8, 16] = aten.view(transpose_9, [2, 8, 16])  # free: transpose_9
+transpose_10: f32[2, 8, 2, 8] = aten.transpose.int(getitem_34, 1, 2)  # free: getitem_34
+view_41: f32[2, 8, 16] = aten.view(transpose_10, [2, 8, 16])  # free: transpose_10
+transpose_11: f32[2, 8, 2, 8] = aten.transpose.int(getitem_33, 1, 2)  # free: getitem_33
+view_42: f32[2, 8, 16] = aten.view(transpose_11, [2, 8, 16])  # free: transpose_11
+cat: f32[2, 8, 48] = aten.cat([view_42, view_41, view_40], 2)  # free: view_42, view_41, view_40
+view_43: f32[16, 48] = aten.view(cat, [16, 48])  # free: cat
+all_gather_into_tensor_8: f32[768] = _c10d_functional.all_gather_into_tensor(primals_18, 4, WORLD)  # param: blocks.1.attn.qkv.weight; free: primals_18
+wait_tensor_18: f32[768] = _c10d_functional.wait_tensor(all_gather_into_tensor_8)  # free: all_gather_into_tensor_8
+view_81: f32[48, 16] = aten.view(wait_tensor_18, [48, 16])  # free: wait_tensor_18
+t_4: f32[16, 48] = aten.t(view_81)  # free: view_81
+t_25: f32[48, 16] = aten.t(t_4)  # free: t_4
+mm_9: f32[16, 16] = aten.mm(view_43, t_25)  # free: t_25
+t_26: f32[48, 16] = aten.t(view_43)
+mm_10: f32[48, 16] = aten.mm(t_26, view_12)  # free: t_26, view_12
+t_27: f32[16, 48] = aten.t(mm_10)  # free: mm_10
+sum_4: f32[1, 48] = aten.sum.dim_IntList(view_43, [0], True)  # free: view_43
+view_44: f32[48] = aten.view(sum_4, [48])  # free: sum_4
+t_28: f32[48, 16] = aten.t(t_27)  # free: t_27
+view_45: f32[2, 8, 16] = aten.view(mm_9, [2, 8, 16])  # free: mm_9
+view_82: f32[48] = aten.view(view_44, [-1])  # free: view_44
+reduce_scatter_tensor_10: f32[12] = _c10d_functional.reduce_scatter_tensor(view_82, 'avg', 4, WORLD)  # param: blocks.1.attn.qkv.bias; free: view_82
+wait_tensor_19: f32[12] = _c10d_functional.wait_tensor(reduce_scatter_tensor_10)  # free: reduce_scatter_tensor_10
+view_83: f32[768] = aten.view(t_28, [-1])  # free: t_28
+reduce_scatter_tensor_11: f32[192] = _c10d_functional.reduce_scatter_tensor(view_83, 'avg', 4, WORLD)  # param: blocks.1.attn.qkv.weight; free: view_83
+wait_tensor_20: f32[192] = _c10d_functional.wait_tensor(reduce_scatter_tensor_11)  # free: reduce_scatter_tensor_11
+all_gather_into_tensor_9: f32[16] = _c10d_functional.all_gather_into_tensor(primals_16, 4, WORLD)  # param: blocks.1.ln1.weight; free: primals_16
+wait_tensor_21: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_9)  # free: all_gather_into_tensor_9
+view_84: f32[16] = aten.view(wait_tensor_21, [16])  # free: wait_tensor_21
+all_gather_into_tensor_10: f32[16] = _c10d_functional.all_gather_into_tensor(primals_17, 4, WORLD)  # param: blocks.1.ln1.bias; free: primals_17
+wait_tensor_22: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_10)  # free: all_gather_into_tensor_10
+view_85: f32[16] = aten.view(wait_tensor_22, [16])  # free: wait_tensor_22
+native_layer_norm_backward_2: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_45, add_2, [16], getitem_12, getitem_13, view_84, view_85, [True, True, True])  # free: view_45, add_2, getitem_12, getitem_13, view_84, view_85
+getitem_36: f32[2, 8, 16] = native_layer_norm_backward_2[0]
+getitem_37: f32[16] = native_layer_norm_backward_2[1]
+getitem_38: f32[16] = native_layer_norm_backward_2[2]  # free: native_layer_norm_backward_2
+add_6: f32[2, 8, 16] = aten.add.Tensor(add_5, getitem_36)  # free: add_5, getitem_36
+view_86: f32[16] = aten.view(getitem_38, [-1])  # free: getitem_38
+reduce_scatter_tensor_12: f32[4] = _c10d_functional.reduce_scatter_tensor(view_86, 'avg', 4, WORLD)  # param: blocks.1.ln1.bias; free: view_86
+wait_tensor_23: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_12)  # free: reduce_scatter_tensor_12
+view_87: f32[16] = aten.view(getitem_37, [-1])  # free: getitem_37
+reduce_scatter_tensor_13: f32[4] = _c10d_functional.reduce_scatter_tensor(view_87, 'avg', 4, WORLD)  # param: blocks.1.ln1.weight; free: view_87
+wait_tensor_24: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_13)  # free: reduce_scatter_tensor_13
+view_46: f32[16, 16] = aten.view(add_6, [16, 16])
+all_gather_into_tensor_11: f32[1024] = _c10d_functional.all_gather_into_tensor(primals_14, 4, WORLD)  # param: blocks.0.out.weight; free: primals_14
+wait_tensor_25: f32[1024] = _c10d_functional.wait_tensor(all_gather_into_tensor_11)  # free: all_gather_into_tensor_11
+view_88: f32[16, 64] = aten.view(wait_tensor_25, [16, 64])  # free: wait_tensor_25
+t_3: f32[64, 16] = aten.t(view_88)  # free: view_88
+t_29: f32[16, 64] = aten.t(t_3)  # free: t_3
+mm_11: f32[16, 64] = aten.mm(view_46, t_29)  # free: t_29
+t_30: f32[16, 16] = aten.t(view_46)
+mm_12: f32[16, 64] = aten.mm(t_30, view_10)  # free: t_30, view_10
+t_31: f32[64, 16] = aten.t(mm_12)  # free: mm_12
+sum_5: f32[1, 16] = aten.sum.dim_IntList(view_46, [0], True)  # free: view_46
+view_47: f32[16] = aten.view(sum_5, [16])  # free: sum_5
+t_32: f32[16, 64] = aten.t(t_31)  # free: t_31
+view_48: f32[2, 8, 64] = aten.view(mm_11, [2, 8, 64])  # free: mm_11
+view_89: f32[16] = aten.view(view_47, [-1])  # free: view_47
+reduce_scatter_tensor_14: f32[4] = _c10d_functional.reduce_scatter_tensor(view_89, 'avg', 4, WORLD)  # param: blocks.0.out.bias; free: view_89
+wait_tensor_26: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_14)  # free: reduce_scatter_tensor_14
+view_90: f32[1024] = aten.view(t_32, [-1])  # free: t_32
+reduce_scatter_tensor_15: f32[256] = _c10d_functional.reduce_scatter_tensor(view_90, 'avg', 4, WORLD)  # param: blocks.0.out.weight; free: view_90
+wait_tensor_27: f32[256] = _c10d_functional.wait_tensor(reduce_scatter_tensor_15)  # free: reduce_scatter_tensor_15
+view_9: f32[2, 8, 64] = aten.view(addmm_2, [2, 8, 64])  # free: addmm_2
+gelu_backward_1: f32[2, 8, 64] = aten.gelu_backward(view_48, view_9)  # free: view_48, view_9
+view_49: f32[16, 64] = aten.view(gelu_backward_1, [16, 64])  # free: gelu_backward_1
+all_gather_into_tensor_12: f32[1024] = _c10d_functional.all_gather_into_tensor(primals_12, 4, WORLD)  # param: blocks.0.fc.weight; free: primals_12
+wait_tensor_28: f32[1024] = _c10d_functional.wait_tensor(all_gather_into_tensor_12)  # free: all_gather_into_tensor_12
+view_91: f32[64, 16] = aten.view(wait_tensor_28, [64, 16])  # free: wait_tensor_28
+t_2: f32[16, 64] = aten.t(view_91)  # free: view_91
+t_33: f32[64, 16] = aten.t(t_2)  # free: t_2
+mm_13: f32[16, 16] = aten.mm(view_49, t_33)  # free: t_33
+t_34: f32[64, 16] = aten.t(view_49)
+mm_14: f32[64, 16] = aten.mm(t_34, view_8)  # free: t_34, view_8
+t_35: f32[16, 64] = aten.t(mm_14)  # free: mm_14
+sum_6: f32[1, 64] = aten.sum.dim_IntList(view_49, [0], True)  # free: view_49
+view_50: f32[64] = aten.view(sum_6, [64])  # free: sum_6
+t_36: f32[64, 16] = aten.t(t_35)  # free: t_35
+view_51: f32[2, 8, 16] = aten.view(mm_13, [2, 8, 16])  # free: mm_13
+view_92: f32[64] = aten.view(view_50, [-1])  # free: view_50
+reduce_scatter_tensor_16: f32[16] = _c10d_functional.reduce_scatter_tensor(view_92, 'avg', 4, WORLD)  # param: blocks.0.fc.bias; free: view_92
+wait_tensor_29: f32[16] = _c10d_functional.wait_tensor(reduce_scatter_tensor_16)  # free: reduce_scatter_tensor_16
+view_93: f32[1024] = aten.view(t_36, [-1])  # free: t_36
+reduce_scatter_tensor_17: f32[256] = _c10d_functional.reduce_scatter_tensor(view_93, 'avg', 4, WORLD)  # param: blocks.0.fc.weight; free: view_93
+wait_tensor_30: f32[256] = _c10d_functional.wait_tensor(reduce_scatter_tensor_17)  # free: reduce_scatter_tensor_17
+all_gather_into_tensor_13: f32[16] = _c10d_functional.all_gather_into_tensor(primals_10, 4, WORLD)  # param: blocks.0.ln2.weight; free: primals_10
+wait_tensor_31: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_13)  # free: all_gather_into_tensor_13
+view_94: f32[16] = aten.view(wait_tensor_31, [16])  # free: wait_tensor_31
+all_gather_into_tensor_14: f32[16] = _c10d_functional.all_gather_into_tensor(primals_11, 4, WORLD)  # param: blocks.0.ln2.bias; free: primals_11
+wait_tensor_32: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_14)  # free: all_gather_into_tensor_14
+view_95: f32[16] = aten.view(wait_tensor_32, [16])  # free: wait_tensor_32
+native_layer_norm_backward_3: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_51, add_1, [16], getitem_9, getitem_10, view_94, view_95, [True, True, True])  # free: view_51, add_1, getitem_9, getitem_10, view_94, view_95
+getitem_39: f32[2, 8, 16] = native_layer_norm_backward_3[0]
+getitem_40: f32[16] = native_layer_norm_backward_3[1]
+getitem_41: f32[16] = native_layer_norm_backward_3[2]  # free: native_layer_norm_backward_3
+add_7: f32[2, 8, 16] = aten.add.Tensor(add_6, getitem_39)  # free: add_6, getitem_39
+view_96: f32[16] = aten.view(getitem_41, [-1])  # free: getitem_41
+reduce_scatter_tensor_18: f32[4] = _c10d_functional.reduce_scatter_tensor(view_96, 'avg', 4, WORLD)  # param: blocks.0.ln2.bias; free: view_96
+wait_tensor_33: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_18)  # free: reduce_scatter_tensor_18
+view_97: f32[16] = aten.view(getitem_40, [-1])  # free: getitem_40
+reduce_scatter_tensor_19: f32[4] = _c10d_functional.reduce_scatter_tensor(view_97, 'avg', 4, WORLD)  # param: blocks.0.ln2.weight; free: view_97
+wait_tensor_34: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_19)  # free: reduce_scatter_tensor_19
+view_52: f32[16, 16] = aten.view(add_7, [16, 16])
+all_gather_into_tensor_15: f32[256] = _c10d_functional.all_gather_into_tensor(primals_8, 4, WORLD)  # param: blocks.0.attn.proj.weight; free: primals_8
+wait_tensor_35: f32[256] = _c10d_functional.wait_tensor(all_gather_into_tensor_15)  # free: all_gather_into_tensor_15
+view_98: f32[16, 16] = aten.view(wait_tensor_35, [16, 16])  # free: wait_tensor_35
+t_1: f32[16, 16] = aten.t(view_98)  # free: view_98
+t_37: f32[16, 16] = aten.t(t_1)  # free: t_1
+mm_15: f32[16, 16] = aten.mm(view_52, t_37)  # free: t_37
+t_38: f32[16, 16] = aten.t(view_52)
+mm_16: f32[16, 16] = aten.mm(t_38, view_6)  # free: t_38, view_6
+t_39: f32[16, 16] = aten.t(mm_16)  # free: mm_16
+sum_7: f32[1, 16] = aten.sum.dim_IntList(view_52, [0], True)  # free: view_52
+view_53: f32[16] = aten.view(sum_7, [16])  # free: sum_7
+t_40: f32[16, 16] = aten.t(t_39)  # free: t_39
+view_54: f32[2, 8, 16] = aten.view(mm_15, [2, 8, 16])  # free: mm_15
+view_99: f32[16] = aten.view(view_53, [-1])  # free: view_53
+reduce_scatter_tensor_20: f32[4] = _c10d_functional.reduce_scatter_tensor(view_99, 'avg', 4, WORLD)  # param: blocks.0.attn.proj.bias; free: view_99
+wait_tensor_36: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_20)  # free: reduce_scatter_tensor_20
+view_100: f32[256] = aten.view(t_40, [-1])  # free: t_40
+reduce_scatter_tensor_21: f32[64] = _c10d_functional.reduce_scatter_tensor(view_100, 'avg', 4, WORLD)  # param: blocks.0.attn.proj.weight; free: view_100
+wait_tensor_37: f32[64] = _c10d_functional.wait_tensor(reduce_scatter_tensor_21)  # free: reduce_scatter_tensor_21
+view_55: f32[2, 8, 2, 8] = aten.view(view_54, [2, 8, 2, 8])  # free: view_54
+transpose_12: f32[2, 2, 8, 8] = aten.transpose.int(view_55, 1, 2)  # free: view_55
+_scaled_dot_product_flash_attention_for_cpu_backward_1: (f32[2, 2, 8, 8], f32[2, 2, 8, 8], f32[2, 2, 8, 8]) = aten._scaled_dot_product_flash_attention_for_cpu_backward(transpose_12, transpose, transpose_1, transpose_2, detach_5, getitem_7, 0.0, True)  # free: transpose_12, transpose, transpose_1, transpose_2, detach_5, getitem_7
+getitem_42: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[0]
+getitem_43: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[1]
+getitem_44: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[2]  # free: _scaled_dot_product_flash_attention_for_cpu_backward_1
+transpose_13: f32[2, 8, 2, 8] = aten.transpose.int(getitem_44, 1, 2)  # free: getitem_44
+view_56: f32[2, 8, 16] = aten.view(transpose_13, [2, 8, 16])  # free: transpose_13
+transpose_14: f32[2, 8, 2, 8] = aten.transpose.int(getitem_43, 1, 2)  # free: getitem_43
+view_57: f32[2, 8, 16] = aten.view(transpose_14, [2, 8, 16])  # free: transpose_14
+transpose_15: f32[2, 8, 2, 8] = aten.transpose.int(getitem_42, 1, 2)  # free: getitem_42
+view_58: f32[2, 8, 16] = aten.view(transpose_15, [2, 8, 16])  # free: transpose_15
+cat_1: f32[2, 8, 48] = aten.cat([view_58, view_57, view_56], 2)  # free: view_58, view_57, view_56
+view_59: f32[16, 48] = aten.view(cat_1, [16, 48])  # free: cat_1
+all_gather_into_tensor_16: f32[768] = _c10d_functional.all_gather_into_tensor(primals_6, 4, WORLD)  # param: blocks.0.attn.qkv.weight; free: primals_6
+wait_tensor_38: f32[768] = _c10d_functional.wait_tensor(all_gather_into_tensor_16)  # free: all_gather_into_tensor_16
+view_101: f32[48, 16] = aten.view(wait_tensor_38, [48, 16])  # free: wait_tensor_38
+t: f32[16, 48] = aten.t(view_101)  # free: view_101
+t_41: f32[48, 16] = aten.t(t)  # free: t
+mm_17: f32[16, 16] = aten.mm(view_59, t_41)  # free: t_41
+t_42: f32[48, 16] = aten.t(view_59)
+mm_18: f32[48, 16] = aten.mm(t_42, view)  # free: t_42, view
+t_43: f32[16, 48] = aten.t(mm_18)  # free: mm_18
+sum_8: f32[1, 48] = aten.sum.dim_IntList(view_59, [0], True)  # free: view_59
+view_60: f32[48] = aten.view(sum_8, [48])  # free: sum_8
+t_44: f32[48, 16] = aten.t(t_43)  # free: t_43
+view_61: f32[2, 8, 16] = aten.view(mm_17, [2, 8, 16])  # free: mm_17
+view_102: f32[48] = aten.view(view_60, [-1])  # free: view_60
+reduce_scatter_tensor_22: f32[12] = _c10d_functional.reduce_scatter_tensor(view_102, 'avg', 4, WORLD)  # param: blocks.0.attn.qkv.bias; free: view_102
+wait_tensor_39: f32[12] = _c10d_functional.wait_tensor(reduce_scatter_tensor_22)  # free: reduce_scatter_tensor_22
+view_103: f32[768] = aten.view(t_44, [-1])  # free: t_44
+reduce_scatter_tensor_23: f32[192] = _c10d_functional.reduce_scatter_tensor(view_103, 'avg', 4, WORLD)  # param: blocks.0.attn.qkv.weight; free: view_103
+wait_tensor_40: f32[192] = _c10d_functional.wait_tensor(reduce_scatter_tensor_23)  # free: reduce_scatter_tensor_23
+all_gather_into_tensor_17: f32[16] = _c10d_functional.all_gather_into_tensor(primals_4, 4, WORLD)  # param: blocks.0.ln1.weight; free: primals_4
+wait_tensor_41: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_17)  # free: all_gather_into_tensor_17
+view_104: f32[16] = aten.view(wait_tensor_41, [16])  # free: wait_tensor_41
+all_gather_into_tensor_18: f32[16] = _c10d_functional.all_gather_into_tensor(primals_5, 4, WORLD)  # param: blocks.0.ln1.bias; free: primals_5
+wait_tensor_42: f32[16] = _c10d_functional.wait_tensor(all_gather_into_tensor_18)  # free: all_gather_into_tensor_18
+view_105: f32[16] = aten.view(wait_tensor_42, [16])  # free: wait_tensor_42
+native_layer_norm_backward_4: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_61, add, [16], getitem_1, getitem_2, view_104, view_105, [True, True, True])  # free: view_61, add, getitem_1, getitem_2, view_104, view_105
+getitem_45: f32[2, 8, 16] = native_layer_norm_backward_4[0]
+getitem_46: f32[16] = native_layer_norm_backward_4[1]
+getitem_47: f32[16] = native_layer_norm_backward_4[2]  # free: native_layer_norm_backward_4
+add_8: f32[2, 8, 16] = aten.add.Tensor(add_7, getitem_45)  # free: add_7, getitem_45
+view_106: f32[16] = aten.view(getitem_47, [-1])  # free: getitem_47
+reduce_scatter_tensor_24: f32[4] = _c10d_functional.reduce_scatter_tensor(view_106, 'avg', 4, WORLD)  # param: blocks.0.ln1.bias; free: view_106
+wait_tensor_43: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_24)  # free: reduce_scatter_tensor_24
+view_107: f32[16] = aten.view(getitem_46, [-1])  # free: getitem_46
+reduce_scatter_tensor_25: f32[4] = _c10d_functional.reduce_scatter_tensor(view_107, 'avg', 4, WORLD)  # param: blocks.0.ln1.weight; free: view_107
+wait_tensor_44: f32[4] = _c10d_functional.wait_tensor(reduce_scatter_tensor_25)  # free: reduce_scatter_tensor_25
+sum_9: f32[1, 8, 16] = aten.sum.dim_IntList(add_8, [0], True)
+view_62: f32[8, 16] = aten.view(sum_9, [8, 16])  # free: sum_9
+embedding_dense_backward: f32[8, 16] = aten.embedding_dense_backward(view_62, arange, 8, -1, False)  # free: view_62, arange
+view_108: f32[128] = aten.view(embedding_dense_backward, [-1])  # free: embedding_dense_backward
+reduce_scatter_tensor_26: f32[32] = _c10d_functional.reduce_scatter_tensor(view_108, 'avg', 4, WORLD)  # param: wpe.weight; free: view_108
+wait_tensor_45: f32[32] = _c10d_functional.wait_tensor(reduce_scatter_tensor_26)  # free: reduce_scatter_tensor_26
+embedding_dense_backward_1: f32[32, 16] = aten.embedding_dense_backward(add_8, primals_1, 32, -1, False)  # free: add_8, primals_1
+add_9: f32[32, 16] = aten.add.Tensor(t_12, embedding_dense_backward_1)  # free: t_12, embedding_dense_backward_1
+view_109: f32[512] = aten.view(add_9, [-1])  # free: add_9
+reduce_scatter_tensor_27: f32[128] = _c10d_functional.reduce_scatter_tensor(view_109, 'avg', 4, WORLD)  # param: wte.weight; free: view_109
+wait_tensor_46: f32[128] = _c10d_functional.wait_tensor(reduce_scatter_tensor_27)  # free: reduce_scatter_tensor_27
+return (None, wait_tensor_46, wait_tensor_45, wait_tensor_44, wait_tensor_43, wait_tensor_40, wait_tensor_39, wait_tensor_37, wait_tensor_36, wait_tensor_34, wait_tensor_33, wait_tensor_30, wait_tensor_29, wait_tensor_27, wait_tensor_26, wait_tensor_24, wait_tensor_23, wait_tensor_20, wait_tensor_19, wait_tensor_17, wait_tensor_16, wait_tensor_14, wait_tensor_13, wait_tensor_10, wait_tensor_9, wait_tensor_7, wait_tensor_6, wait_tensor_4, wait_tensor_3, None)""")
+
+
+if __name__ == "__main__":
+    unittest.main()
