@@ -75,7 +75,7 @@ def _numel(value: torch.Tensor) -> int:
     return value.numel()
 
 
-def _nbytes(value: torch.Tensor) -> int:
+def nbytes(value: torch.Tensor) -> int:
     return value.numel() * value.element_size()
 
 
@@ -107,7 +107,7 @@ def peak_gathered_numel(graph: fx.Graph) -> int:
 
 
 def peak_gathered_bytes(graph: fx.Graph) -> int:
-    return _peak(gathered_live_intervals(graph, _nbytes))
+    return _peak(gathered_live_intervals(graph, nbytes))
 
 
 def _peak(intervals: list[tuple[int, int, int]]) -> int:
@@ -137,7 +137,7 @@ def unreduced_grad_intervals(graph: fx.Graph, size: Callable[[torch.Tensor], int
 
 
 def peak_unreduced_grad_bytes(graph: fx.Graph) -> int:
-    return _peak(unreduced_grad_intervals(graph, _nbytes))
+    return _peak(unreduced_grad_intervals(graph, nbytes))
 
 
 def peak_unreduced_grad_numel(graph: fx.Graph) -> int:

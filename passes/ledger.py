@@ -33,18 +33,23 @@ class LedgerEntry:
     wait_position: int
     overlaps: list[str]  # compute nodes running while the collective is in flight
     freed_after: str | None  # gathers: the last node using the gathered buffer
+    freed_position: int | None
 
 
 @dataclasses.dataclass(frozen=True)
 class GraphLedger:
     kind: str
     world_size: int
+    node_count: int
     entries: list[LedgerEntry]
     gathered_bytes: int
     reduced_bytes: int
     sent_bytes: int
     peak_gathered_bytes: int
     peak_unreduced_grad_bytes: int
+    # (first position, last position, bytes): the memory timeline of the graph
+    gathered_intervals: list[tuple[int, int, int]]
+    unreduced_grad_intervals: list[tuple[int, int, int]]
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -95,15 +100,19 @@ def graph_ledger(graph: fx.Graph, kind: str) -> GraphLedger:
                 wait_position=position[wait],
                 overlaps=[n.name for n in in_flight if n not in depends and n.op == "call_function"],
                 freed_after=nodes[last_use].name if last_use is not None else None,
+                freed_position=last_use,
             )
         )
     return GraphLedger(
         kind=kind,
         world_size=world_size,
+        node_count=len(nodes),
         entries=entries,
         gathered_bytes=sum(e.input_bytes * world_size for e in entries if e.op == "all_gather"),
         reduced_bytes=sum(e.input_bytes for e in entries if e.op != "all_gather"),
         sent_bytes=sum(e.sent_bytes for e in entries),
         peak_gathered_bytes=analysis.peak_gathered_bytes(graph),
         peak_unreduced_grad_bytes=analysis.peak_unreduced_grad_bytes(graph),
+        gathered_intervals=analysis.gathered_live_intervals(graph, analysis.nbytes),
+        unreduced_grad_intervals=analysis.unreduced_grad_intervals(graph, analysis.nbytes),
     )

@@ -11,9 +11,9 @@ import argparse
 import sys
 from types import ModuleType
 
-from zerocompile.tools import train
+from zerocompile.tools import dump, plan, train
 
-SUBCOMMANDS: dict[str, ModuleType] = {"train": train}
+SUBCOMMANDS: dict[str, ModuleType] = {"train": train, "dump": dump, "plan": plan}
 
 
 def build_parser() -> argparse.ArgumentParser:

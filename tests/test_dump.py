@@ -1,0 +1,134 @@
+"""Dumps and `zerocompile dump`: what a 2-layer GPT at stage 3 writes, read back and checked against
+the bytes the step really sent."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerocompile as zc
+from ranks import run_on_ranks
+from test_stages import _wchar
+from zerocompile.tools import dump
+from zerocompile.tools.gpt import GPT, GPTConfig
+
+# Large enough (Φ ≈ 0.1M) that gloo's per-message headers stay under 5 % of the bytes sent.
+CONFIG = GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=64)
+
+
+def train_with_dump(rank: int, world_size: int, directory: str, stage: int) -> dict:
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    zc.shard(model, stage=stage)
+    compiled = torch.compile(model, backend="zero", options={"compiler": "eager", "dump_dir": directory})
+    tokens = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(rank))
+    sent = []
+    for _ in range(2):
+        dist.barrier()
+        before = _wchar()
+        compiled(tokens[:, :-1], tokens[:, 1:]).backward()
+        sent.append(_wchar() - before)
+        optimizer.step()
+        held = zc.model_state_bytes(model, optimizer)
+        optimizer.zero_grad()
+    params = {id(p): p for p in model.parameters()}
+    return {
+        "sent": sent[-1],
+        "distinct_params": len(params),
+        "trainable": sum(p.requires_grad for p in params.values()),
+        "held": held,
+    }
+
+
+@pytest.fixture(scope="module")
+def dumped(tmp_path_factory) -> dict:
+    runs = {}
+    for stage in (2, 3):
+        directory = tmp_path_factory.mktemp(f"dump-stage{stage}")
+        runs[stage] = (directory, run_on_ranks(2, train_with_dump, str(directory), stage, timeout=300))
+    return runs
+
+
+def test_dump_writes_each_graph_before_and_after_each_pass(dumped) -> None:
+    directory, _ = dumped[3]
+    names = {path.name.split("-", 1)[1] for path in (directory / "rank1").iterdir()}
+    assert names == {
+        "dynamo-before-merge_repeated_unshards.py",
+        "dynamo-after-merge_repeated_unshards.py",
+        "joint-before-tag_gathers_for_recompute.py",
+        "joint-after-tag_gathers_for_recompute.py",
+        "forward-before-lower_markers.py",
+        "forward-after-lower_markers.py",
+        "forward-ledger.json",
+        "backward-before-lower_markers.py",
+        "backward-after-lower_markers.py",
+        "backward-ledger.json",
+    }
+    (joint,) = (directory / "rank0").glob("*-joint-after-tag_gathers_for_recompute.py")
+    assert "MUST_RECOMPUTE" in joint.read_text()
+    (dynamo,) = (directory / "rank0").glob("*-dynamo-before-merge_repeated_unshards.py")
+    assert dynamo.read_text().count("'wte.weight'") == 2, "the tied embedding is used twice before merging"
+
+
+def test_ledger_lists_each_parameter_once_per_direction_and_every_free(dumped) -> None:
+    directory, results = dumped[3]
+    ledgers = dump.load(str(directory))["rank0"]
+    (forward,) = [ledger for name, ledger in ledgers.items() if name.endswith("forward")]
+    (backward,) = [ledger for name, ledger in ledgers.items() if name.endswith("backward")]
+    gathers = [e["params"][0] for e in forward["entries"] if e["op"] == "all_gather"]
+    assert sorted(gathers) == sorted(set(gathers)) and len(gathers) == results[0]["distinct_params"]
+    reductions = [e["params"][0] for e in backward["entries"] if e["op"] != "all_gather"]
+    assert sorted(reductions) == sorted(set(reductions)) and len(reductions) == results[0]["trainable"]
+    regathered = {e["params"][0] for e in backward["entries"] if e["op"] == "all_gather"}
+    assert "wte.weight" in regathered and "wpe.weight" not in regathered, "embedding lookups need no weight"
+    for entry in forward["entries"] + backward["entries"]:
+        if entry["op"] == "all_gather":
+            assert entry["freed_after"] and entry["freed_position"] > entry["wait_position"]
+
+
+@pytest.mark.parametrize("stage", (2, 3))
+def test_dump_totals_match_bytes_sent(dumped, stage: int) -> None:
+    directory, results = dumped[stage]
+    ranks = dump.load(str(directory))
+    for rank, result in zip(sorted(ranks), results):
+        summary = dump.rank_summary(ranks[rank])
+        assert summary["sent"] == pytest.approx(result["sent"], rel=0.05)
+        assert summary["params"] == result["held"]["params"]
+        assert summary["grads"] == result["held"]["grads"]
+        assert summary["optimizer"] == result["held"]["optimizer"]
+
+
+def test_dump_command_reports_diffs_and_draws(dumped, tmp_path) -> None:
+    (stage3, _), (stage2, _) = dumped[3], dumped[2]
+    png = tmp_path / "timeline.png"
+    cli = [sys.executable, "-m", "zerocompile.tools.cli", "dump"]
+    shown = subprocess.run([*cli, str(stage3), "--png", str(png)], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert "wte.weight" in shown.stdout and "freed after" in shown.stdout and "per step: gathered" in shown.stdout
+    assert png.stat().st_size > 10_000
+    compared = subprocess.run([*cli, str(stage2), "--diff", str(stage3)], capture_output=True, text=True, timeout=120)
+    assert compared.returncode == 0, compared.stderr
+    assert "+++ " in compared.stdout and "sent" in compared.stdout
+
+
+def test_dump_runs_a_command_with_dumping_on(tmp_path) -> None:
+    script = tmp_path / "one_rank.py"
+    script.write_text(
+        "import torch, zerocompile as zc\n"
+        "zc.init_distributed()\n"
+        "model = zc.shard(torch.nn.Linear(3, 5), stage=3)\n"
+        "torch.compile(model, backend='zero', options={'compiler': 'eager'})(torch.randn(2, 3)).sum().backward()\n"
+    )
+    out = tmp_path / "dump"
+    cli = [sys.executable, "-m", "zerocompile.tools.cli", "dump", str(out), "--", sys.executable, str(script)]
+    shown = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert "rank0" in shown.stdout and "weight" in shown.stdout
+    assert json.loads(next(Path(out, "rank0").glob("*-forward-ledger.json")).read_text())["entries"]
