@@ -4,6 +4,7 @@ the bytes the step really sent."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -132,3 +133,20 @@ def test_dump_runs_a_command_with_dumping_on(tmp_path) -> None:
     assert shown.returncode == 0, shown.stderr
     assert "rank0" in shown.stdout and "weight" in shown.stdout
     assert json.loads(next(Path(out, "rank0").glob("*-forward-ledger.json")).read_text())["entries"]
+
+
+def test_artifacts_reach_torch_structured_trace(tmp_path) -> None:
+    """tlparse shows our graphs beside Dynamo's: they are in the TORCH_TRACE log."""
+    script = tmp_path / "one_rank.py"
+    script.write_text(
+        "import torch, zerocompile as zc\n"
+        "zc.init_distributed()\n"
+        "model = zc.shard(torch.nn.Linear(3, 5), stage=3)\n"
+        "torch.compile(model, backend='zero', options={'compiler': 'eager'})(torch.randn(2, 3)).sum().backward()\n"
+    )
+    trace_dir = tmp_path / "trace"
+    env = {**os.environ, "TORCH_TRACE": str(trace_dir)}
+    subprocess.run([sys.executable, str(script)], check=True, timeout=120, env=env)
+    logged = "".join(path.read_text() for path in trace_dir.iterdir())
+    for artifact in ("dynamo-after-merge_repeated_unshards", "forward-after-lower_markers", "backward-ledger"):
+        assert f"zerocompile_0_0-{artifact}" in logged, artifact

@@ -36,7 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the subcommand's exit code."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # Everything after "--" is a command for the subcommand to run (`zerocompile dump DIR -- python x.py`).
+    command = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = build_parser().parse_args(argv[: len(argv) - len(command) - (1 if "--" in argv else 0)])
+    args.command = command
     return args.run(args)
 
 

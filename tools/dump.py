@@ -28,7 +28,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("directory", help="the dump directory (ZEROCOMPILE_DUMP / dump_dir)")
     parser.add_argument("--diff", metavar="DIR2", help="compare with another dump")
     parser.add_argument("--png", metavar="OUT", help="write a memory timeline of the step (needs matplotlib)")
-    parser.add_argument("command", nargs="*", help="after --: a command to run with dumping on first")
 
 
 def run(args: argparse.Namespace) -> int:
