@@ -7,6 +7,7 @@ tests use them to prove what the stages promise (e.g. a stage-3 forward saves no
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Callable
 
 import torch
@@ -80,12 +81,13 @@ def nbytes(value: torch.Tensor) -> int:
 
 
 def gathered_live_intervals(graph: fx.Graph, size: Callable[[torch.Tensor], int] = _numel) -> list[tuple[int, int, int]]:
-    """(first position, last position, size) of each gathered buffer, counting use by views."""
+    """(position of the all-gather, last position, size) of each gathered buffer: alive from the
+    moment the collective is issued until the last use of it or of any view/copy of it."""
     position = {node: i for i, node in enumerate(graph.nodes)}
     gathered = gathered_values(graph)
     intervals = []
     for node in graph.nodes:
-        if node.op == "call_function" and node.target is funcol.wait_tensor.default and node.args[0] in gathered:
+        if node.op == "call_function" and node.target is funcol.all_gather_into_tensor.default:
             chain = [n for n in gathered if _derives_from(n, node, gathered)]
             last = max(position[user] for n in chain for user in n.users)
             intervals.append((position[node], last, size(node.meta["val"])))
@@ -118,11 +120,17 @@ def _peak(intervals: list[tuple[int, int, int]]) -> int:
 _REDUCTIONS = {funcol.reduce_scatter_tensor.default, funcol.all_to_all_single.default, funcol.all_reduce.default}
 
 
-def _gradient_producer(node: fx.Node) -> fx.Node:
-    """The node that computed the gradient a reduction reads, looking through views and padding."""
-    while node.op == "call_function" and (_is_view_or_cast(node) or node.target is torch.ops.aten.constant_pad_nd.default):
-        node = node.args[0]
-    return node
+_PACKING = {torch.ops.aten.constant_pad_nd.default, torch.ops.aten.cat.default}
+
+
+def _gradient_producers(node: fx.Node) -> list[fx.Node]:
+    """The nodes that computed the gradients a reduction reads, looking through views, padding
+    and the concatenation of a bucket."""
+    looks_through = node.target in _PACKING or (_is_view_or_cast(node) and node.target is not operator.getitem)
+    if node.op != "call_function" or not looks_through:
+        return [node]
+    inputs = node.args[0] if node.target is torch.ops.aten.cat.default else [node.args[0]]
+    return [producer for arg in inputs for producer in _gradient_producers(arg)]
 
 
 def unreduced_grad_intervals(graph: fx.Graph, size: Callable[[torch.Tensor], int] = _numel) -> list[tuple[int, int, int]]:
@@ -131,8 +139,10 @@ def unreduced_grad_intervals(graph: fx.Graph, size: Callable[[torch.Tensor], int
     intervals = []
     for node in graph.nodes:
         if node.op == "call_function" and node.target in _REDUCTIONS:
-            producer = _gradient_producer(node.args[0])
-            intervals.append((position[producer], position[node], size(producer.meta["val"])))
+            intervals.extend(
+                (position[producer], position[node], size(producer.meta["val"]))
+                for producer in _gradient_producers(node.args[0])
+            )
     return intervals
 
 

@@ -25,10 +25,11 @@ funcol = torch.ops._c10d_functional
 class LedgerEntry:
     op: str
     params: list[str]  # FQNs of the parameters this collective serves
+    param_bytes: list[int]  # bytes of each that this rank holds (shard, or whole at stage 0)
     dtype: str
     input_bytes: int
     sent_bytes: int  # predicted bytes this rank sends
-    bucket: int  # collectives issued together; one parameter per bucket until bucketing lands
+    bucket: int  # index of the collective: every bucket of parameters is one collective
     position: int
     wait_position: int
     overlaps: list[str]  # compute nodes running while the collective is in flight
@@ -87,11 +88,12 @@ def graph_ledger(graph: fx.Graph, kind: str) -> GraphLedger:
         (wait,) = [user for user in node.users if user.target is funcol.wait_tensor.default]
         in_flight = nodes[position[node] + 1 : position[wait]]
         depends = nx.descendants(dag, node) if node in dag else set()
-        last_use = gather_ends.get(position[wait])
+        last_use = gather_ends.get(collective.position)
         entries.append(
             LedgerEntry(
                 op=collective.op,
-                params=[node.meta.get("zero_param", "")],
+                params=[name for name, _ in node.meta.get("zero_params", [])],
+                param_bytes=[held for _, held in node.meta.get("zero_params", [])],
                 dtype=str(collective.dtype).removeprefix("torch."),
                 input_bytes=collective.bytes,
                 sent_bytes=_sent_bytes(collective.op, collective.bytes, world_size),

@@ -27,38 +27,142 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .lowering import all_reduce_mean, gather_full, reduce_scatter_mean
+from .lowering import all_reduce_bucket, gather_bucket, reduce_scatter_bucket
 from .markers import is_reduce_grad, is_unshard, reduce_grad_args, unshard_args
 
 
-def lower_markers(graph: fx.Graph) -> dict[str, int]:
-    """Rewrite every marker in `graph` in place; returns counts of what was lowered."""
-    counts = {"gathers": 0, "reductions": 0, "identities": 0}
+def lower_markers(graph: fx.Graph, bucket_bytes: int = 0, prefetch: int = 0) -> dict[str, int]:
+    """Rewrite every marker in `graph` in place; returns counts of what was lowered.
+
+    bucket_bytes: markers next to each other in graph order share one collective until a bucket
+        holds this many bytes of full tensors (0: one collective per parameter).
+    prefetch: issue each gather this many buckets ahead of its use, and leave each reduction in
+        flight until the next one starts (0: every collective is waited on at once).
+    """
+    counts = {"gathers": 0, "reductions": 0, "identities": 0, "gather_buckets": 0, "reduction_buckets": 0}
     _place_by_stage(graph)
     fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.find_nodes(op="placeholder")])
-    for node in list(graph.nodes):
-        if is_unshard(node):
-            gather = unshard_args(node)
-            if gather.stage == 0:
-                _forward_whole_parameter(node)
-                counts["identities"] += 1
-            else:
-                _splice(node, fake_mode, lambda s: gather_full(s, gather.shape, gather.group_name), gather.param)
-                counts["gathers"] += 1
-        elif is_reduce_grad(node):
-            reduce = reduce_grad_args(node)
-            if reduce.stage == 0:
-                _splice(node, fake_mode, lambda g: all_reduce_mean(g, reduce.group_name), reduce.param)
-            else:
-                _splice(
-                    node,
-                    fake_mode,
-                    lambda g: reduce_scatter_mean(g, reduce.shard_numel, reduce.group_name),
-                    reduce.param,
-                )
-            counts["reductions"] += 1
+    for node in [n for n in graph.nodes if is_unshard(n) and unshard_args(n).stage == 0]:
+        _forward_whole_parameter(node)
+        counts["identities"] += 1
+    gathers = []
+    for bucket in _buckets([n for n in graph.nodes if is_unshard(n)], bucket_bytes, _can_gather_early):
+        markers = [unshard_args(n) for n in bucket]
+        group_name = markers[0].group_name
+        shapes = [m.shape for m in markers]
+        gathers.append(
+            _splice(bucket, bucket[0], fake_mode, lambda *shards: gather_bucket(list(shards), shapes, group_name))
+        )
+        counts["gathers"] += len(bucket)
+    reductions = []
+    for bucket in _buckets([n for n in graph.nodes if is_reduce_grad(n)], bucket_bytes, _can_reduce_late):
+        markers = [reduce_grad_args(n) for n in bucket]
+        group_name = markers[0].group_name
+        if markers[0].stage == 0:
+            fn = lambda *grads: all_reduce_bucket(list(grads), group_name)  # noqa: E731
+        else:
+            numels = [m.shard_numel for m in markers]
+            fn = lambda *grads: reduce_scatter_bucket(list(grads), numels, group_name)  # noqa: E731
+        reductions.append(_splice(bucket, bucket[-1], fake_mode, fn))
+        counts["reductions"] += len(bucket)
+    counts["gather_buckets"], counts["reduction_buckets"] = len(gathers), len(reductions)
+    if prefetch:
+        _issue_gathers_early(gathers, prefetch)
+        _wait_reductions_late(reductions)
     graph.lint()
     return counts
+
+
+def _full_bytes(node: fx.Node) -> int:
+    value = node.meta["val"] if is_unshard(node) else node.args[0].meta["val"]
+    return value.numel() * value.element_size()
+
+
+def _can_gather_early(node: fx.Node) -> bool:
+    """A gather may move up to its bucket's first member only if its shard is a graph input."""
+    return unshard_args(node).shard.op == "placeholder"
+
+
+def _can_reduce_late(node: fx.Node) -> bool:
+    """A reduction may move down to its bucket's last member only if just the output reads it."""
+    return all(user.op == "output" for user in node.users)
+
+
+def _served(marker: fx.Node) -> tuple[str, int]:
+    """(FQN, bytes this rank holds of it: its shard, or the whole tensor at stage 0)."""
+    if is_unshard(marker):
+        shard = unshard_args(marker).shard.meta["val"]
+        return unshard_args(marker).param, shard.numel() * shard.element_size()
+    reduce = reduce_grad_args(marker)
+    grad = reduce.grad.meta["val"]
+    numel = grad.numel() if reduce.stage == 0 else reduce.shard_numel
+    return reduce.param, numel * grad.element_size()
+
+
+def _bucket_key(node: fx.Node) -> tuple:
+    """Markers may share a collective only with the same stage, group and dtype."""
+    marker = unshard_args(node) if is_unshard(node) else reduce_grad_args(node)
+    return marker.stage, marker.group_name, node.meta["val"].dtype
+
+
+def _buckets(markers: list[fx.Node], bucket_bytes: int, movable: Callable[[fx.Node], bool]) -> list[list[fx.Node]]:
+    """Consecutive markers with one bucket key, up to `bucket_bytes` of full tensors each; a marker
+    that cannot move to where its bucket's collective goes stays alone."""
+    buckets: list[list[fx.Node]] = []
+    size = 0
+    for node in markers:
+        current = buckets[-1] if buckets else None
+        if (
+            current is not None
+            and movable(node)
+            and movable(current[0])
+            and _bucket_key(current[0]) == _bucket_key(node)
+            and size + _full_bytes(node) <= bucket_bytes
+        ):
+            current.append(node)
+            size += _full_bytes(node)
+        else:
+            buckets.append([node])
+            size = _full_bytes(node)
+    return buckets
+
+
+def _issue_gathers_early(buckets: list[list[fx.Node]], distance: int) -> None:
+    """Start bucket k's all-gather right after bucket k-distance's wait, so it runs during the
+    compute in between; its wait stays just before its first use. Only gathers of graph inputs
+    move (stage-3 backward re-gathers and all forward gathers)."""
+    for earlier, later in zip(buckets, buckets[distance:]):
+        issue, _wait, _unpack = _split_at_wait(later)
+        if any(arg.op != "placeholder" for node in issue for arg in node.all_input_nodes if arg not in issue):
+            continue
+        anchor = _split_at_wait(earlier)[1]
+        for node in issue:
+            anchor.append(node)
+            anchor = node
+
+
+def _wait_reductions_late(buckets: list[list[fx.Node]]) -> None:
+    """Wait for bucket k's reduction just before bucket k+1's starts: its collective runs during
+    the backward compute in between, and at most two are in flight."""
+    for earlier, later in zip(buckets, buckets[1:]):
+        _issue, wait, unpack = _split_at_wait(earlier)
+        start = _split_at_wait(later)[0][0]
+        for node in [wait, *unpack]:
+            start.prepend(node)
+
+
+def _split_at_wait(bucket: list[fx.Node]) -> tuple[list[fx.Node], fx.Node, list[fx.Node]]:
+    """A spliced bucket as (packing + collective, its wait, unpacking), in graph order."""
+    wait = next(n for n in bucket if n.target is torch.ops._c10d_functional.wait_tensor.default)
+    ancestors: set[fx.Node] = set()
+    frontier = [wait]
+    while frontier:
+        for arg in frontier.pop().all_input_nodes:
+            if arg not in ancestors:
+                ancestors.add(arg)
+                frontier.append(arg)
+    issue = [n for n in bucket if n in ancestors]
+    return issue, wait, [n for n in bucket if n is not wait and n not in ancestors]
 
 
 def _place_by_stage(graph: fx.Graph) -> None:
@@ -85,16 +189,30 @@ def _forward_whole_parameter(node: fx.Node) -> None:
     node.graph.erase_node(node)
 
 
-def _splice(node: fx.Node, fake_mode, fn: Callable[[torch.Tensor], torch.Tensor], param: str) -> None:
-    """Trace `fn(marker's tensor)` under the graph's fake mode and put the traced nodes in place of
-    `node`; each new node's meta["zero_param"] names the parameter it serves (for the ledger)."""
-    arg = node.args[0]
+def _splice(markers: list[fx.Node], anchor: fx.Node, fake_mode, fn: Callable[..., list[torch.Tensor]]) -> list[fx.Node]:
+    """Trace `fn(*marker tensors)` under the graph's fake mode, insert the traced nodes before
+    `anchor` and let its outputs replace the markers; returns the inserted nodes in order.
+
+    Each new node's meta["zero_params"] lists (FQN, bytes this rank holds of it) for the
+    parameters it serves: the ledger reads it.
+    """
+    graph = anchor.graph
+    args = [marker.args[0] for marker in markers]
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        traced = make_fx(fn, tracing_mode="real")(arg.meta["val"])
-    (placeholder,) = traced.graph.find_nodes(op="placeholder")
+        traced = make_fx(fn, tracing_mode="real")(*[arg.meta["val"] for arg in args])
+    params = [_served(marker) for marker in markers]
     for new_node in traced.graph.nodes:
-        new_node.meta["zero_param"] = param
-    with node.graph.inserting_before(node):
-        result = node.graph.graph_copy(traced.graph, {placeholder: arg})
-    node.replace_all_uses_with(result)
-    node.graph.erase_node(node)
+        new_node.meta["zero_params"] = params
+    before = anchor.prev
+    with graph.inserting_before(anchor):
+        outputs = graph.graph_copy(traced.graph, dict(zip(traced.graph.find_nodes(op="placeholder"), args)))
+    inserted = []
+    node = before.next
+    while node is not anchor:
+        inserted.append(node)
+        node = node.next
+    for marker, output in zip(markers, outputs):
+        marker.replace_all_uses_with(output)
+    for marker in markers:
+        graph.erase_node(marker)
+    return inserted

@@ -62,3 +62,46 @@ def all_reduce_mean(grad: torch.Tensor, group_name: str) -> torch.Tensor:
     """The gradient averaged over the group (stage 0, as DDP)."""
     summed = funcol.wait_tensor(funcol.all_reduce(grad, "sum", group_name))
     return summed / group_size(group_name)
+
+
+def gather_bucket(shards: list[torch.Tensor], shapes: list[list[int]], group_name: str) -> list[torch.Tensor]:
+    """One all-gather for several parameters: their shards travel as one flat buffer.
+
+    Rank r's buffer holds its shard of each parameter back to back, so the gathered buffer is
+    [rank, parameter slice]; each parameter is its column block, flattened (a copy), unpadded.
+    """
+    if len(shards) == 1:
+        return [gather_full(shards[0], shapes[0], group_name)]
+    world_size = group_size(group_name)
+    flat = torch.cat(shards)
+    gathered = funcol.wait_tensor(funcol.all_gather_into_tensor(flat, world_size, group_name))
+    rows = gathered.view(world_size, flat.numel())
+    fulls = []
+    for block, shape in zip(rows.split([s.numel() for s in shards], dim=1), shapes):
+        fulls.append(block.reshape(-1)[: math.prod(shape)].view(shape))
+    return fulls
+
+
+def reduce_scatter_bucket(grads: list[torch.Tensor], shard_numels: list[int], group_name: str) -> list[torch.Tensor]:
+    """One reduce-scatter for several gradients, laid out so each rank receives its shard of each."""
+    if len(grads) == 1:
+        return [reduce_scatter_mean(grads[0], shard_numels[0], group_name)]
+    world_size = group_size(group_name)
+    blocks = []
+    for grad, shard_numel in zip(grads, shard_numels):
+        flat = grad.reshape(-1)
+        padding = shard_numel * world_size - flat.numel()
+        if padding:
+            flat = torch.constant_pad_nd(flat, [0, padding])
+        blocks.append(flat.view(world_size, shard_numel))
+    rank_major = torch.cat(blocks, dim=1).reshape(-1)
+    return list(reduce_scatter_mean(rank_major, sum(shard_numels), group_name).split(shard_numels))
+
+
+def all_reduce_bucket(grads: list[torch.Tensor], group_name: str) -> list[torch.Tensor]:
+    """One all-reduce for several gradients (stage 0), as DDP's buckets."""
+    if len(grads) == 1:
+        return [all_reduce_mean(grads[0], group_name)]
+    flat = torch.cat([grad.reshape(-1) for grad in grads])
+    reduced = all_reduce_mean(flat, group_name)
+    return [part.view(grad.shape) for part, grad in zip(reduced.split([g.numel() for g in grads]), grads)]

@@ -10,6 +10,8 @@ to live through the backward.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
@@ -20,14 +22,19 @@ aten = torch.ops.aten
 
 # Ops whose output is the gathered parameter in another shape or dtype: saving one of them saves
 # a full-size parameter just the same.
-_CASTS = {aten._to_copy.default, aten.clone.default, torch.ops.prims.convert_element_type.default}
+_CASTS = {
+    aten._to_copy.default,
+    aten.clone.default,
+    aten._unsafe_view.default,
+    torch.ops.prims.convert_element_type.default,
+}
 
 
 def _is_view_or_cast(node: fx.Node) -> bool:
     target = node.target
     if node.op != "call_function":
         return False
-    if target in _CASTS:
+    if target in _CASTS or target is operator.getitem:  # getitem: one piece of a split bucket
         return True
     return isinstance(target, torch._ops.OpOverload) and target.is_view
 

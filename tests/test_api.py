@@ -56,8 +56,8 @@ def test_unknown_setting_and_option_list_the_valid_ones(single_rank) -> None:
     with pytest.raises(TypeError, match="unknown ZeroConfig setting.*'bucket'"):
         zc.shard(UnevenMLP(), stage=3, bucket=1)
     model = zc.shard(UnevenMLP(), stage=3)
-    compiled = torch.compile(model, backend="zero", options={"prefetch": 2})
-    with pytest.raises(Exception, match=r"unknown option\(s\) \['prefetch'\].*valid options: \['compiler', 'dump_dir'\]"):
+    compiled = torch.compile(model, backend="zero", options={"prefetch_depth": 2})
+    with pytest.raises(Exception, match=r"unknown option\(s\) \['prefetch_depth'\].*valid options: \['compiler', 'dump_dir', 'bucket_bytes', 'prefetch'\]"):
         compiled(torch.randn(2, 7))
 
 
@@ -180,7 +180,7 @@ def test_frozen_parameters_get_no_reduction(single_rank) -> None:
     compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
     compiled(torch.randn(2, 6)).backward()
     (backward,) = [g for g in compiled_graphs if g.kind == "backward"]
-    reduced = sorted((e.params[0], e.input_bytes) for e in backward.ledger.entries)
+    reduced = sorted((p, n) for e in backward.ledger.entries for p, n in zip(e.params, e.param_bytes))
     assert reduced == [("head.bias", 5 * 4), ("head.weight", 50 * 4)], "only the trainable head is reduced"
     assert model.frozen._parameters["weight"].grad is None
 

@@ -58,7 +58,9 @@ def stage_report(rank: int, world_size: int) -> dict[int, dict]:
         model = DeepMLP()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         zc.shard(model, stage=stage)
-        compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
+        # One hidden layer (exactly 1 MiB) per bucket, so a stage-3 window is one layer plus the next.
+        options = {"compiler": "eager", "bucket_bytes": 2**20, "prefetch": 1}
+        compiled = torch.compile(model, backend="zero", options=options)
         x = torch.randn(4, 8)
         sent = []
         for _ in range(3):

@@ -74,11 +74,6 @@ def _mb(n: float) -> str:
     return f"{int(n)} B"
 
 
-def _received_bytes(entry: dict, world_size: int) -> int:
-    """Bytes a reduction leaves on this rank: its shard, or the whole tensor for an all-reduce."""
-    return entry["input_bytes"] if entry["op"] == "all_reduce" else entry["input_bytes"] // world_size
-
-
 def model_state(graphs: dict[str, dict]) -> dict[str, int]:
     """Parameter and gradient bytes per rank implied by the collectives (each parameter once);
     the optimizer column assumes Adam-like state: two tensors per gradient element."""
@@ -86,12 +81,10 @@ def model_state(graphs: dict[str, dict]) -> dict[str, int]:
     grads: dict[str, int] = {}
     for ledger in graphs.values():
         for entry in ledger["entries"]:
-            param = entry["params"][0]
-            if entry["op"] == "all_gather":
-                params[param] = entry["input_bytes"]
-            else:
-                grads[param] = _received_bytes(entry, ledger["world_size"])
-                params.setdefault(param, grads[param])
+            for param, held in zip(entry["params"], entry["param_bytes"]):
+                if entry["op"] != "all_gather":
+                    grads[param] = held
+                params[param] = held
     return {"params": sum(params.values()), "grads": sum(grads.values()), "optimizer": 2 * sum(grads.values())}
 
 

@@ -65,8 +65,9 @@ def zero_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[st
     merge_repeated_unshards(gm.graph)
     gm.recompile()
     dump.emit_graph(directory, "dynamo", "after", "merge_repeated_unshards", gm.graph)
+    lowering = Lowering(directory, config.bucket_bytes, config.prefetch)
     if config.compiler == "eager":
-        lower = functools.partial(_lower_and_run_eagerly, directory=directory)
+        lower = functools.partial(_lower_and_run_eagerly, lowering=lowering)
         return aot_autograd(
             fw_compiler=lower, bw_compiler=lower, partition_fn=functools.partial(_partition, directory=directory)
         )(gm, example_inputs)
@@ -74,7 +75,7 @@ def zero_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[st
 
     config_patches = {
         "joint_custom_pre_pass": TagGathersForRecompute(directory),
-        "post_grad_custom_pre_pass": LowerMarkers(directory),
+        "post_grad_custom_pre_pass": LowerMarkers(lowering),
     }
     if directory is None:
         return compile_fx(gm, example_inputs, config_patches=config_patches)
@@ -115,8 +116,8 @@ def _partition(joint: fx.GraphModule, joint_inputs: Any, *, directory: str | Non
     return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
-def _lower_and_run_eagerly(gm: fx.GraphModule, example_inputs: Any, *, directory: str | None) -> Callable:
-    _lower_and_record(gm.graph, directory)
+def _lower_and_run_eagerly(gm: fx.GraphModule, example_inputs: Any, *, lowering: Lowering) -> Callable:
+    _lower_and_record(gm.graph, lowering)
     gm.recompile()
     return make_boxed_func(gm.forward)
 
@@ -128,13 +129,22 @@ def _graph_kind(graph: fx.Graph) -> str:
     return "forward" if any(name.startswith("primals") for name in names) else "inference"
 
 
-def _lower_and_record(graph: fx.Graph, directory: str | None) -> None:
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    """The settings `lower_markers` runs with, and where its graphs are dumped."""
+
+    directory: str | None
+    bucket_bytes: int
+    prefetch: int
+
+
+def _lower_and_record(graph: fx.Graph, lowering: Lowering) -> None:
     kind = _graph_kind(graph)
-    dump.emit_graph(directory, kind, "before", "lower_markers", graph)
-    lower_markers(graph)
-    dump.emit_graph(directory, kind, "after", "lower_markers", graph)
+    dump.emit_graph(lowering.directory, kind, "before", "lower_markers", graph)
+    lower_markers(graph, lowering.bucket_bytes, lowering.prefetch)
+    dump.emit_graph(lowering.directory, kind, "after", "lower_markers", graph)
     graph_ledger = ledger.graph_ledger(graph, kind)
-    dump.emit_ledger(directory, kind, graph_ledger.to_json())
+    dump.emit_ledger(lowering.directory, kind, graph_ledger.to_json())
     compiled_graphs.append(
         CompiledGraph(
             kind=kind,
@@ -172,13 +182,14 @@ class TagGathersForRecompute(CustomGraphPass):
 class LowerMarkers(CustomGraphPass):
     """Inductor post-grad hook running `lower_markers` on the forward and the backward graph."""
 
-    def __init__(self, directory: str | None) -> None:
-        self.directory = directory
+    def __init__(self, lowering: Lowering) -> None:
+        self.lowering = lowering
 
     def __call__(self, graph: fx.Graph) -> None:
-        _lower_and_record(graph, self.directory)
+        _lower_and_record(graph, self.lowering)
 
     def uuid(self) -> str:
         # The lowering differs by backend (gloo builds its reduce-scatter from all-to-all).
         backend = dist.get_backend() if dist.is_initialized() else "none"
-        return f"lower_markers-{backend}-" + _passes_source_hash()
+        settings = f"{self.lowering.bucket_bytes}-{self.lowering.prefetch}"
+        return f"lower_markers-{backend}-{settings}-" + _passes_source_hash()

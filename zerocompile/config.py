@@ -12,7 +12,7 @@ from typing import Any
 import torch.distributed as dist
 
 # Fields that only steer the graph passes, so `options=` of one compile may change them.
-COMPILE_TIME_FIELDS = ("compiler", "dump_dir")
+COMPILE_TIME_FIELDS = ("compiler", "dump_dir", "bucket_bytes", "prefetch")
 COMPILERS = ("inductor", "eager")
 
 
@@ -26,12 +26,19 @@ class ZeroConfig:
         compile: tests, debugging).
     dump_dir: write every graph before/after each pass and its ledger there (default: the
         ZEROCOMPILE_DUMP environment variable; read them with `zerocompile dump DIR`).
+    bucket_bytes: parameters used one after another share one all-gather, and gradients produced
+        one after another one reduce-scatter, up to this many bytes of full tensors (0: one
+        collective per parameter). At stage 3 it bounds the gathered window.
+    prefetch: how many buckets ahead of their use all-gathers start (0: none); reductions then
+        also stay in flight until the next one starts.
     """
 
     stage: int = 3
     group: dist.ProcessGroup | None = None
     compiler: str = "inductor"
     dump_dir: str | None = None
+    bucket_bytes: int = 16 * 2**20
+    prefetch: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -41,6 +48,10 @@ class ZeroConfig:
             )
         if self.compiler not in COMPILERS:
             raise ValueError(f"compiler must be one of {COMPILERS}, got {self.compiler!r}")
+        if self.bucket_bytes < 0 or self.prefetch < 0:
+            raise ValueError(
+                f"bucket_bytes and prefetch must be >= 0, got {self.bucket_bytes} and {self.prefetch}"
+            )
 
     def with_options(self, options: dict[str, Any] | None) -> ZeroConfig:
         """This config with `torch.compile(..., options=...)` overrides applied."""
