@@ -283,9 +283,9 @@ def test_lower_markers_op_order_and_counts(group_name, stage):
     gm.graph.lint()
     assert markers_in(gm.graph) == []
     if stage == 0:
-        assert counts == {"gathers": 0, "reductions": 2, "identities": 2}
+        assert counts == {"gathers": 0, "reductions": 2, "identities": 2, "gather_buckets": 0, "reduction_buckets": 2}
     else:
-        assert counts == {"gathers": 2, "reductions": 2, "identities": 0}
+        assert counts == {"gathers": 2, "reductions": 2, "identities": 0, "gather_buckets": 2, "reduction_buckets": 2}
     assert call_targets(gm.graph) == _expected_order(stage)
     assert_new_nodes_have_vals(gm.graph, before)
 
@@ -344,7 +344,7 @@ def test_lower_markers_gloo_builds_reduce_scatter_from_all_to_all(group_name, st
     counts = lower_markers(gm.graph)
 
     gm.graph.lint()
-    assert counts == {"gathers": 2, "reductions": 2, "identities": 0}
+    assert counts == {"gathers": 2, "reductions": 2, "identities": 0, "gather_buckets": 2, "reduction_buckets": 2}
     assert call_targets(gm.graph) == _expected_order(stage, textbook=False)
     assert gm.graph.find_nodes(op="call_function", target=funcol.reduce_scatter_tensor.default) == []
     assert_new_nodes_have_vals(gm.graph, before)
@@ -406,7 +406,7 @@ def test_lower_markers_stage0_returned_parameter_becomes_clone(group_name):
     gm = trace(f, (3, 5), (2, 3))
     p = gm.graph.find_nodes(op="placeholder")[0]
 
-    assert lower_markers(gm.graph) == {"gathers": 0, "reductions": 0, "identities": 1}
+    assert lower_markers(gm.graph) == {"gathers": 0, "reductions": 0, "identities": 1, "gather_buckets": 0, "reduction_buckets": 0}
 
     gm.graph.lint()
     mm, returned = output_args(gm.graph)
@@ -632,8 +632,8 @@ def test_end_to_end_stage3_forward_saves_no_gathered_parameter(group_name):
 
     # unshard + t for w1; unshard + t (forward) + t (backward's transpose back) for w2
     assert seen["tagged"] == 5
-    assert seen["fw_counts"] == {"gathers": 2, "reductions": 0, "identities": 0}
-    assert seen["bw_counts"] == {"gathers": 1, "reductions": 2, "identities": 0}
+    assert seen["fw_counts"] == {"gathers": 2, "reductions": 0, "identities": 0, "gather_buckets": 2, "reduction_buckets": 0}
+    assert seen["bw_counts"] == {"gathers": 1, "reductions": 2, "identities": 0, "gather_buckets": 1, "reduction_buckets": 2}
     assert markers_in(fw) == [] and markers_in(bw) == []
     fw.lint()
     bw.lint()
@@ -661,7 +661,7 @@ def test_end_to_end_stage3_without_tags_saves_gathered_parameter(group_name):
 
     saved = analysis.saved_gathered_values(seen["fw"].graph)
     assert len(saved) == 1 and tuple(saved[0].meta["val"].shape) == (5, 7)  # full w2 kept for the backward
-    assert seen["bw_counts"] == {"gathers": 0, "reductions": 2, "identities": 0}
+    assert seen["bw_counts"] == {"gathers": 0, "reductions": 2, "identities": 0, "gather_buckets": 0, "reduction_buckets": 2}
 
 
 def test_end_to_end_stage1_keeps_gathered_weights_and_reduces_at_the_end(group_name):
