@@ -43,26 +43,33 @@ def lower_markers(graph: fx.Graph, bucket_bytes: int = 0, prefetch: int = 0) -> 
     _place_by_stage(graph)
     fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.find_nodes(op="placeholder")])
     for node in [n for n in graph.nodes if is_unshard(n) and unshard_args(n).stage == 0]:
-        _forward_whole_parameter(node)
+        _forward_whole_parameter(node, fake_mode)
         counts["identities"] += 1
     gathers = []
     for bucket in _buckets([n for n in graph.nodes if is_unshard(n)], bucket_bytes, _can_gather_early):
         markers = [unshard_args(n) for n in bucket]
-        group_name = markers[0].group_name
+        first = markers[0]
         shapes = [m.shape for m in markers]
         gathers.append(
-            _splice(bucket, bucket[0], fake_mode, lambda *shards: gather_bucket(list(shards), shapes, group_name))
+            _splice(
+                bucket,
+                bucket[0],
+                fake_mode,
+                lambda *shards: gather_bucket(list(shards), shapes, first.group_name, first.compute_dtype),
+            )
         )
         counts["gathers"] += len(bucket)
     reductions = []
     for bucket in _buckets([n for n in graph.nodes if is_reduce_grad(n)], bucket_bytes, _can_reduce_late):
         markers = [reduce_grad_args(n) for n in bucket]
-        group_name = markers[0].group_name
-        if markers[0].stage == 0:
-            fn = lambda *grads: all_reduce_bucket(list(grads), group_name)  # noqa: E731
+        first = markers[0]
+        if first.stage == 0:
+            fn = lambda *grads: all_reduce_bucket(list(grads), first.group_name, first.reduce_dtype, first.grad_dtype)  # noqa: E731
         else:
             numels = [m.shard_numel for m in markers]
-            fn = lambda *grads: reduce_scatter_bucket(list(grads), numels, group_name)  # noqa: E731
+            fn = lambda *grads: reduce_scatter_bucket(  # noqa: E731
+                list(grads), numels, first.group_name, first.reduce_dtype, first.grad_dtype
+            )
         reductions.append(_splice(bucket, bucket[-1], fake_mode, fn))
         counts["reductions"] += len(bucket)
     counts["gather_buckets"], counts["reduction_buckets"] = len(gathers), len(reductions)
@@ -100,9 +107,11 @@ def _served(marker: fx.Node) -> tuple[str, int]:
 
 
 def _bucket_key(node: fx.Node) -> tuple:
-    """Markers may share a collective only with the same stage, group and dtype."""
-    marker = unshard_args(node) if is_unshard(node) else reduce_grad_args(node)
-    return marker.stage, marker.group_name, node.meta["val"].dtype
+    """Markers may share a collective only with the same stage, group and dtypes."""
+    if is_unshard(node):
+        return unshard_args(node)[2:4], node.meta["val"].dtype
+    marker = reduce_grad_args(node)
+    return marker.stage, marker.group_name, marker.reduce_dtype, node.args[0].meta["val"].dtype, marker.grad_dtype
 
 
 def _buckets(markers: list[fx.Node], bucket_bytes: int, movable: Callable[[fx.Node], bool]) -> list[list[fx.Node]]:
@@ -177,9 +186,13 @@ def _place_by_stage(graph: fx.Graph) -> None:
             output.prepend(node)
 
 
-def _forward_whole_parameter(node: fx.Node) -> None:
-    """Stage 0: the marker's input already is the full parameter."""
+def _forward_whole_parameter(node: fx.Node, fake_mode) -> None:
+    """Stage 0: the marker's input already is the full parameter (cast for mixed precision)."""
     param = node.args[0]
+    dtype = unshard_args(node).compute_dtype
+    if dtype is not None and dtype != param.meta["val"].dtype:
+        _splice([node], node, fake_mode, lambda p: [p.to(dtype)])
+        return
     if any(user.op == "output" for user in node.users):
         # A graph output may not alias a graph input, so a parameter returned as such is copied.
         node.target = torch.ops.aten.clone.default

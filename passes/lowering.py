@@ -64,12 +64,15 @@ def all_reduce_mean(grad: torch.Tensor, group_name: str) -> torch.Tensor:
     return summed / group_size(group_name)
 
 
-def gather_bucket(shards: list[torch.Tensor], shapes: list[list[int]], group_name: str) -> list[torch.Tensor]:
-    """One all-gather for several parameters: their shards travel as one flat buffer.
-
-    Rank r's buffer holds its shard of each parameter back to back, so the gathered buffer is
-    [rank, parameter slice]; each parameter is its column block, flattened (a copy), unpadded.
-    """
+def gather_bucket(
+    shards: list[torch.Tensor], shapes: list[list[int]], group_name: str, dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
+    """One all-gather for several parameters, in `dtype` (cast before sending: mixed precision
+    halves the bytes). Rank r's buffer holds its shard of each parameter back to back, so the
+    gathered buffer is [rank, parameter slice]; each parameter is its column block, flattened (a
+    copy), unpadded."""
+    if dtype is not None:
+        shards = [shard.to(dtype) for shard in shards]
     if len(shards) == 1:
         return [gather_full(shards[0], shapes[0], group_name)]
     world_size = group_size(group_name)
@@ -82,26 +85,44 @@ def gather_bucket(shards: list[torch.Tensor], shapes: list[list[int]], group_nam
     return fulls
 
 
-def reduce_scatter_bucket(grads: list[torch.Tensor], shard_numels: list[int], group_name: str) -> list[torch.Tensor]:
-    """One reduce-scatter for several gradients, laid out so each rank receives its shard of each."""
+def reduce_scatter_bucket(
+    grads: list[torch.Tensor],
+    shard_numels: list[int],
+    group_name: str,
+    reduce_dtype: torch.dtype | None = None,
+    grad_dtype: torch.dtype | None = None,
+) -> list[torch.Tensor]:
+    """One reduce-scatter for several gradients in `reduce_dtype`, laid out so each rank receives
+    its shard of each; the shards come back in `grad_dtype` (the master parameters')."""
+    grads = [grad.to(reduce_dtype) for grad in grads] if reduce_dtype is not None else grads
     if len(grads) == 1:
-        return [reduce_scatter_mean(grads[0], shard_numels[0], group_name)]
-    world_size = group_size(group_name)
-    blocks = []
-    for grad, shard_numel in zip(grads, shard_numels):
-        flat = grad.reshape(-1)
-        padding = shard_numel * world_size - flat.numel()
-        if padding:
-            flat = torch.constant_pad_nd(flat, [0, padding])
-        blocks.append(flat.view(world_size, shard_numel))
-    rank_major = torch.cat(blocks, dim=1).reshape(-1)
-    return list(reduce_scatter_mean(rank_major, sum(shard_numels), group_name).split(shard_numels))
+        shards = [reduce_scatter_mean(grads[0], shard_numels[0], group_name)]
+    else:
+        world_size = group_size(group_name)
+        blocks = []
+        for grad, shard_numel in zip(grads, shard_numels):
+            flat = grad.reshape(-1)
+            padding = shard_numel * world_size - flat.numel()
+            if padding:
+                flat = torch.constant_pad_nd(flat, [0, padding])
+            blocks.append(flat.view(world_size, shard_numel))
+        rank_major = torch.cat(blocks, dim=1).reshape(-1)
+        shards = list(reduce_scatter_mean(rank_major, sum(shard_numels), group_name).split(shard_numels))
+    return [shard.to(grad_dtype) for shard in shards] if grad_dtype is not None else shards
 
 
-def all_reduce_bucket(grads: list[torch.Tensor], group_name: str) -> list[torch.Tensor]:
-    """One all-reduce for several gradients (stage 0), as DDP's buckets."""
+def all_reduce_bucket(
+    grads: list[torch.Tensor],
+    group_name: str,
+    reduce_dtype: torch.dtype | None = None,
+    grad_dtype: torch.dtype | None = None,
+) -> list[torch.Tensor]:
+    """One all-reduce for several gradients (stage 0), as DDP's buckets; dtypes as above."""
+    grads = [grad.to(reduce_dtype) for grad in grads] if reduce_dtype is not None else grads
     if len(grads) == 1:
-        return [all_reduce_mean(grads[0], group_name)]
-    flat = torch.cat([grad.reshape(-1) for grad in grads])
-    reduced = all_reduce_mean(flat, group_name)
-    return [part.view(grad.shape) for part, grad in zip(reduced.split([g.numel() for g in grads]), grads)]
+        reduced = [all_reduce_mean(grads[0], group_name)]
+    else:
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        parts = all_reduce_mean(flat, group_name).split([g.numel() for g in grads])
+        reduced = [part.view(grad.shape) for part, grad in zip(parts, grads)]
+    return [r.to(grad_dtype) for r in reduced] if grad_dtype is not None else reduced

@@ -15,48 +15,87 @@ import torch
 
 from typing import NamedTuple
 
-from .lowering import all_reduce_mean, gather_full, reduce_scatter_mean
+from .lowering import all_reduce_bucket, gather_bucket, reduce_scatter_bucket
+
+# Marker arguments after the tensor: what the passes need to lower it, nothing else. `param` is the
+# parameter's FQN (for people and tools reading graphs); the dtypes are mixed precision's: gather
+# (and compute) in `compute_dtype`, reduce gradients in `reduce_dtype`; None means the shard's.
 
 
 @torch.library.custom_op("zero::unshard", mutates_args=())
-def unshard(shard: torch.Tensor, shape: list[int], stage: int, group_name: str, param: str = "") -> torch.Tensor:
+def unshard(
+    shard: torch.Tensor,
+    shape: list[int],
+    stage: int,
+    group_name: str,
+    param: str = "",
+    compute_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     if stage == 0:
-        return shard.clone()
-    return gather_full(shard, shape, group_name)
+        return shard.to(compute_dtype or shard.dtype, copy=True)
+    return gather_bucket([shard], [shape], group_name, compute_dtype)[0]
 
 
 @unshard.register_fake
-def _unshard_fake(shard: torch.Tensor, shape: list[int], stage: int, group_name: str, param: str = "") -> torch.Tensor:
+def _unshard_fake(
+    shard: torch.Tensor,
+    shape: list[int],
+    stage: int,
+    group_name: str,
+    param: str = "",
+    compute_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    dtype = compute_dtype or shard.dtype
     if stage == 0:
-        return torch.empty_like(shard)
-    return shard.new_empty(shape)
+        return torch.empty_like(shard, dtype=dtype)
+    return shard.new_empty(shape, dtype=dtype)
 
 
 @torch.library.custom_op("zero::reduce_grad", mutates_args=())
-def reduce_grad(grad: torch.Tensor, shard_numel: int, stage: int, group_name: str, param: str = "") -> torch.Tensor:
+def reduce_grad(
+    grad: torch.Tensor,
+    shard_numel: int,
+    stage: int,
+    group_name: str,
+    param: str = "",
+    reduce_dtype: torch.dtype | None = None,
+    grad_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     if stage == 0:
-        return all_reduce_mean(grad.contiguous(), group_name)
-    return reduce_scatter_mean(grad.contiguous(), shard_numel, group_name)
+        return all_reduce_bucket([grad.contiguous()], group_name, reduce_dtype, grad_dtype)[0]
+    return reduce_scatter_bucket([grad.contiguous()], [shard_numel], group_name, reduce_dtype, grad_dtype)[0]
 
 
 @reduce_grad.register_fake
 def _reduce_grad_fake(
-    grad: torch.Tensor, shard_numel: int, stage: int, group_name: str, param: str = ""
+    grad: torch.Tensor,
+    shard_numel: int,
+    stage: int,
+    group_name: str,
+    param: str = "",
+    reduce_dtype: torch.dtype | None = None,
+    grad_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
+    dtype = grad_dtype or grad.dtype
     if stage == 0:
-        return torch.empty_like(grad, memory_format=torch.contiguous_format)
-    return grad.new_empty(shard_numel)
+        return torch.empty_like(grad, dtype=dtype, memory_format=torch.contiguous_format)
+    return grad.new_empty(shard_numel, dtype=dtype)
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:
     marker = UnshardArgs(*inputs)
     ctx.shard_numel = marker.shard.numel()
+    ctx.shard_dtype = marker.shard.dtype
     ctx.marker = marker
 
 
 def _unshard_backward(ctx, grad: torch.Tensor):
-    marker = ctx.marker
-    return reduce_grad(grad, ctx.shard_numel, marker.stage, marker.group_name, marker.param), None, None, None, None
+    """The gradient reduced in reduce_dtype, landing in the shard's (master) dtype."""
+    m = ctx.marker
+    reduced = reduce_grad(grad, ctx.shard_numel, m.stage, m.group_name, m.param, m.reduce_dtype, ctx.shard_dtype)
+    return reduced, None, None, None, None, None, None
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
@@ -73,6 +112,8 @@ class UnshardArgs(NamedTuple):
     stage: int
     group_name: str
     param: str = ""
+    compute_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
 
 
 class ReduceGradArgs(NamedTuple):
@@ -83,6 +124,8 @@ class ReduceGradArgs(NamedTuple):
     stage: int
     group_name: str
     param: str = ""
+    reduce_dtype: torch.dtype | None = None
+    grad_dtype: torch.dtype | None = None
 
 
 def unshard_args(node: torch.fx.Node) -> UnshardArgs:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 # Fields that only steer the graph passes, so `options=` of one compile may change them.
@@ -31,6 +32,10 @@ class ZeroConfig:
         collective per parameter). At stage 3 it bounds the gathered window.
     prefetch: how many buckets ahead of their use all-gathers start (0: none); reductions then
         also stay in flight until the next one starts.
+    param_dtype: mixed precision: parameters are cast to it before the all-gather (fewer bytes)
+        and the model computes in it; the shards stay in their own dtype (fp32 master weights).
+    reduce_dtype: gradients are reduced in it and land in the shards' dtype (default: the
+        dtype they were computed in).
     """
 
     stage: int = 3
@@ -39,6 +44,8 @@ class ZeroConfig:
     dump_dir: str | None = None
     bucket_bytes: int = 16 * 2**20
     prefetch: int = 1
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -48,6 +55,10 @@ class ZeroConfig:
             )
         if self.compiler not in COMPILERS:
             raise ValueError(f"compiler must be one of {COMPILERS}, got {self.compiler!r}")
+        for name in ("param_dtype", "reduce_dtype"):
+            dtype = getattr(self, name)
+            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise ValueError(f"{name} must be a floating-point torch.dtype such as torch.bfloat16, got {dtype!r}")
         if self.bucket_bytes < 0 or self.prefetch < 0:
             raise ValueError(
                 f"bucket_bytes and prefetch must be >= 0, got {self.bucket_bytes} and {self.prefetch}"

@@ -88,11 +88,25 @@ def shard(
     if optimizer is not None:
         _shard_optimizer_state(optimizer, world_size)
     for module in {id(m): m for places in owners.values() for _p, m, _a in places}.values():
-        _make_module_unshard_on_access(module)
+        _make_module_unshard_on_access(module, config)
+    if config.param_dtype is not None:
+        model.register_forward_pre_hook(
+            functools.partial(_cast_floating_inputs, dtype=config.param_dtype), with_kwargs=True
+        )
     _CONFIG_BY_GROUP[group_name] = config
     model._zero_config = config
     _install_optimizer_check()
     return model
+
+
+def _cast_floating_inputs(module: nn.Module, args: tuple, kwargs: dict, *, dtype: torch.dtype) -> tuple:
+    """Mixed precision: the model's floating-point inputs meet parameters of `dtype` (as FSDP's
+    cast_forward_inputs); integer inputs such as token ids pass unchanged."""
+
+    def cast(value: Any) -> Any:
+        return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    return torch.utils._pytree.tree_map(cast, (args, kwargs))
 
 
 def _check_can_shard(model: nn.Module) -> None:
@@ -168,8 +182,7 @@ def _shard_optimizer_state(optimizer: torch.optim.Optimizer, world_size: int) ->
 def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     def make_property(name: str) -> property:
         def full_parameter(self: nn.Module) -> torch.Tensor:
-            shape, stage, group_name, fqn = self._zero_markers[name]
-            return UNSHARD(self._parameters[name], shape, stage, group_name, fqn)
+            return UNSHARD(self._parameters[name], *self._zero_markers[name])
 
         return property(full_parameter, doc=f"the full `{name}`, gathered from its shards")
 
@@ -178,12 +191,15 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     return type(cls.__name__, (cls,), attributes)
 
 
-def _make_module_unshard_on_access(module: nn.Module) -> None:
+def _make_module_unshard_on_access(module: nn.Module, config: ZeroConfig) -> None:
     names = tuple(name for name, p in module._parameters.items() if p is not None)
     markers = {}
     for name in names:
         info = shard_info(module._parameters[name])
-        markers[name] = (list(info.shape), info.stage, info.group_name, info.fqn)
+        # The marker's arguments after the shard (see zerocompile.passes.markers.unshard).
+        markers[name] = (
+            list(info.shape), info.stage, info.group_name, info.fqn, config.param_dtype, config.reduce_dtype
+        )
     module._zero_markers = markers
     module.__class__ = _sharded_class(type(module), names)
 

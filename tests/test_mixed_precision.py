@@ -1,0 +1,84 @@
+"""Mixed precision: bf16 parameters on the wire and in compute, fp32 master shards and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerocompile as zc
+from models import TiedGPT, local_batch
+from ranks import run_on_ranks
+from test_stages import _wchar
+from zerocompile.backend import compiled_graphs
+
+STEPS = 6
+
+
+def train(rank: int, world_size: int, stage: int, param_dtype: torch.dtype | None) -> dict:
+    torch._dynamo.reset()
+    compiled_graphs.clear()
+    torch.manual_seed(0)
+    model = TiedGPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    reduce_dtype = torch.float32 if param_dtype is not None else None
+    zc.shard(model, stage=stage, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
+    losses, sent = [], []
+    for step in range(STEPS):
+        dist.barrier()
+        before = _wchar()
+        loss = compiled(local_batch("tied_gpt", step, rank, world_size))
+        loss.backward()
+        sent.append(_wchar() - before)
+        grad_dtypes = {p.grad.dtype for p in model.parameters() if p.grad is not None}
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.float().item())
+    gathered = sum(e.sent_bytes for g in compiled_graphs for e in g.ledger.entries if e.op == "all_gather")
+    return {
+        "losses": losses,
+        "sent": sent[-1],
+        "gathered_sent": gathered,
+        "loss_dtype": loss.dtype,
+        "grad_dtypes": grad_dtypes,
+        "param_dtypes": {p.dtype for p in model.parameters()},
+        "held": zc.model_state_bytes(model, optimizer),
+    }
+
+
+def mixed_precision_report(rank: int, world_size: int) -> dict:
+    return {
+        (stage, str(dtype)): train(rank, world_size, stage, dtype) for stage in (0, 3) for dtype in (None, torch.bfloat16)
+    }
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    return run_on_ranks(2, mixed_precision_report)[0]
+
+
+@pytest.mark.parametrize("stage", (0, 3))
+def test_bf16_trains_like_fp32_within_bf16_tolerance(report, stage: int) -> None:
+    fp32, bf16 = report[(stage, "None")], report[(stage, "torch.bfloat16")]
+    assert bf16["loss_dtype"] == torch.bfloat16
+    assert bf16["losses"] == pytest.approx(fp32["losses"], rel=2e-2)
+
+
+@pytest.mark.parametrize("stage", (0, 3))
+def test_master_shards_and_gradients_stay_fp32(report, stage: int) -> None:
+    bf16 = report[(stage, "torch.bfloat16")]
+    assert bf16["param_dtypes"] == {torch.float32} and bf16["grad_dtypes"] == {torch.float32}
+    assert bf16["held"] == report[(stage, "None")]["held"], "model state per rank is unchanged"
+
+
+def test_bf16_all_gathers_send_half_the_bytes(report) -> None:
+    fp32, bf16 = report[(3, "None")], report[(3, "torch.bfloat16")]
+    assert bf16["gathered_sent"] * 2 == fp32["gathered_sent"]
+    # Stage 3 sends two gathers (halved) and one fp32 reduction per parameter: 2/3 of fp32's.
+    assert bf16["sent"] == pytest.approx(fp32["sent"] * 2 / 3, rel=0.05)
+
+
+def test_mixed_precision_dtypes_are_validated() -> None:
+    with pytest.raises(ValueError, match="param_dtype must be a floating-point torch.dtype"):
+        zc.ZeroConfig(param_dtype=torch.int8)
