@@ -20,7 +20,8 @@ Every inserted node carries `meta["val"]`, computed under the graph's own fake m
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+import functools
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -31,19 +32,24 @@ from .lowering import all_reduce_bucket, gather_bucket, reduce_scatter_bucket
 from .markers import is_reduce_grad, is_unshard, reduce_grad_args, unshard_args
 
 
-def lower_markers(graph: fx.Graph, bucket_bytes: int = 0, prefetch: int = 0) -> dict[str, int]:
+def lower_markers(
+    graph: fx.Graph, bucket_bytes: int = 0, prefetch: int = 0, decompositions: dict | None = None
+) -> dict[str, int]:
     """Rewrite every marker in `graph` in place; returns counts of what was lowered.
 
     bucket_bytes: markers next to each other in graph order share one collective until a bucket
         holds this many bytes of full tensors (0: one collective per parameter).
     prefetch: issue each gather this many buckets ahead of its use, and leave each reduction in
         flight until the next one starts (0: every collective is waited on at once).
+    decompositions: the compiler's decomposition table, applied to the inserted nodes (Inductor
+        expects post-grad graphs already decomposed, e.g. no aten._to_copy).
     """
     counts = {"gathers": 0, "reductions": 0, "identities": 0, "gather_buckets": 0, "reduction_buckets": 0}
     _place_by_stage(graph)
     fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.find_nodes(op="placeholder")])
+    tracer = functools.partial(_splice, fake_mode=fake_mode, decompositions=decompositions)
     for node in [n for n in graph.nodes if is_unshard(n) and unshard_args(n).stage == 0]:
-        _forward_whole_parameter(node, fake_mode)
+        _forward_whole_parameter(node, tracer)
         counts["identities"] += 1
     gathers = []
     for bucket in _buckets([n for n in graph.nodes if is_unshard(n)], bucket_bytes, _can_gather_early):
@@ -51,10 +57,9 @@ def lower_markers(graph: fx.Graph, bucket_bytes: int = 0, prefetch: int = 0) -> 
         first = markers[0]
         shapes = [m.shape for m in markers]
         gathers.append(
-            _splice(
+            tracer(
                 bucket,
                 bucket[0],
-                fake_mode,
                 lambda *shards: gather_bucket(list(shards), shapes, first.group_name, first.compute_dtype),
             )
         )
@@ -70,7 +75,7 @@ def lower_markers(graph: fx.Graph, bucket_bytes: int = 0, prefetch: int = 0) -> 
             fn = lambda *grads: reduce_scatter_bucket(  # noqa: E731
                 list(grads), numels, first.group_name, first.reduce_dtype, first.grad_dtype
             )
-        reductions.append(_splice(bucket, bucket[-1], fake_mode, fn))
+        reductions.append(tracer(bucket, bucket[-1], fn))
         counts["reductions"] += len(bucket)
     counts["gather_buckets"], counts["reduction_buckets"] = len(gathers), len(reductions)
     if prefetch:
@@ -140,11 +145,12 @@ def _issue_gathers_early(buckets: list[list[fx.Node]], distance: int) -> None:
     """Start bucket k's all-gather right after bucket k-distance's wait, so it runs during the
     compute in between; its wait stays just before its first use. Only gathers of graph inputs
     move (stage-3 backward re-gathers and all forward gathers)."""
-    for earlier, later in zip(buckets, buckets[distance:]):
-        issue, _wait, _unpack = _split_at_wait(later)
+    for k, bucket in enumerate(buckets[1:], start=1):
+        issue, _wait, _unpack = _split_at_wait(bucket)
         if any(arg.op != "placeholder" for node in issue for arg in node.all_input_nodes if arg not in issue):
             continue
-        anchor = _split_at_wait(earlier)[1]
+        # The first `distance` buckets are all issued up front, one after another.
+        anchor = _split_at_wait(buckets[k - distance])[1] if k >= distance else _split_at_wait(buckets[k - 1])[0][-1]
         for node in issue:
             anchor.append(node)
             anchor = node
@@ -155,6 +161,9 @@ def _wait_reductions_late(buckets: list[list[fx.Node]]) -> None:
     the backward compute in between, and at most two are in flight."""
     for earlier, later in zip(buckets, buckets[1:]):
         _issue, wait, unpack = _split_at_wait(earlier)
+        moved = {wait, *unpack}
+        if any(user.op != "output" and user not in moved for node in moved for user in node.users):
+            continue  # something in the graph reads the reduced gradient: it must be ready in place
         start = _split_at_wait(later)[0][0]
         for node in [wait, *unpack]:
             start.prepend(node)
@@ -186,12 +195,12 @@ def _place_by_stage(graph: fx.Graph) -> None:
             output.prepend(node)
 
 
-def _forward_whole_parameter(node: fx.Node, fake_mode) -> None:
+def _forward_whole_parameter(node: fx.Node, tracer: Callable) -> None:
     """Stage 0: the marker's input already is the full parameter (cast for mixed precision)."""
     param = node.args[0]
     dtype = unshard_args(node).compute_dtype
     if dtype is not None and dtype != param.meta["val"].dtype:
-        _splice([node], node, fake_mode, lambda p: [p.to(dtype)])
+        tracer([node], node, lambda p: [p.to(dtype)])
         return
     if any(user.op == "output" for user in node.users):
         # A graph output may not alias a graph input, so a parameter returned as such is copied.
@@ -202,7 +211,14 @@ def _forward_whole_parameter(node: fx.Node, fake_mode) -> None:
     node.graph.erase_node(node)
 
 
-def _splice(markers: list[fx.Node], anchor: fx.Node, fake_mode, fn: Callable[..., list[torch.Tensor]]) -> list[fx.Node]:
+def _splice(
+    markers: list[fx.Node],
+    anchor: fx.Node,
+    fn: Callable[..., list[torch.Tensor]],
+    *,
+    fake_mode: Any,
+    decompositions: dict | None,
+) -> list[fx.Node]:
     """Trace `fn(*marker tensors)` under the graph's fake mode, insert the traced nodes before
     `anchor` and let its outputs replace the markers; returns the inserted nodes in order.
 
@@ -212,7 +228,7 @@ def _splice(markers: list[fx.Node], anchor: fx.Node, fake_mode, fn: Callable[...
     graph = anchor.graph
     args = [marker.args[0] for marker in markers]
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        traced = make_fx(fn, tracing_mode="real")(*[arg.meta["val"] for arg in args])
+        traced = make_fx(fn, decompositions, tracing_mode="real")(*[arg.meta["val"] for arg in args])
     params = [_served(marker) for marker in markers]
     for new_node in traced.graph.nodes:
         new_node.meta["zero_params"] = params

@@ -15,7 +15,7 @@ from zerocompile.backend import compiled_graphs
 STEPS = 6
 
 
-def train(rank: int, world_size: int, stage: int, param_dtype: torch.dtype | None) -> dict:
+def train(rank: int, world_size: int, stage: int, param_dtype: torch.dtype | None, compiler: str = "eager") -> dict:
     torch._dynamo.reset()
     compiled_graphs.clear()
     torch.manual_seed(0)
@@ -23,7 +23,7 @@ def train(rank: int, world_size: int, stage: int, param_dtype: torch.dtype | Non
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     reduce_dtype = torch.float32 if param_dtype is not None else None
     zc.shard(model, stage=stage, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
+    compiled = torch.compile(model, backend="zero", options={"compiler": compiler})
     losses, sent = [], []
     for step in range(STEPS):
         dist.barrier()
@@ -48,9 +48,11 @@ def train(rank: int, world_size: int, stage: int, param_dtype: torch.dtype | Non
 
 
 def mixed_precision_report(rank: int, world_size: int) -> dict:
-    return {
+    report = {
         (stage, str(dtype)): train(rank, world_size, stage, dtype) for stage in (0, 3) for dtype in (None, torch.bfloat16)
     }
+    report["inductor"] = train(rank, world_size, 3, torch.bfloat16, compiler="inductor")
+    return report
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +65,12 @@ def test_bf16_trains_like_fp32_within_bf16_tolerance(report, stage: int) -> None
     fp32, bf16 = report[(stage, "None")], report[(stage, "torch.bfloat16")]
     assert bf16["loss_dtype"] == torch.bfloat16
     assert bf16["losses"] == pytest.approx(fp32["losses"], rel=2e-2)
+
+
+def test_bf16_under_inductor_matches_the_eager_compiler(report) -> None:
+    """Inductor lowers the casts our passes insert (they must arrive decomposed)."""
+    assert report["inductor"]["losses"] == pytest.approx(report[(3, "torch.bfloat16")]["losses"], rel=2e-2)
+    assert report["inductor"]["sent"] == pytest.approx(report[(3, "torch.bfloat16")]["sent"], rel=0.05)
 
 
 @pytest.mark.parametrize("stage", (0, 3))

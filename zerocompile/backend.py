@@ -73,6 +73,9 @@ def zero_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[st
         )(gm, example_inputs)
     from torch._inductor.compile_fx import compile_fx
 
+    from torch._inductor.decomposition import select_decomp_table
+
+    lowering = dataclasses.replace(lowering, decompositions=select_decomp_table())
     config_patches = {
         "joint_custom_pre_pass": TagGathersForRecompute(directory),
         "post_grad_custom_pre_pass": LowerMarkers(lowering),
@@ -136,12 +139,13 @@ class Lowering:
     directory: str | None
     bucket_bytes: int
     prefetch: int
+    decompositions: dict | None = None  # Inductor's table on the Inductor path
 
 
 def _lower_and_record(graph: fx.Graph, lowering: Lowering) -> None:
     kind = _graph_kind(graph)
     dump.emit_graph(lowering.directory, kind, "before", "lower_markers", graph)
-    lower_markers(graph, lowering.bucket_bytes, lowering.prefetch)
+    lower_markers(graph, lowering.bucket_bytes, lowering.prefetch, lowering.decompositions)
     dump.emit_graph(lowering.directory, kind, "after", "lower_markers", graph)
     graph_ledger = ledger.graph_ledger(graph, kind)
     dump.emit_ledger(lowering.directory, kind, graph_ledger.to_json())
