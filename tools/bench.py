@@ -1,0 +1,661 @@
+"""Benchmark zerocompile's stages against DDP, FSDP2 and ZeroRedundancyOptimizer, side by side.
+
+ZeRO's promise is DDP-like speed at a fraction of the memory, and on a shared machine the only
+fair comparison is one run: this spawns --ranks gloo ranks on 127.0.0.1 and, in that one group,
+runs every mode in turn on the same GPT (same seed, same initial weights, the same global batches
+of random tokens, each rank its slice) with fp32 AdamW:
+
+  ddp              DistributedDataParallel, eager
+  ddp-compile      torch.compile(DDP(model)), default Inductor
+  zero-redundancy  torch.distributed.optim.ZeroRedundancyOptimizer + DDP, eager
+  fsdp2            fully_shard on every Block and on the root, eager
+  fsdp2-compile    the same + torch.compile
+  zero0 .. zero3   zerocompile.shard(model, stage=s) + torch.compile(model, backend="zero")
+  zero0-bf16 ..    the same with param_dtype=torch.bfloat16 (skipped, with a note, while
+  zero3-bf16       zerocompile.ZeroConfig has no param_dtype)
+
+How each figure is measured, per mode, after --warmup untimed steps (the first one compiles):
+  step time   every step (forward, backward, optimizer step) starts after a barrier; the step
+              time is the slowest rank's, and the table shows the median over --steps steps
+  compile     first warm-up step minus the median step; each mode compiles into its own fresh
+              Inductor cache, so compile times are cold and comparable across modes and runs
+  peak RSS    VmHWM over the timed steps (reset through /proc/self/clear_refs before them; where
+              that is refused, ru_maxrss since the rank started, and the JSON says so), largest
+              rank; "RSS between steps" is VmRSS after the warm-up steps. Before each mode the
+              ranks hand freed heap memory back to the system (glibc's malloc_trim), and Inductor
+              is imported before the first mode, so every mode starts from about the same
+              baseline. Still, glibc keeps freed memory for reuse, so by default RSS is the
+              process's footprint, not its live tensors: measured here, FSDP2 eager showed a
+              higher peak than DDP (698 vs 650 MB) and DDP's grew from 650 to 699 MB when run
+              again after FSDP2. --exact-rss starts the ranks with MALLOC_MMAP_THRESHOLD_=65536,
+              so every tensor over 64 kB is unmapped when freed: RSS then follows live tensors
+              (FSDP2 516, DDP 603 MB, repeatable), but every allocation page-faults and steps ran
+              30 % (DDP) to 45 % (FSDP2) slower, so times from such a run are not comparable.
+  sent        bytes written by the rank (/proc/self/io wchar) around one step: gloo's socket
+              writes, i.e. everything sent, not what we think we send; median over the timed
+              steps, largest rank
+  model state bytes this rank holds in parameters, gradients and optimizer state after the last
+              optimizer step (largest rank): zerocompile.model_state_bytes for ours; for the
+              others the local tensors, for FSDP2 the local shards of its DTensors
+  final loss  mean over the ranks of the last timed step's loss
+
+Writes bench.json (everything, per rank too), bench.md (the table) and bench.png (step time and
+bytes sent per mode) to --out. A mode that fails on every rank is reported as failed with its
+error and the others still run. --quick is a smoke run for CI (tiny model, 1 warm-up and 2 timed
+steps): it checks that every mode runs and what it sends, its times mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import gc
+import importlib
+import json
+import os
+import platform
+import re
+import resource
+import socket
+import statistics
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch._dynamo
+import torch._inductor.config
+import torch.distributed as dist
+import torch.multiprocessing
+from torch import nn
+from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+import zerocompile as zc
+from zerocompile.backend import compiled_graphs
+from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
+
+MB = 1e6
+LEARNING_RATE = 3e-4
+FP32_BYTES = 4
+# (model size, timed steps, warm-up steps) of a normal run and of --quick.
+DEFAULTS = ("12m", 10, 3)
+QUICK = ("tiny", 2, 1)
+# glibc unmaps every freed allocation over 64 kB at once instead of keeping it for reuse.
+EXACT_RSS_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A mode made ready to train: what to call per step, its optimizer, what it holds."""
+
+    runner: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    state_bytes: Callable[[], dict[str, int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """One way of training the model; `build` wraps a freshly seeded GPT (in place if it likes)."""
+
+    name: str
+    build: Callable[[GPT], Prepared]
+    # Why this mode cannot run with the installed zerocompile, or None when it can.
+    unavailable: Callable[[], str | None] = lambda: None
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def _held_bytes(model: nn.Module, optimizer_state: dict[Any, dict[str, Any]]) -> dict[str, int]:
+    """Local parameter, gradient and optimizer-state bytes, counted as zc.model_state_bytes does."""
+    params = list({id(p): p for p in model.parameters()}.values())
+    return {
+        "params": sum(_local_bytes(p) for p in params),
+        "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(
+            _local_bytes(value)
+            for state in optimizer_state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor) and value.dim() > 0
+        ),
+    }
+
+
+def _ddp(compiled: bool) -> Callable[[GPT], Prepared]:
+    def build(model: GPT) -> Prepared:
+        wrapped = DistributedDataParallel(model)
+        optimizer = torch.optim.AdamW(wrapped.parameters(), lr=LEARNING_RATE)
+        runner = torch.compile(wrapped) if compiled else wrapped
+        return Prepared(runner, optimizer, lambda: _held_bytes(model, optimizer.state))
+
+    return build
+
+
+def _zero_redundancy(model: GPT) -> Prepared:
+    wrapped = DistributedDataParallel(model)
+    optimizer = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.AdamW, lr=LEARNING_RATE)
+    # `optimizer.optim` is the local AdamW over this rank's partition: the state it really holds.
+    return Prepared(wrapped, optimizer, lambda: _held_bytes(model, optimizer.optim.state))
+
+
+def _fsdp2(compiled: bool) -> Callable[[GPT], Prepared]:
+    def build(model: GPT) -> Prepared:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+        runner = torch.compile(model) if compiled else model
+        return Prepared(runner, optimizer, lambda: _held_bytes(model, optimizer.state))
+
+    return build
+
+
+def _zero(stage: int, param_dtype: torch.dtype | None = None) -> Callable[[GPT], Prepared]:
+    def build(model: GPT) -> Prepared:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+        settings = {} if param_dtype is None else {"param_dtype": param_dtype}
+        zc.shard(model, stage=stage, **settings)
+        runner = torch.compile(model, backend="zero")
+        return Prepared(runner, optimizer, lambda: zc.model_state_bytes(model, optimizer))
+
+    return build
+
+
+def _missing_param_dtype() -> str | None:
+    if "param_dtype" in {field.name for field in dataclasses.fields(zc.ZeroConfig)}:
+        return None
+    return "zerocompile.ZeroConfig has no param_dtype yet (mixed precision is not built)"
+
+
+MODES: dict[str, Mode] = {
+    mode.name: mode
+    for mode in [
+        Mode("ddp", _ddp(compiled=False)),
+        Mode("ddp-compile", _ddp(compiled=True)),
+        Mode("zero-redundancy", _zero_redundancy),
+        Mode("fsdp2", _fsdp2(compiled=False)),
+        Mode("fsdp2-compile", _fsdp2(compiled=True)),
+        *(Mode(f"zero{stage}", _zero(stage)) for stage in range(4)),
+        *(Mode(f"zero{stage}-bf16", _zero(stage, torch.bfloat16), _missing_param_dtype) for stage in range(4)),
+    ]
+}
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _mode_list(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in MODES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; valid: {','.join(MODES)}")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `zerocompile bench`; size, steps and warm-up default to --quick's when it is given."""
+    parser.add_argument("--ranks", type=_positive_int, default=2, help="gloo ranks to spawn (default 2)")
+    parser.add_argument(
+        "--model-size",
+        choices=sorted(SIZES),
+        default=None,
+        help=f"GPT size (default {DEFAULTS[0]}; --quick: {QUICK[0]})",
+    )
+    parser.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=None,
+        help=f"timed steps per mode (default {DEFAULTS[1]}; --quick: {QUICK[1]})",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=_positive_int,
+        default=None,
+        help=f"untimed steps before them, the first compiles (default {DEFAULTS[2]}; --quick: {QUICK[2]})",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=4,
+        help="sequences of the model's block size per global batch, split over the ranks (default 4)",
+    )
+    parser.add_argument(
+        "--modes", type=_mode_list, default=list(MODES), help=f"comma-separated (default all: {','.join(MODES)})"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the tokens (default 0)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run for CI: tiny model, 2 timed steps, 1 warm-up (times mean nothing)",
+    )
+    parser.add_argument(
+        "--exact-rss",
+        action="store_true",
+        help="ranks unmap freed tensors at once (MALLOC_MMAP_THRESHOLD_=65536): RSS follows live tensors, "
+        "steps run 30-45%% slower; a separate run for memory",
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default ./bench-out)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The resolved run settings every rank receives."""
+
+    ranks: int
+    model_size: str
+    steps: int
+    warmup: int
+    batch_size: int
+    seed: int
+    modes: tuple[str, ...]
+    cache_root: str
+
+    @property
+    def config(self) -> GPTConfig:
+        return SIZES[self.model_size]
+
+
+def run(args: argparse.Namespace) -> int:
+    """`zerocompile bench`: runs the modes, writes --out; 1 if a mode failed, else 0."""
+    summary = bench(args)
+    return 1 if any(mode["status"] == "failed" for mode in summary["modes"]) else 0
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Spawn the ranks, run every mode, write bench.json/.md/.png to --out; returns the JSON."""
+    size, steps, warmup = QUICK if args.quick else DEFAULTS
+    model_size = args.model_size or size
+    if args.batch_size % args.ranks:
+        raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the {args.ranks} ranks")
+    phi = _count_parameters(SIZES[model_size])
+    machine = {"node": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__}
+    print(
+        f"zerocompile bench on {machine['node']} ({machine['cpu_count']} CPUs, torch {machine['torch']}): "
+        f"{args.ranks} gloo ranks, GPT {model_size} (Φ = {phi:,}), global batch {args.batch_size} x "
+        f"{SIZES[model_size].block_size} tokens, fp32 AdamW, {args.warmup or warmup} warm-up + "
+        f"{args.steps or steps} timed steps per mode",
+        flush=True,
+    )
+    skipped = {}
+    for name in args.modes:
+        reason = MODES[name].unavailable()
+        if reason is not None:
+            skipped[name] = reason
+            print(f"skipping {name}: {reason}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="zerocompile-bench-") as tmp:
+        settings = Settings(
+            ranks=args.ranks,
+            model_size=model_size,
+            steps=args.steps or steps,
+            warmup=args.warmup or warmup,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            modes=tuple(name for name in args.modes if name not in skipped),
+            cache_root=tmp,
+        )
+        results_file = Path(tmp) / "results.json"
+        with _environment(EXACT_RSS_ENVIRONMENT if args.exact_rss else {}):
+            torch.multiprocessing.spawn(
+                _spawned_rank, args=(settings, _free_port(), str(results_file)), nprocs=args.ranks
+            )
+        measured = json.loads(results_file.read_text())
+    summary = {
+        "machine": machine,
+        "settings": {
+            **{k: v for k, v in dataclasses.asdict(settings).items() if k not in ("modes", "cache_root")},
+            "phi": phi,
+            "block_size": settings.config.block_size,
+            "optimizer": f"torch.optim.AdamW(lr={LEARNING_RATE}), fp32",
+            "quick": args.quick,
+            "malloc": " ".join(f"{k}={v}" for k, v in EXACT_RSS_ENVIRONMENT.items()) if args.exact_rss else "default",
+        },
+        "method": {
+            "step_time": "median over timed steps of the slowest rank's step; each step starts after a barrier",
+            "compile_time": "first warm-up step minus the median step; a fresh Inductor cache per mode",
+            "rss_between_steps": "largest rank's VmRSS after the warm-up steps, before the timed ones",
+            "peak_rss": "largest rank; VmHWM after resetting it before the timed steps, unless rss_source says "
+            "ru_maxrss; freed heap returned to the system before each mode unless heap_trimmed is false",
+            "sent": "largest rank's median over timed steps of the /proc/self/io wchar delta around a step",
+            "model_state": "largest rank, after the last optimizer step, gradients still held",
+            "final_loss": "mean over ranks of the last timed step's loss",
+            "load": "the machine's 1-minute load average before the timed steps (our own ranks add about N)",
+        },
+        "theory": _theory(phi, args.ranks),
+        "modes": [
+            measured[name] if name in measured else {"mode": name, "status": "skipped", "note": skipped[name]}
+            for name in args.modes
+        ],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench.json").write_text(json.dumps(summary, indent=2) + "\n")
+    table = markdown_table(summary)
+    (args.out / "bench.md").write_text(table)
+    _plot(summary, args.out / "bench.png")
+    print(f"\n{table}\nwrote {args.out}/bench.json, bench.md, bench.png", flush=True)
+    return summary
+
+
+def _count_parameters(config: GPTConfig) -> int:
+    """Φ of the model, tied parameters once, without allocating it."""
+    with torch.device("meta"):
+        return zc.full_numel(GPT(config))
+
+
+def _theory(phi: int, ranks: int) -> dict[str, float]:
+    """ZeRO's fp32 figures per rank (bytes) for comparison with the measured ones."""
+    share = (ranks - 1) / ranks
+    return {
+        "sent_2phi": 2 * phi * share * FP32_BYTES,
+        "sent_3phi": 3 * phi * share * FP32_BYTES,
+        "state_16phi": 16 * phi,
+        "state_16phi_over_n": 16 * phi / ranks,
+    }
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` in the environment the processes spawned inside inherit; restored afterwards."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _spawned_rank(rank: int, settings: Settings, port: int, results_file: str) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(settings.ranks),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    # The ranks share the machine's cores, and each compiles with one worker: more threads than
+    # cores slows every rank down.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings.ranks))
+    torch._inductor.config.compile_threads = 1
+    # Inductor's modules take tens of MB once imported: import them before the first mode, so the
+    # eager modes run first do not look leaner than the compiled ones by that much.
+    importlib.import_module("torch._inductor.compile_fx")
+    zc.init_distributed()
+    results = {}
+    for name in settings.modes:
+        per_rank = _run_mode_everywhere(name, settings, rank)
+        if rank == 0:
+            results[name] = _summarise(name, per_rank)
+            print(_progress_line(results[name]), flush=True)
+    if rank == 0:
+        Path(results_file).write_text(json.dumps(results))
+    # Without the barrier a rank may tear gloo down while another is still in a collective, and
+    # the process sometimes dies with SIGABRT.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run_mode_everywhere(name: str, settings: Settings, rank: int) -> list[dict[str, Any]]:
+    """Run one mode on this rank; every rank's measurements (gathered on all)."""
+    # The previous mode's model and graphs were freed below: give that memory back to the system,
+    # so that this mode's RSS is its own.
+    heap_trimmed = _trim_heap()
+    try:
+        with temporary_cache_dir(os.path.join(settings.cache_root, name)):
+            measured = _run_mode(MODES[name], settings, rank)
+    except Exception as error:  # a mode that fails must not take the others with it
+        measured = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+    finally:
+        compiled_graphs.clear()
+        torch._dynamo.reset()
+        gc.collect()
+    measured["heap_trimmed"] = heap_trimmed
+    gathered: list[dict[str, Any]] = [{} for _ in range(settings.ranks)]
+    dist.all_gather_object(gathered, measured)
+    return gathered
+
+
+def _run_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
+    torch.manual_seed(settings.seed)
+    prepared = mode.build(GPT(settings.config))
+    batches = _RandomBatches(settings.config, settings, rank)
+    warmup_times = [_one_step(prepared, batches)[0] for _ in range(settings.warmup)]
+    rss_source = _reset_peak_rss()
+    rss_before = _status_bytes("VmRSS")
+    load = os.getloadavg()[0]
+    timed = [_one_step(prepared, batches) for _ in range(settings.steps)]
+    held = prepared.state_bytes()  # the last step's gradients are still there
+    if rss_source == "VmHWM":
+        peak = _status_bytes("VmHWM")
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+    return {
+        "step_times": [seconds for seconds, _sent, _loss in timed],
+        "first_step": warmup_times[0],
+        "sent": [sent for _seconds, sent, _loss in timed],
+        "losses": [loss.item() for _seconds, _sent, loss in timed],
+        "held": held,
+        "peak_rss": peak,
+        "rss_before": rss_before,
+        "rss_source": rss_source,
+        "load": load,
+    }
+
+
+def _one_step(prepared: Prepared, batches: _RandomBatches) -> tuple[float, int, torch.Tensor]:
+    """(seconds, bytes written, loss) of one training step; every rank starts it after a barrier.
+
+    Gradients are cleared at the start, not the end, so the last step's are there to be counted.
+    """
+    prepared.optimizer.zero_grad(set_to_none=True)
+    inputs, targets = batches.next()
+    dist.barrier()
+    written = _wchar()
+    start = time.perf_counter()
+    loss = prepared.runner(inputs, targets)
+    loss.backward()
+    prepared.optimizer.step()
+    elapsed = time.perf_counter() - start
+    return elapsed, _wchar() - written, loss.detach()
+
+
+class _RandomBatches:
+    """The same global batches of random tokens on every rank and in every mode; this rank's rows."""
+
+    def __init__(self, config: GPTConfig, settings: Settings, rank: int) -> None:
+        self.generator = torch.Generator().manual_seed(settings.seed)
+        self.shape = (settings.batch_size, config.block_size + 1)
+        self.vocab_size = config.vocab_size
+        per_rank = settings.batch_size // settings.ranks
+        self.rows = slice(rank * per_rank, (rank + 1) * per_rank)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.randint(self.vocab_size, self.shape, generator=self.generator)[self.rows]
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _trim_heap() -> bool:
+    """Return the heap's free pages to the system (glibc); False where there is no malloc_trim."""
+    try:
+        malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim(0)
+    return True
+
+
+def _wchar() -> int:
+    """Bytes this process has passed to write-like system calls, sockets included."""
+    match = re.search(r"^wchar:\s+(\d+)", Path("/proc/self/io").read_text(), re.MULTILINE)
+    if match is None:
+        raise RuntimeError("no wchar in /proc/self/io: bytes sent are measured on Linux only")
+    return int(match.group(1))
+
+
+def _status_bytes(field: str) -> int:
+    match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f"no {field} in /proc/self/status")
+    return int(match.group(1)) * 1024
+
+
+def _reset_peak_rss() -> str:
+    """Reset VmHWM to the current RSS ("VmHWM"); where refused, peaks come from ru_maxrss."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return "ru_maxrss"
+    return "VmHWM"
+
+
+def _summarise(name: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """One mode's figures from every rank's measurements (see the module docstring)."""
+    errors = [f"rank {rank}: {m['error']}" for rank, m in enumerate(per_rank) if "error" in m]
+    if errors:
+        return {"mode": name, "status": "failed", "error": "; ".join(errors), "per_rank": per_rank}
+    step_times = [max(steps) for steps in zip(*(m["step_times"] for m in per_rank))]
+    median_step = statistics.median(step_times)
+    first_step = max(m["first_step"] for m in per_rank)
+    largest_held = max((m["held"] for m in per_rank), key=lambda held: sum(held.values()))
+    return {
+        "mode": name,
+        "status": "ok",
+        "step_time_s": median_step,
+        "compile_time_s": first_step - median_step,
+        "first_step_s": first_step,
+        "step_times_s": step_times,
+        "peak_rss_bytes": max(m["peak_rss"] for m in per_rank),
+        "rss_before_bytes": max(m["rss_before"] for m in per_rank),
+        "rss_source": per_rank[0]["rss_source"],
+        "heap_trimmed": all(m["heap_trimmed"] for m in per_rank),
+        "load_avg_1min": per_rank[0]["load"],
+        "sent_bytes_per_step": max(statistics.median(m["sent"]) for m in per_rank),
+        "model_state_bytes": largest_held,
+        "final_loss": statistics.fmean(m["losses"][-1] for m in per_rank),
+        "losses": [statistics.fmean(step) for step in zip(*(m["losses"] for m in per_rank))],
+        "per_rank": per_rank,
+    }
+
+
+def _progress_line(mode: dict[str, Any]) -> str:
+    if mode["status"] != "ok":
+        return f"{mode['mode']:<16} FAILED {mode['error']}"
+    held = mode["model_state_bytes"]
+    return (
+        f"{mode['mode']:<16} step {mode['step_time_s']:.3f} s | compile {mode['compile_time_s']:.1f} s | "
+        f"peak RSS {mode['peak_rss_bytes'] / MB:.0f} MB | sent {mode['sent_bytes_per_step'] / MB:.2f} MB/step | "
+        f"state {sum(held.values()) / MB:.1f} MB | loss {mode['final_loss']:.4f} | load {mode['load_avg_1min']:.1f}"
+    )
+
+
+def markdown_table(summary: dict[str, Any]) -> str:
+    """bench.md: the machine, the settings, one row per mode, the theory and how it was measured."""
+    machine, settings, theory = summary["machine"], summary["settings"], summary["theory"]
+    lines = [
+        f"`zerocompile bench` on {machine['node']} ({machine['cpu_count']} CPUs, torch {machine['torch']}), "
+        f"{settings['ranks']} gloo ranks, GPT {settings['model_size']} (Φ = {settings['phi']:,}, tied embeddings), "
+        f"global batch {settings['batch_size']} x {settings['block_size']} tokens, {settings['optimizer']}, "
+        f"{settings['warmup']} warm-up + {settings['steps']} timed steps per mode, malloc {settings['malloc']}"
+        + (" (--quick: times mean nothing)" if settings["quick"] else "")
+        + ".",
+        "",
+        (
+            "| mode | step s | compile s | RSS between steps MB | peak RSS MB | sent MB/step/rank "
+            "| params / grads / optim MB per rank | final loss | load |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    notes = []
+    for mode in summary["modes"]:
+        if mode["status"] != "ok":
+            lines.append(f"| {mode['mode']} | {mode['status']} | | | | | | | |")
+            notes.append(f"- {mode['mode']} {mode['status']}: {mode.get('error') or mode.get('note')}")
+            continue
+        held = mode["model_state_bytes"]
+        lines.append(
+            f"| {mode['mode']} | {mode['step_time_s']:.3f} | {mode['compile_time_s']:.1f} | "
+            f"{mode['rss_before_bytes'] / MB:.0f} | {mode['peak_rss_bytes'] / MB:.0f} | "
+            f"{mode['sent_bytes_per_step'] / MB:.2f} | "
+            f"{held['params'] / MB:.1f} / {held['grads'] / MB:.1f} / {held['optimizer'] / MB:.1f} | "
+            f"{mode['final_loss']:.4f} | {mode['load_avg_1min']:.1f} |"
+        )
+    method = summary["method"]
+    lines += [
+        "",
+        (
+            f"ZeRO theory at N = {settings['ranks']}, fp32: "
+            f"sent 2Φ·(N−1)/N·4 B = {theory['sent_2phi'] / MB:.2f} MB (DDP, stages 0-2), "
+            f"3Φ·(N−1)/N·4 B = {theory['sent_3phi'] / MB:.2f} MB (stage 3); model state "
+            f"16Φ = {theory['state_16phi'] / MB:.1f} MB (DDP, stage 0), "
+            f"16Φ/N = {theory['state_16phi_over_n'] / MB:.1f} MB (stages 1-3)."
+        ),
+        "",
+        *(f"- {key.replace('_', ' ')}: {text}" for key, text in method.items()),
+        *notes,
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _plot(summary: dict[str, Any], path: Path) -> None:
+    """bench.png: step time and bytes sent per mode, with ZeRO's 2Φ and 3Φ volumes marked."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise SystemExit("zerocompile bench draws bench.png with matplotlib: pip install matplotlib") from error
+    modes = [mode for mode in summary["modes"] if mode["status"] == "ok"]
+    names = [mode["mode"] for mode in modes]
+    figure, (time_axis, sent_axis) = plt.subplots(1, 2, figsize=(11, 0.45 * len(names) + 1.8), sharey=True)
+    time_axis.barh(names, [mode["step_time_s"] for mode in modes], color="tab:blue")
+    time_axis.set_xlabel("median step time (s)")
+    sent_axis.barh(names, [mode["sent_bytes_per_step"] / MB for mode in modes], color="tab:orange")
+    sent_axis.set_xlabel("sent per step per rank (MB)")
+    theory = summary["theory"]
+    for key, label, style in (("sent_2phi", "2Φ(N−1)/N", "--"), ("sent_3phi", "3Φ(N−1)/N", ":")):
+        sent_axis.axvline(theory[key] / MB, color="black", linestyle=style, linewidth=1, label=label)
+    sent_axis.legend(loc="lower right", fontsize="small")
+    time_axis.invert_yaxis()
+    machine, settings = summary["machine"], summary["settings"]
+    figure.suptitle(
+        f"{machine['node']}, {machine['cpu_count']} CPUs, torch {machine['torch']}: {settings['ranks']} gloo ranks, "
+        f"GPT {settings['model_size']} (Φ = {settings['phi']:,}), fp32 AdamW",
+        fontsize="medium",
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(
+        prog="zerocompile bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_arguments(_parser)
+    raise SystemExit(run(_parser.parse_args()))
