@@ -11,9 +11,9 @@ import argparse
 import sys
 from types import ModuleType
 
-from zerocompile.tools import dump, plan, train
+from zerocompile.tools import bench, dump, plan, train
 
-SUBCOMMANDS: dict[str, ModuleType] = {"train": train, "dump": dump, "plan": plan}
+SUBCOMMANDS: dict[str, ModuleType] = {"train": train, "dump": dump, "plan": plan, "bench": bench}
 
 
 def build_parser() -> argparse.ArgumentParser:
