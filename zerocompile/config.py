@@ -42,7 +42,10 @@ class ZeroConfig:
     group: dist.ProcessGroup | None = None
     compiler: str = "inductor"
     dump_dir: str | None = None
-    bucket_bytes: int = 16 * 2**20
+    # Measured (12m GPT, stage 3, 2 gloo ranks, one process per setting): 4 / 8 / 16 MiB gave
+    # 0.552 / 0.522 / 0.596 s per step and 579 / 596 / 615 MB peak RSS (FSDP2+compile: 0.639 s,
+    # 563 MB). Step times are within noise of each other; the smallest window wins on memory.
+    bucket_bytes: int = 4 * 2**20
     prefetch: int = 1
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
