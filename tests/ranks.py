@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 import traceback
 from datetime import timedelta
@@ -78,12 +77,6 @@ def _wait(context: Any, tmp: str, timeout: float) -> None:
 class _RankFailure:
     def __init__(self, text: str) -> None:
         self.traceback = text
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rank_main(

@@ -12,7 +12,8 @@ from torch import nn
 import zerocompile as zc
 from zerocompile.backend import compiled_graphs
 from models import FrozenAndBuffer, TiedGPT, UnevenMLP, local_batch
-from ranks import free_port, run_on_ranks
+from ranks import run_on_ranks
+from zerocompile.distributed import free_loopback_port
 
 
 @pytest.fixture
@@ -152,7 +153,7 @@ def init_and_report(rank: int, world_size: int) -> tuple[tuple[int, int], str]:
 
 @pytest.mark.parametrize("launcher", [torchrun_env, slurm_env], ids=["torchrun", "slurm"])
 def test_init_distributed_reads_launcher_environment(launcher) -> None:
-    env = functools.partial(launcher, free_port())
+    env = functools.partial(launcher, free_loopback_port())
     results = run_on_ranks(2, init_and_report, launcher_env=env, timeout=120)
     assert results == [((0, 2), "gloo 3.0"), ((1, 2), "gloo 3.0")]
 

@@ -20,6 +20,12 @@ from zerocompile.tools import dump
 from zerocompile.tools.gpt import GPT, GPTConfig
 
 # Large enough (Φ ≈ 0.1M) that gloo's per-message headers stay under 5 % of the bytes sent.
+ONE_RANK_SCRIPT = (
+    "import torch, zerocompile as zc\n"
+    "zc.init_distributed()\n"
+    "model = zc.shard(torch.nn.Linear(3, 5), stage=3)\n"
+    "torch.compile(model, backend='zero', options={'compiler': 'eager'})(torch.randn(2, 3)).sum().backward()\n"
+)
 CONFIG = GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=64)
 
 
@@ -121,12 +127,7 @@ def test_dump_command_reports_diffs_and_draws(dumped, tmp_path) -> None:
 
 def test_dump_runs_a_command_with_dumping_on(tmp_path) -> None:
     script = tmp_path / "one_rank.py"
-    script.write_text(
-        "import torch, zerocompile as zc\n"
-        "zc.init_distributed()\n"
-        "model = zc.shard(torch.nn.Linear(3, 5), stage=3)\n"
-        "torch.compile(model, backend='zero', options={'compiler': 'eager'})(torch.randn(2, 3)).sum().backward()\n"
-    )
+    script.write_text(ONE_RANK_SCRIPT)
     out = tmp_path / "dump"
     cli = [sys.executable, "-m", "zerocompile.tools.cli", "dump", str(out), "--", sys.executable, str(script)]
     shown = subprocess.run(cli, capture_output=True, text=True, timeout=120)
@@ -138,12 +139,7 @@ def test_dump_runs_a_command_with_dumping_on(tmp_path) -> None:
 def test_artifacts_reach_torch_structured_trace(tmp_path) -> None:
     """tlparse shows our graphs beside Dynamo's: they are in the TORCH_TRACE log."""
     script = tmp_path / "one_rank.py"
-    script.write_text(
-        "import torch, zerocompile as zc\n"
-        "zc.init_distributed()\n"
-        "model = zc.shard(torch.nn.Linear(3, 5), stage=3)\n"
-        "torch.compile(model, backend='zero', options={'compiler': 'eager'})(torch.randn(2, 3)).sum().backward()\n"
-    )
+    script.write_text(ONE_RANK_SCRIPT)
     trace_dir = tmp_path / "trace"
     env = {**os.environ, "TORCH_TRACE": str(trace_dir)}
     subprocess.run([sys.executable, str(script)], check=True, timeout=120, env=env)

@@ -58,7 +58,6 @@ import os
 import platform
 import re
 import resource
-import socket
 import statistics
 import tempfile
 import time
@@ -81,6 +80,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import zerocompile as zc
+from zerocompile.distributed import free_loopback_port, loopback_rank_environment
 from zerocompile.backend import compiled_graphs
 from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
 
@@ -299,7 +299,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         results_file = Path(tmp) / "results.json"
         with _environment(EXACT_RSS_ENVIRONMENT if args.exact_rss else {}):
             torch.multiprocessing.spawn(
-                _spawned_rank, args=(settings, _free_port(), str(results_file)), nprocs=args.ranks
+                _spawned_rank, args=(settings, free_loopback_port(), str(results_file)), nprocs=args.ranks
             )
         measured = json.loads(results_file.read_text())
     summary = {
@@ -367,20 +367,8 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _spawned_rank(rank: int, settings: Settings, port: int, results_file: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(settings.ranks),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    os.environ.update(loopback_rank_environment(rank, settings.ranks, port))
     # The ranks share the machine's cores, and each compiles with one worker: more threads than
     # cores slows every rank down.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings.ranks))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import tempfile
 import time
 from importlib import resources
@@ -26,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 import zerocompile as zc
+from zerocompile.distributed import free_loopback_port, loopback_rank_environment
 from zerocompile.tools.gpt import GPT, SIZES
 
 MB = 1e6
@@ -81,7 +81,7 @@ def train(args: argparse.Namespace) -> list[float]:
     with tempfile.TemporaryDirectory(prefix="zerocompile-train-") as tmp:
         # A file rather than a queue: spawn() joins before we could drain a pipe that filled up.
         losses_file = Path(tmp) / "losses.json"
-        port = _free_port()
+        port = free_loopback_port()
         torch.multiprocessing.spawn(_spawned_rank, args=(args, port, str(losses_file)), nprocs=args.ranks)
         return json.loads(losses_file.read_text())
 
@@ -92,20 +92,8 @@ def _launched_by_torchrun_or_slurm() -> bool:
     return ("RANK" in env and "WORLD_SIZE" in env) or ("SLURM_PROCID" in env and "SLURM_NTASKS" in env)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _spawned_rank(rank: int, args: argparse.Namespace, port: int, losses_file: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(args.ranks),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    os.environ.update(loopback_rank_environment(rank, args.ranks, port))
     # The ranks share this machine's cores; more threads than cores makes every rank slower.
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // args.ranks))
     losses = train_this_rank(args)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 
 import torch
@@ -27,6 +28,24 @@ def _slurm_master_addr() -> str:
         prefix, ranges = first.split("[", 1)
         first = prefix + ranges.rstrip("]").split(",")[0].split("-")[0]
     return first
+
+
+def free_loopback_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a rendezvous of ranks this process spawns."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def loopback_rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The variables torchrun would set for `rank` of a single-node job on 127.0.0.1:`port`."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
 
 
 def init_distributed(backend: str | None = None, timeout: timedelta | None = None) -> tuple[int, int]:
