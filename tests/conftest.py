@@ -6,3 +6,31 @@ import tempfile
 # One Inductor cache for the whole session, inherited by every spawned rank: kernels compiled for
 # one stage or world size are reused by the others instead of going through the C++ compiler again.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="zc-inductor-cache-"))
+
+import pytest
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from fx_helpers import WORLD
+
+
+@pytest.fixture(scope="module")
+def group_name():
+    """A fake world of 4 ranks for one module (`pytestmark = pytest.mark.usefixtures("group_name")`),
+    torn down even if a test fails."""
+    created = False
+    if dist.is_initialized():
+        # Left over by another module (or a session fixture): usable only if it is the same kind.
+        if dist.get_backend() != "fake" or dist.get_world_size() != WORLD:
+            pytest.skip(
+                f"a {dist.get_backend()} process group of {dist.get_world_size()} ranks is already "
+                f"initialised in this process; these tests need a fake group of {WORLD}"
+            )
+    else:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+        created = True
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()

@@ -85,14 +85,22 @@ def _train(model: nn.Module, forward, optimizer, steps: range) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("stage", (0, 1, 2, 3))
-def test_world_size_1_trains_like_the_plain_model(single_rank, stage: int) -> None:
-    torch.manual_seed(0)
-    plain = UnevenMLP()
-    plain_losses = _train(plain, plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), range(4))
+def _seeded_mlp_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = UnevenMLP()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _plain_losses() -> list[float]:
+    """Four steps of the unsharded model in this one process: the reference at world size 1."""
+    model, optimizer = _seeded_mlp_and_optimizer()
+    return _train(model, model, optimizer, range(4))
+
+
+@pytest.mark.parametrize("stage", (0, 1, 2, 3))
+def test_world_size_1_trains_like_the_plain_model(single_rank, stage: int) -> None:
+    plain_losses = _plain_losses()
+    model, optimizer = _seeded_mlp_and_optimizer()
     zc.shard(model, stage=stage)
     compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
     assert _train(model, compiled, optimizer, range(4)) == pytest.approx(plain_losses, abs=1e-6)
@@ -100,12 +108,8 @@ def test_world_size_1_trains_like_the_plain_model(single_rank, stage: int) -> No
 
 def test_optimizer_passed_in_after_stepping_keeps_training_exactly(single_rank) -> None:
     """Sharding mid-run with optimizer= slices its state: the run continues as if unsharded."""
-    torch.manual_seed(0)
-    plain = UnevenMLP()
-    plain_losses = _train(plain, plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), range(4))
-    torch.manual_seed(0)
-    model = UnevenMLP()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plain_losses = _plain_losses()
+    model, optimizer = _seeded_mlp_and_optimizer()
     losses = _train(model, model, optimizer, range(2))
     zc.shard(model, stage=3, optimizer=optimizer)
     compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})

@@ -25,15 +25,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
-from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch._subclasses.fake_tensor import FakeTensor
 
+from fx_helpers import WORLD, call_targets, markers_in, node_index, output_args, trace
 from zerocompile.passes import analysis, ledger, lowering
 from zerocompile.passes.lower_markers import lower_markers
-from zerocompile.passes.markers import REDUCE_GRAD, UNSHARD, is_reduce_grad, is_unshard
+from zerocompile.passes.markers import REDUCE_GRAD, UNSHARD
 
-WORLD = 4
 aten = torch.ops.aten
 funcol = torch.ops._c10d_functional
 
@@ -44,59 +42,25 @@ SHARDS = (4, 5, 2, 1)  # ceil(numel / 4): padded numel 16, 20, 8, 4
 FULL_BYTES_F32 = (60, 80, 32, 8)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def group_name():
-    """A fake world of 4 ranks for this module only; torn down even if a test fails."""
-    created = False
-    if dist.is_initialized():
-        if dist.get_backend() != "fake" or dist.get_world_size() != WORLD:
-            pytest.skip(
-                f"a {dist.get_backend()} process group of {dist.get_world_size()} ranks is already "
-                f"initialised in this process; these tests need a fake group of {WORLD}"
-            )
-    else:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-        created = True
-    try:
-        yield dist.group.WORLD.group_name
-    finally:
-        if created and dist.is_initialized():
-            dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def subgroup_name(group_name):
     """A second group (ranks 0 and 1): markers of another group must get their own collective."""
     return dist.new_group([0, 1]).group_name
 
+pytestmark = pytest.mark.usefixtures("group_name")
+
 
 # --------------------------------------------------------------------------------------- helpers
 
 
-def trace(fn, *specs) -> fx.GraphModule:
-    """make_fx `fn` on fake tensors; each spec is a shape tuple or (shape, dtype)."""
-    with FakeTensorMode():
-        args = []
-        for spec in specs:
-            shape, dtype = spec if isinstance(spec[0], tuple) else (spec, torch.float32)
-            args.append(torch.empty(shape, dtype=dtype))
-        return make_fx(fn)(*args)
 
 
-def call_targets(graph: fx.Graph) -> list:
-    return [n.target for n in graph.nodes if n.op == "call_function"]
 
 
-def markers_in(graph: fx.Graph) -> list[fx.Node]:
-    return [n for n in graph.nodes if is_unshard(n) or is_reduce_grad(n)]
 
 
-def node_index(graph: fx.Graph) -> dict[fx.Node, int]:
-    return {n: i for i, n in enumerate(graph.nodes)}
 
 
-def output_args(graph: fx.Graph) -> list:
-    return list(graph.output_node().args[0])
 
 
 def find(graph: fx.Graph, target) -> list[fx.Node]:

@@ -15,22 +15,19 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch._functorch.aot_autograd import aot_function, make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.checkpoint import CheckpointPolicy
 
+from fx_helpers import WORLD, call_targets, markers_in, node_index, output_args, trace
 from zerocompile.passes import analysis, lowering
 from zerocompile.passes.lower_markers import lower_markers
-from zerocompile.passes.markers import REDUCE_GRAD, UNSHARD, is_reduce_grad, is_unshard
+from zerocompile.passes.markers import REDUCE_GRAD, UNSHARD, is_unshard
 from zerocompile.passes.merge_unshards import merge_repeated_unshards
 from zerocompile.passes.recompute_gathers import tag_gathers_for_recompute
 
-WORLD = 4
 aten = torch.ops.aten
 funcol = torch.ops._c10d_functional
 
@@ -50,51 +47,18 @@ ALL_TO_ALL = [
 ALL_TO_ALL_PADDED = [aten.view.default, aten.constant_pad_nd.default, *ALL_TO_ALL[1:]]
 ALL_REDUCE = [funcol.all_reduce.default, funcol.wait_tensor.default, aten.div.Tensor]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def group_name():
-    """A fake world of 4 ranks for this module only; torn down even if a test fails."""
-    created = False
-    if dist.is_initialized():
-        # Left over by another module (or a session fixture): usable only if it is the same kind.
-        if dist.get_backend() != "fake" or dist.get_world_size() != WORLD:
-            pytest.skip(
-                f"a {dist.get_backend()} process group of {dist.get_world_size()} ranks is already "
-                f"initialised in this process; these tests need a fake group of {WORLD}"
-            )
-    else:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-        created = True
-    try:
-        yield dist.group.WORLD.group_name
-    finally:
-        if created and dist.is_initialized():
-            dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("group_name")
 
 
 # --------------------------------------------------------------------------------------- helpers
 
 
-def trace(fn, *specs) -> fx.GraphModule:
-    """make_fx `fn` on fake tensors; each spec is a shape tuple or (shape, dtype)."""
-    with FakeTensorMode():
-        args = []
-        for spec in specs:
-            shape, dtype = spec if isinstance(spec[0], tuple) else (spec, torch.float32)
-            args.append(torch.empty(shape, dtype=dtype))
-        return make_fx(fn)(*args)
 
 
-def call_targets(graph: fx.Graph) -> list:
-    return [n.target for n in graph.nodes if n.op == "call_function"]
 
 
-def markers_in(graph: fx.Graph) -> list[fx.Node]:
-    return [n for n in graph.nodes if is_unshard(n) or is_reduce_grad(n)]
 
 
-def node_index(graph: fx.Graph) -> dict[fx.Node, int]:
-    return {n: i for i, n in enumerate(graph.nodes)}
 
 
 def assert_new_nodes_have_vals(graph: fx.Graph, before: set[fx.Node]) -> list[fx.Node]:
@@ -105,8 +69,6 @@ def assert_new_nodes_have_vals(graph: fx.Graph, before: set[fx.Node]) -> list[fx
     return added
 
 
-def output_args(graph: fx.Graph) -> list:
-    return list(graph.output_node().args[0])
 
 
 # ---------------------------------------------------------------------- merge_repeated_unshards

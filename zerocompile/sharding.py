@@ -187,7 +187,6 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
         return property(full_parameter, doc=f"the full `{name}`, gathered from its shards")
 
     attributes = {name: make_property(name) for name in names}
-    attributes["_zero_sharded_class"] = cls
     return type(cls.__name__, (cls,), attributes)
 
 
@@ -202,11 +201,6 @@ def _make_module_unshard_on_access(module: nn.Module, config: ZeroConfig) -> Non
         )
     module._zero_markers = markers
     module.__class__ = _sharded_class(type(module), names)
-
-
-def unwrap_module_class(module: nn.Module) -> type:
-    """The model's own class of a module `shard()` may have swapped."""
-    return getattr(type(module), "_zero_sharded_class", type(module))
 
 
 def _check_optimizer_state(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
