@@ -1,12 +1,14 @@
 """Benchmark zerocompile's stages against DDP, FSDP2 and ZeroRedundancyOptimizer, side by side.
 
 ZeRO's promise is DDP-like speed at a fraction of the memory, and on a shared machine the only
-fair comparison is one run: this spawns --ranks gloo ranks on 127.0.0.1 and, in that one group,
-runs every mode in turn on the same GPT (same seed, same initial weights, the same global batches
-of random tokens, each rank its slice) with fp32 AdamW:
+fair comparison is one run: this runs every mode in turn, each in --ranks freshly spawned gloo
+ranks on 127.0.0.1, on the same GPT (same seed, same initial weights, the same global batches of
+random tokens, each rank its slice) with fp32 AdamW:
 
   ddp              DistributedDataParallel, eager
   ddp-compile      torch.compile(DDP(model)), default Inductor
+  compile          torch.compile(model) without any data parallelism (each rank trains its own
+                   replica, nothing is sent): the reference for compile time
   zero-redundancy  torch.distributed.optim.ZeroRedundancyOptimizer + DDP, eager
   fsdp2            fully_shard on every Block and on the root, eager
   fsdp2-compile    the same + torch.compile
@@ -21,16 +23,13 @@ How each figure is measured, per mode, after --warmup untimed steps (the first o
               Inductor cache, so compile times are cold and comparable across modes and runs
   peak RSS    VmHWM over the timed steps (reset through /proc/self/clear_refs before them; where
               that is refused, ru_maxrss since the rank started, and the JSON says so), largest
-              rank; "RSS between steps" is VmRSS after the warm-up steps. Before each mode the
-              ranks hand freed heap memory back to the system (glibc's malloc_trim), and Inductor
-              is imported before the first mode, so every mode starts from about the same
-              baseline. Still, glibc keeps freed memory for reuse, so by default RSS is the
-              process's footprint, not its live tensors: measured here, FSDP2 eager showed a
-              higher peak than DDP (698 vs 650 MB) and DDP's grew from 650 to 699 MB when run
-              again after FSDP2. --exact-rss starts the ranks with MALLOC_MMAP_THRESHOLD_=65536,
-              so every tensor over 64 kB is unmapped when freed: RSS then follows live tensors
-              (FSDP2 516, DDP 603 MB, repeatable), but every allocation page-faults and steps ran
-              30 % (DDP) to 45 % (FSDP2) slower, so times from such a run are not comparable.
+              rank; "RSS between steps" is VmRSS after the warm-up steps. Every mode runs in its
+              own processes, and Inductor is imported before it starts, so all modes start from
+              the same baseline. glibc keeps freed memory for reuse, so by default RSS is the
+              process's footprint, not its live tensors. --exact-rss starts the ranks with
+              MALLOC_MMAP_THRESHOLD_=65536, so every tensor over 64 kB is unmapped when freed: RSS
+              then follows live tensors, but every allocation page-faults and steps run 30-45 %
+              slower, so times from such a run are not comparable.
   sent        bytes written by the rank (/proc/self/io wchar) around one step: gloo's socket
               writes, i.e. everything sent, not what we think we send; median over the timed
               steps, largest rank
@@ -49,9 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import dataclasses
-import gc
 import importlib
 import json
 import os
@@ -81,7 +78,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 import zerocompile as zc
 from zerocompile.distributed import free_loopback_port, loopback_rank_environment
-from zerocompile.backend import compiled_graphs
 from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
 
 MB = 1e6
@@ -141,6 +137,11 @@ def _ddp(compiled: bool) -> Callable[[GPT], Prepared]:
     return build
 
 
+def _plain_compile(model: GPT) -> Prepared:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    return Prepared(torch.compile(model), optimizer, lambda: _held_bytes(model, optimizer.state))
+
+
 def _zero_redundancy(model: GPT) -> Prepared:
     wrapped = DistributedDataParallel(model)
     optimizer = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.AdamW, lr=LEARNING_RATE)
@@ -177,6 +178,7 @@ MODES: dict[str, Mode] = {
     for mode in [
         Mode("ddp", _ddp(compiled=False)),
         Mode("ddp-compile", _ddp(compiled=True)),
+        Mode("compile", _plain_compile),
         Mode("zero-redundancy", _zero_redundancy),
         Mode("fsdp2", _fsdp2(compiled=False)),
         Mode("fsdp2-compile", _fsdp2(compiled=True)),
@@ -296,12 +298,15 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             modes=tuple(args.modes),
             cache_root=tmp,
         )
-        results_file = Path(tmp) / "results.json"
+        measured = {}
         with _environment(EXACT_RSS_ENVIRONMENT if args.exact_rss else {}):
-            torch.multiprocessing.spawn(
-                _spawned_rank, args=(settings, free_loopback_port(), str(results_file)), nprocs=args.ranks
-            )
-        measured = json.loads(results_file.read_text())
+            for name in settings.modes:
+                results_file = Path(tmp) / f"{name}.json"
+                torch.multiprocessing.spawn(
+                    _spawned_rank, args=(name, settings, free_loopback_port(), str(results_file)), nprocs=args.ranks
+                )
+                measured[name] = json.loads(results_file.read_text())
+                print(_progress_line(measured[name]), flush=True)
     summary = {
         "machine": machine,
         "settings": {
@@ -317,7 +322,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "compile_time": "first warm-up step minus the median step; a fresh Inductor cache per mode",
             "rss_between_steps": "largest rank's VmRSS after the warm-up steps, before the timed ones",
             "peak_rss": "largest rank; VmHWM after resetting it before the timed steps, unless rss_source says "
-            "ru_maxrss; freed heap returned to the system before each mode unless heap_trimmed is false",
+            "ru_maxrss; every mode in its own processes",
             "sent": "largest rank's median over timed steps of the /proc/self/io wchar delta around a step",
             "model_state": "largest rank, after the last optimizer step, gradients still held",
             "final_loss": "mean over ranks of the last timed step's loss",
@@ -367,48 +372,30 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _spawned_rank(rank: int, settings: Settings, port: int, results_file: str) -> None:
+def _spawned_rank(rank: int, name: str, settings: Settings, port: int, results_file: str) -> None:
+    """Run mode `name` on this rank; rank 0 writes every rank's summarised figures to `results_file`."""
     os.environ.update(loopback_rank_environment(rank, settings.ranks, port))
     # The ranks share the machine's cores, and each compiles with one worker: more threads than
     # cores slows every rank down.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings.ranks))
     torch._inductor.config.compile_threads = 1
-    # Inductor's modules take tens of MB once imported: import them before the first mode, so the
-    # eager modes run first do not look leaner than the compiled ones by that much.
+    # Inductor's modules take tens of MB once imported: import them in every mode, so the eager
+    # modes do not look leaner than the compiled ones by that much.
     importlib.import_module("torch._inductor.compile_fx")
     zc.init_distributed()
-    results = {}
-    for name in settings.modes:
-        per_rank = _run_mode_everywhere(name, settings, rank)
-        if rank == 0:
-            results[name] = _summarise(name, per_rank)
-            print(_progress_line(results[name]), flush=True)
-    if rank == 0:
-        Path(results_file).write_text(json.dumps(results))
-    # Without the barrier a rank may tear gloo down while another is still in a collective, and
-    # the process sometimes dies with SIGABRT.
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _run_mode_everywhere(name: str, settings: Settings, rank: int) -> list[dict[str, Any]]:
-    """Run one mode on this rank; every rank's measurements (gathered on all)."""
-    # The previous mode's model and graphs were freed below: give that memory back to the system,
-    # so that this mode's RSS is its own.
-    heap_trimmed = _trim_heap()
     try:
         with temporary_cache_dir(os.path.join(settings.cache_root, name)):
             measured = _run_mode(MODES[name], settings, rank)
     except Exception as error:  # a mode that fails must not take the others with it
         measured = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
-    finally:
-        compiled_graphs.clear()
-        torch._dynamo.reset()
-        gc.collect()
-    measured["heap_trimmed"] = heap_trimmed
-    gathered: list[dict[str, Any]] = [{} for _ in range(settings.ranks)]
-    dist.all_gather_object(gathered, measured)
-    return gathered
+    per_rank: list[dict[str, Any]] = [{} for _ in range(settings.ranks)]
+    dist.all_gather_object(per_rank, measured)
+    if rank == 0:
+        Path(results_file).write_text(json.dumps(_summarise(name, per_rank)))
+    # Without the barrier a rank may tear gloo down while another is still in a collective, and
+    # the process sometimes dies with SIGABRT.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _run_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
@@ -470,16 +457,6 @@ class _RandomBatches:
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def _trim_heap() -> bool:
-    """Return the heap's free pages to the system (glibc); False where there is no malloc_trim."""
-    try:
-        malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return False
-    malloc_trim(0)
-    return True
-
-
 def _wchar() -> int:
     """Bytes this process has passed to write-like system calls, sockets included."""
     match = re.search(r"^wchar:\s+(\d+)", Path("/proc/self/io").read_text(), re.MULTILINE)
@@ -523,7 +500,6 @@ def _summarise(name: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "peak_rss_bytes": max(m["peak_rss"] for m in per_rank),
         "rss_before_bytes": max(m["rss_before"] for m in per_rank),
         "rss_source": per_rank[0]["rss_source"],
-        "heap_trimmed": all(m["heap_trimmed"] for m in per_rank),
         "load_avg_1min": per_rank[0]["load"],
         "sent_bytes_per_step": max(statistics.median(m["sent"]) for m in per_rank),
         "model_state_bytes": largest_held,
