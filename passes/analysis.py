@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from .lowering import pack
 from .recompute_gathers import _is_view_or_cast
 
 funcol = torch.ops._c10d_functional
@@ -120,16 +121,17 @@ def _peak(intervals: list[tuple[int, int, int]]) -> int:
 _REDUCTIONS = {funcol.reduce_scatter_tensor.default, funcol.all_to_all_single.default, funcol.all_reduce.default}
 
 
-_PACKING = {torch.ops.aten.constant_pad_nd.default, torch.ops.aten.cat.default}
+# Packing ops whose first argument is the list of tensors packed into the collective's buffer.
+_PACKING_LISTS = {pack._opoverload, torch.ops.aten.cat.default}
 
 
 def _gradient_producers(node: fx.Node) -> list[fx.Node]:
     """The nodes that computed the gradients a reduction reads, looking through views, padding
     and the concatenation of a bucket."""
-    looks_through = node.target in _PACKING or (_is_view_or_cast(node) and node.target is not operator.getitem)
+    looks_through = node.target in _PACKING_LISTS or (_is_view_or_cast(node) and node.target is not operator.getitem)
     if node.op != "call_function" or not looks_through:
         return [node]
-    inputs = node.args[0] if node.target is torch.ops.aten.cat.default else [node.args[0]]
+    inputs = node.args[0] if node.target in _PACKING_LISTS else [node.args[0]]
     return [producer for arg in inputs for producer in _gradient_producers(arg)]
 
 

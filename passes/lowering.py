@@ -35,33 +35,39 @@ def padded_numel(numel: int, world_size: int) -> int:
     return math.ceil(numel / world_size) * world_size
 
 
-def gather_full(shard: torch.Tensor, shape: list[int], group_name: str) -> torch.Tensor:
-    """All-gather the flat shards and view the result in the parameter's full shape."""
-    gathered = funcol.wait_tensor(funcol.all_gather_into_tensor(shard, group_size(group_name), group_name))
-    numel = math.prod(shape)
-    if gathered.numel() != numel:
-        gathered = gathered[:numel]
-    return gathered.view(shape)
+@torch.library.custom_op("zero::pack", mutates_args=())
+def pack(tensors: list[torch.Tensor], rows: int, row_numels: list[int], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A new flat buffer of `rows` rows; tensor i, flattened, cast to `dtype` and zero-padded to
+    `rows * row_numels[i]` elements, fills column block i (its row r is rank r's part).
+
+    An opaque op on purpose. Written as cat/pad, Inductor fuses the packing into the next compute
+    kernel that can host it - one that runs after the current layer - so the collective it feeds
+    is issued late, just before its wait: no prefetch, no early reduce-scatter, no overlap (seen in
+    Inductor's output code). As an extern kernel it runs as soon as its inputs exist.
+    """
+    blocks = []
+    for tensor, row_numel in zip(tensors, row_numels):
+        flat = tensor.reshape(-1) if dtype is None else tensor.reshape(-1).to(dtype)
+        padding = rows * row_numel - flat.numel()
+        if padding:
+            flat = torch.nn.functional.pad(flat, [0, padding])
+        blocks.append(flat.view(rows, row_numel))
+    return torch.cat(blocks, dim=1).reshape(-1)
 
 
-def reduce_scatter_mean(grad: torch.Tensor, shard_numel: int, group_name: str) -> torch.Tensor:
-    """This rank's flat shard of the gradient averaged over the group (padding zeros)."""
-    world_size = group_size(group_name)
-    flat = grad.reshape(-1)
-    padding = shard_numel * world_size - flat.numel()
-    if padding:
-        flat = torch.constant_pad_nd(flat, [0, padding])
-    if sends_textbook_reduce_scatter(group_name):
-        return funcol.wait_tensor(funcol.reduce_scatter_tensor(flat, "avg", world_size, group_name))
-    splits = [shard_numel] * world_size
-    received = funcol.wait_tensor(funcol.all_to_all_single(flat, splits, splits, group_name))
-    return received.view(world_size, shard_numel).sum(0) / world_size
+@pack.register_fake
+def _pack_fake(
+    tensors: list[torch.Tensor], rows: int, row_numels: list[int], dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    return tensors[0].new_empty(rows * sum(row_numels), dtype=dtype or tensors[0].dtype)
 
 
-def all_reduce_mean(grad: torch.Tensor, group_name: str) -> torch.Tensor:
-    """The gradient averaged over the group (stage 0, as DDP)."""
-    summed = funcol.wait_tensor(funcol.all_reduce(grad, "sum", group_name))
-    return summed / group_size(group_name)
+def _packed(tensors: list[torch.Tensor], rows: int, row_numels: list[int], dtype: torch.dtype | None) -> torch.Tensor:
+    """`pack(...)`, or a view when one tensor already has the layout (no copy)."""
+    (first, *others) = tensors
+    if not others and rows * row_numels[0] == first.numel() and dtype in (None, first.dtype):
+        return first if first.dim() == 1 else first.reshape(-1)
+    return pack(tensors, rows, row_numels, dtype)
 
 
 def gather_bucket(
@@ -70,19 +76,18 @@ def gather_bucket(
     """One all-gather for several parameters, in `dtype` (cast before sending: mixed precision
     halves the bytes). Rank r's buffer holds its shard of each parameter back to back, so the
     gathered buffer is [rank, parameter slice]; each parameter is its column block, flattened (a
-    copy), unpadded."""
-    if dtype is not None:
-        shards = [shard.to(dtype) for shard in shards]
-    if len(shards) == 1:
-        return [gather_full(shards[0], shapes[0], group_name)]
+    copy unless there is one parameter), unpadded."""
     world_size = group_size(group_name)
-    flat = torch.cat(shards)
+    numels = [shard.numel() for shard in shards]
+    flat = _packed(shards, 1, numels, dtype)
     gathered = funcol.wait_tensor(funcol.all_gather_into_tensor(flat, world_size, group_name))
+    if len(shards) == 1:
+        numel = math.prod(shapes[0])
+        return [(gathered if gathered.numel() == numel else gathered[:numel]).view(shapes[0])]
     rows = gathered.view(world_size, flat.numel())
-    fulls = []
-    for block, shape in zip(rows.split([s.numel() for s in shards], dim=1), shapes):
-        fulls.append(block.reshape(-1)[: math.prod(shape)].view(shape))
-    return fulls
+    return [
+        block.reshape(-1)[: math.prod(shape)].view(shape) for block, shape in zip(rows.split(numels, dim=1), shapes)
+    ]
 
 
 def reduce_scatter_bucket(
@@ -93,21 +98,18 @@ def reduce_scatter_bucket(
     grad_dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
     """One reduce-scatter for several gradients in `reduce_dtype`, laid out so each rank receives
-    its shard of each; the shards come back in `grad_dtype` (the master parameters')."""
-    grads = [grad.to(reduce_dtype) for grad in grads] if reduce_dtype is not None else grads
-    if len(grads) == 1:
-        shards = [reduce_scatter_mean(grads[0], shard_numels[0], group_name)]
+    its shard of each, averaged over the group (padding zeros); the shards come back in
+    `grad_dtype` (the master parameters')."""
+    world_size = group_size(group_name)
+    flat = _packed(grads, world_size, shard_numels, reduce_dtype)
+    shard_numel = sum(shard_numels)
+    if sends_textbook_reduce_scatter(group_name):
+        reduced = funcol.wait_tensor(funcol.reduce_scatter_tensor(flat, "avg", world_size, group_name))
     else:
-        world_size = group_size(group_name)
-        blocks = []
-        for grad, shard_numel in zip(grads, shard_numels):
-            flat = grad.reshape(-1)
-            padding = shard_numel * world_size - flat.numel()
-            if padding:
-                flat = torch.constant_pad_nd(flat, [0, padding])
-            blocks.append(flat.view(world_size, shard_numel))
-        rank_major = torch.cat(blocks, dim=1).reshape(-1)
-        shards = list(reduce_scatter_mean(rank_major, sum(shard_numels), group_name).split(shard_numels))
+        splits = [shard_numel] * world_size
+        received = funcol.wait_tensor(funcol.all_to_all_single(flat, splits, splits, group_name))
+        reduced = received.view(world_size, shard_numel).sum(0) / world_size
+    shards = reduced.split(shard_numels) if len(grads) > 1 else [reduced]
     return [shard.to(grad_dtype) for shard in shards] if grad_dtype is not None else shards
 
 
@@ -117,12 +119,15 @@ def all_reduce_bucket(
     reduce_dtype: torch.dtype | None = None,
     grad_dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
-    """One all-reduce for several gradients (stage 0), as DDP's buckets; dtypes as above."""
-    grads = [grad.to(reduce_dtype) for grad in grads] if reduce_dtype is not None else grads
-    if len(grads) == 1:
-        reduced = [all_reduce_mean(grads[0], group_name)]
+    """One all-reduce for several gradients (stage 0), averaged as DDP's buckets; dtypes as above."""
+    if len(grads) == 1 and reduce_dtype in (None, grads[0].dtype):
+        reduced = [_all_reduce_mean(grads[0], group_name)]
     else:
-        flat = torch.cat([grad.reshape(-1) for grad in grads])
-        parts = all_reduce_mean(flat, group_name).split([g.numel() for g in grads])
+        numels = [grad.numel() for grad in grads]
+        parts = _all_reduce_mean(pack(grads, 1, numels, reduce_dtype), group_name).split(numels)
         reduced = [part.view(grad.shape) for part, grad in zip(parts, grads)]
     return [r.to(grad_dtype) for r in reduced] if grad_dtype is not None else reduced
+
+
+def _all_reduce_mean(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
+    return funcol.wait_tensor(funcol.all_reduce(tensor, "sum", group_name)) / group_size(group_name)

@@ -34,6 +34,7 @@ from zerocompile.passes.markers import REDUCE_GRAD, UNSHARD
 
 aten = torch.ops.aten
 funcol = torch.ops._c10d_functional
+PACK = torch.ops.zero.pack.default
 
 # The forward/backward test model: four parameters, two of them padded over 4 ranks.
 SHAPES = ([3, 5], [5, 4], [4, 2], [2])  # numel 15, 20, 8, 2
@@ -106,11 +107,11 @@ def unwrap_views(node: fx.Node) -> fx.Node:
 
 
 def bucket_members(collective: fx.Node) -> list[fx.Node]:
-    """The per-parameter inputs packed into a collective: the cat's inputs, or the lone input."""
+    """The per-parameter inputs packed into a collective: the pack's inputs, or the lone input."""
     packed = collective.args[0]
-    while packed.target is aten.view.default and packed.args[1] == [-1]:  # reshape(-1) of the cat
+    while packed.target is aten.view.default and packed.args[1] == [-1]:  # a lone gradient, flattened
         packed = packed.args[0]
-    return list(packed.args[0]) if packed.target is aten.cat.default else [packed]
+    return list(packed.args[0]) if packed.target is PACK else [packed]
 
 
 def gathered_shards(graph: fx.Graph) -> list[list[str]]:
@@ -276,7 +277,7 @@ def test_run_ranks_simulates_collectives_by_rank(group_name):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gather_bucket_is_one_all_gather_of_the_cat_of_shards(group_name, dtype):
+def test_gather_bucket_is_one_all_gather_of_the_packed_shards(group_name, dtype):
     gm = forward_model(group_name, dtype=dtype)
     s1, s2, s3, s4, x = gm.graph.find_nodes(op="placeholder")
 
@@ -285,8 +286,8 @@ def test_gather_bucket_is_one_all_gather_of_the_cat_of_shards(group_name, dtype)
     assert counts == counts_of(gathers=4, gather_buckets=1)
     total = sum(SHARDS)  # 12
     (ag,) = find(gm.graph, funcol.all_gather_into_tensor.default)
-    cat = ag.args[0]
-    assert cat.target is aten.cat.default and cat.args == ([s1, s2, s3, s4],)
+    packed = ag.args[0]
+    assert packed.target is PACK and packed.args == ([s1, s2, s3, s4], 1, list(SHARDS))
     assert ag.args[1:] == (WORLD, group_name)
     (wait,) = ag.users
     assert wait.target is funcol.wait_tensor.default
@@ -294,7 +295,7 @@ def test_gather_bucket_is_one_all_gather_of_the_cat_of_shards(group_name, dtype)
     assert rows.target is aten.view.default and rows.args == (wait, [WORLD, total])
     (split,) = rows.users
     assert split.target is aten.split_with_sizes.default and split.args == (rows, list(SHARDS), 1)
-    assert [shape(n) for n in (cat, ag, wait, rows)] == [(total,), (WORLD * total,), (WORLD * total,), (WORLD, total)]
+    assert [shape(n) for n in (packed, ag, wait, rows)] == [(total,), (WORLD * total,), (WORLD * total,), (WORLD, total)]
 
     # Per parameter: getitem (a column block) -> clone -> _unsafe_view (flat, padded) -> slice -> view.
     # The slice is emitted even when unpadded (a no-op [0:numel]): the bucket path always slices.
@@ -318,7 +319,7 @@ def test_gather_bucket_is_one_all_gather_of_the_cat_of_shards(group_name, dtype)
         assert view.target is aten.view.default and view.args == (sliced, full)
         chain = (*chain, sliced, view)
         assert [shape(n) for n in (piece, flat, sliced, view)] == [(WORLD, shard), (WORLD * shard,), (math.prod(full),), tuple(full)]
-        assert {n.meta["val"].dtype for n in (cat, ag, wait, rows, *chain)} == {dtype}
+        assert {n.meta["val"].dtype for n in (packed, ag, wait, rows, *chain)} == {dtype}
         fulls.append(view)
 
     # The compute now reads the full views, in the right places.
@@ -329,7 +330,7 @@ def test_gather_bucket_is_one_all_gather_of_the_cat_of_shards(group_name, dtype)
     relu = aten.relu.default
     assert call_targets(gm.graph) == [
         relu,
-        aten.cat.default,
+        PACK,
         funcol.all_gather_into_tensor.default,
         funcol.wait_tensor.default,
         aten.view.default,
@@ -426,19 +427,6 @@ def test_gather_of_a_computed_shard_stays_alone(group_name):
 # ------------------------------------------------------------------------ reductions: bucket layout
 
 
-def _packed_block(block: fx.Node, grad: fx.Node, full: list[int], shard: int) -> None:
-    """block = view(pad?(view(grad, [-1])), [WORLD, shard])"""
-    assert block.target is aten.view.default and block.args[1] == [WORLD, shard]
-    flat = block.args[0]
-    padding = shard * WORLD - math.prod(full)
-    if padding:
-        assert flat.target is aten.constant_pad_nd.default and flat.args[1] == [0, padding]
-        assert shape(flat) == (shard * WORLD,)
-        flat = flat.args[0]
-    assert flat.target is aten.view.default and flat.args == (grad, [-1]) and shape(flat) == (math.prod(full),)
-    assert shape(block) == (WORLD, shard)
-
-
 @pytest.mark.parametrize("textbook", [True, False], ids=["reduce_scatter", "gloo_all_to_all"])
 def test_reduction_bucket_is_one_collective_over_rank_major_blocks(group_name, textbook, monkeypatch):
     if not textbook:
@@ -450,24 +438,20 @@ def test_reduction_bucket_is_one_collective_over_rank_major_blocks(group_name, t
 
     assert counts == counts_of(reductions=4, reduction_buckets=1)
     total = sum(SHARDS)
-    (cat,) = find(gm.graph, aten.cat.default)
-    assert cat.args[1] == 1 and shape(cat) == (WORLD, total)
-    for block, grad, full, shard in zip(cat.args[0], grads, SHAPES, SHARDS):
-        _packed_block(block, grad, full, shard)
-    # cat -> reshape(-1) -> (reshape(-1) again in reduce_scatter_mean) -> collective
-    flat = next(iter(cat.users))
-    assert flat.target is aten.view.default and flat.args == (cat, [-1]) and shape(flat) == (WORLD * total,)
+    # One pack of WORLD rows: rank r's row holds its shard of each gradient (layout: test_pack_*).
+    (packed,) = find(gm.graph, PACK)
+    assert packed.args == (grads, WORLD, list(SHARDS)) and shape(packed) == (WORLD * total,)
     if textbook:
         (rs,) = find(gm.graph, funcol.reduce_scatter_tensor.default)
         assert find(gm.graph, funcol.all_to_all_single.default) == []
-        assert rs.args[1:] == ("avg", WORLD, group_name) and shape(rs) == (total,)
+        assert rs.args == (packed, "avg", WORLD, group_name) and shape(rs) == (total,)
         (wait,) = rs.users
         reduced = wait
         collective_ops = [funcol.reduce_scatter_tensor.default, funcol.wait_tensor.default]
     else:
         (a2a,) = find(gm.graph, funcol.all_to_all_single.default)
         assert find(gm.graph, funcol.reduce_scatter_tensor.default) == []
-        assert a2a.args[1:] == ([total] * WORLD, [total] * WORLD, group_name) and shape(a2a) == (WORLD * total,)
+        assert a2a.args == (packed, [total] * WORLD, [total] * WORLD, group_name) and shape(a2a) == (WORLD * total,)
         (wait,) = a2a.users
         (rows,) = wait.users
         assert rows.target is aten.view.default and rows.args == (wait, [WORLD, total])
@@ -482,28 +466,38 @@ def test_reduction_bucket_is_one_collective_over_rank_major_blocks(group_name, t
             aten.sum.dim_IntList,
             aten.div.Tensor,
         ]
-    (collective,) = find(gm.graph, collective_ops[0])
-    again = collective.args[0]
-    assert again.target is aten.view.default and again.args == (flat, [-1])
     (split,) = reduced.users
     assert split.target is aten.split_with_sizes.default and split.args == (reduced, list(SHARDS))
     outs = output_args(gm.graph)
     assert [o.target for o in outs] == [operator.getitem] * 4
     assert [(o.args[0], o.args[1]) for o in outs] == [(split, i) for i in range(4)]
     assert [shape(o) for o in outs] == [(n,) for n in SHARDS]
-    packing = [aten.view.default, aten.constant_pad_nd.default, aten.view.default]  # 15 -> 16
-    packing += [aten.view.default, aten.view.default] * 2  # 20, 8: no padding
-    packing += [aten.view.default, aten.constant_pad_nd.default, aten.view.default]  # 2 -> 4
     assert call_targets(gm.graph) == [
         *[aten.mul.Tensor] * 4,
-        *packing,
-        aten.cat.default,
-        aten.view.default,
-        aten.view.default,
+        PACK,
         *collective_ops,
         aten.split_with_sizes.default,
         *[operator.getitem] * 4,
     ]
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_pack_lays_out_rank_major_padded_blocks(dtype):
+    """pack(tensors, rows, row_numels): row r holds, back to back, part r of each flattened,
+    zero-padded tensor - what each rank of a reduce-scatter receives; cast to `dtype`."""
+    grads = [torch.arange(15.0).view(3, 5), torch.arange(100.0, 120.0).view(5, 4), torch.tensor([7.0, 8.0])]
+    packed = lowering.pack(grads, WORLD, [4, 5, 1], dtype)
+    assert packed.shape == (WORLD * 10,) and packed.dtype == (dtype or torch.float32)
+    rows = packed.view(WORLD, 10).float()
+    padded = [torch.cat([g.reshape(-1), g.new_zeros(WORLD * n - g.numel())]) for g, n in zip(grads, [4, 5, 1])]
+    for rank in range(WORLD):
+        expected = torch.cat([p.view(WORLD, n)[rank] for p, n in zip(padded, [4, 5, 1])])
+        assert torch.equal(rows[rank], expected.to(packed.dtype).float())
+
+
+def test_pack_of_one_row_is_the_concatenation():
+    shards = [torch.ones(3), torch.zeros(2, 2)]
+    assert torch.equal(lowering.pack(shards, 1, [3, 4]), torch.tensor([1.0, 1, 1, 0, 0, 0, 0]))
 
 
 def test_stage0_reduction_bucket_is_one_all_reduce_viewed_back(group_name):
@@ -514,9 +508,10 @@ def test_stage0_reduction_bucket_is_one_all_reduce_viewed_back(group_name):
 
     assert counts == counts_of(reductions=4, reduction_buckets=1)
     (ar,) = find(gm.graph, funcol.all_reduce.default)
-    cat = ar.args[0]
-    assert cat.target is aten.cat.default and shape(cat) == (sum(FULL_BYTES_F32) // 4,)
-    assert [(v.target, v.args) for v in cat.args[0]] == [(aten.view.default, (g, [-1])) for g in grads]
+    numels = [math.prod(s) for s in SHAPES]
+    packed = ar.args[0]
+    assert packed.target is PACK and packed.args == (grads, 1, numels)
+    assert shape(packed) == (sum(FULL_BYTES_F32) // 4,)
     assert ar.args[1:] == ("sum", group_name)
     (wait,) = ar.users
     (mean,) = wait.users
@@ -531,8 +526,7 @@ def test_stage0_reduction_bucket_is_one_all_reduce_viewed_back(group_name):
         assert shape(out) == tuple(full) and out.meta["val"].is_contiguous()
     assert call_targets(gm.graph) == [
         *[aten.mul.Tensor] * 4,
-        *[aten.view.default] * 4,
-        aten.cat.default,
+        PACK,
         funcol.all_reduce.default,
         funcol.wait_tensor.default,
         aten.div.Tensor,
@@ -758,20 +752,20 @@ def test_prefetch_two_issues_the_second_gather_no_later_than_prefetch_one(group_
         assert index[ag2] < index[mm1], f"w2's all-gather after the first matmul:\n{gm.graph}"
 
 
-def test_prefetch_moves_the_cat_with_its_all_gather(group_name):
+def test_prefetch_moves_the_pack_with_its_all_gather(group_name):
     gm = forward_model(group_name)
     s1, s2, s3, s4, _ = gm.graph.find_nodes(op="placeholder")
 
     counts = lower(gm, bucket_bytes=140, prefetch=1)  # [w1, w2], [w3, bias]
 
     assert counts == counts_of(gathers=4, gather_buckets=2)
-    cat1, cat2 = find(gm.graph, aten.cat.default)
+    _pack1, pack2 = find(gm.graph, PACK)
     ag1, ag2 = find(gm.graph, AG)
     wait1, wait2 = find(gm.graph, WAIT)
-    assert cat2.args == ([s3, s4],) and ag2.args[0] is cat2
+    assert pack2.args[0] == [s3, s4] and ag2.args[0] is pack2
     nodes = list(gm.graph.nodes)
     index = node_index(gm.graph)
-    assert nodes[index[wait1] + 1 : index[wait1] + 3] == [cat2, ag2]
+    assert nodes[index[wait1] + 1 : index[wait1] + 3] == [pack2, ag2]
     assert nodes[index[wait1] + 3].target is VIEW and nodes[index[wait1] + 3].args[0] is wait1
     # bucket 2's wait stays just before its unpacking, after bucket 1's last use (the second mm)
     mm2 = find(gm.graph, MM)[1]
@@ -808,20 +802,19 @@ def _three_reductions(group_name: str) -> fx.GraphModule:
 
 
 MUL, ADD, SIN, COS = aten.mul.Tensor, aten.add.Tensor, aten.sin.default, aten.cos.default
-PAD = aten.constant_pad_nd.default
 RS, A2A, SUM, DIV = funcol.reduce_scatter_tensor.default, funcol.all_to_all_single.default, aten.sum.dim_IntList, aten.div.Tensor
 
 
 @pytest.mark.parametrize(
     "prefetch, textbook, expected",
     [
-        (0, True, [MUL, VIEW, PAD, RS, WAIT, ADD, VIEW, RS, WAIT, SIN, VIEW, RS, WAIT]),
-        (1, True, [MUL, VIEW, PAD, RS, ADD, WAIT, VIEW, RS, SIN, WAIT, VIEW, RS, WAIT]),
-        (2, True, [MUL, VIEW, PAD, RS, ADD, WAIT, VIEW, RS, SIN, WAIT, VIEW, RS, WAIT]),  # always one ahead
+        (0, True, [MUL, PACK, RS, WAIT, ADD, VIEW, RS, WAIT, SIN, VIEW, RS, WAIT]),
+        (1, True, [MUL, PACK, RS, ADD, WAIT, VIEW, RS, SIN, WAIT, VIEW, RS, WAIT]),
+        (2, True, [MUL, PACK, RS, ADD, WAIT, VIEW, RS, SIN, WAIT, VIEW, RS, WAIT]),  # always one ahead
         (
             1,
             False,
-            [MUL, VIEW, PAD, A2A, ADD, WAIT, VIEW, SUM, DIV, VIEW, A2A, SIN, WAIT, VIEW, SUM, DIV]
+            [MUL, PACK, A2A, ADD, WAIT, VIEW, SUM, DIV, VIEW, A2A, SIN, WAIT, VIEW, SUM, DIV]
             + [VIEW, A2A, WAIT, VIEW, SUM, DIV],
         ),
     ],
@@ -855,15 +848,15 @@ def test_prefetch_moves_a_reduction_buckets_wait_and_unpacking_before_the_next_b
 
     assert lower(gm, bucket_bytes=140, prefetch=1) == counts_of(reductions=4, reduction_buckets=2)
 
-    cat, split, getitem = aten.cat.default, aten.split_with_sizes.default, operator.getitem
+    split, getitem = aten.split_with_sizes.default, operator.getitem
     assert call_targets(gm.graph) == [
         MUL,
         MUL,
-        *[VIEW, PAD, VIEW, VIEW, VIEW, cat, VIEW, VIEW, RS],  # bucket 1 issued where r2 was
+        *[PACK, RS],  # bucket 1 issued where r2 was
         SIN,
         COS,
         *[WAIT, split, getitem, getitem],  # bucket 1 waited on only now: in flight over sin, cos
-        *[VIEW, VIEW, VIEW, PAD, VIEW, cat, VIEW, VIEW, RS],  # bucket 2
+        *[PACK, RS],  # bucket 2
         *[WAIT, split, getitem, getitem],  # the last bucket's wait stays after its collective
     ]
     rs1, rs2 = find(gm.graph, RS)
@@ -873,8 +866,8 @@ def test_prefetch_moves_a_reduction_buckets_wait_and_unpacking_before_the_next_b
     assert wait1.args == (rs1,) and split1.args[0] is wait1 and wait2.args == (rs2,) and split2.args[0] is wait2
     nodes = list(gm.graph.nodes)
     index = node_index(gm.graph)
-    first_packing_2 = nodes[index[split1] + 3]
-    assert first_packing_2.args == (sin_node, [-1])
+    packing_2 = nodes[index[split1] + 3]
+    assert packing_2.target is PACK and packing_2.args[0] == [sin_node, cos_node]
     assert nodes[index[cos_node] + 1] is wait1
     assert [shape(o) for o in output_args(gm.graph)] == [(4,), (5,), (2,), (1,)]
 
@@ -909,7 +902,7 @@ def test_ledger_of_a_bucketed_forward_lists_every_member(group_name):
     index = node_index(gm.graph)
     assert [e.position for e in entries] == [index[ag1], index[ag2]]
     # bucket 2's all-gather is issued right after bucket 1's wait and is in flight over its mms
-    assert entries[1].position == entries[0].wait_position + 2  # cat, then the all-gather
+    assert entries[1].position == entries[0].wait_position + 2  # pack, then the all-gather
     assert "mm" in entries[1].overlaps and "mm_1" in entries[1].overlaps
 
 

@@ -35,7 +35,8 @@ funcol = torch.ops._c10d_functional
 GATHER = [funcol.all_gather_into_tensor.default, funcol.wait_tensor.default, aten.view.default]
 GATHER_PADDED = [funcol.all_gather_into_tensor.default, funcol.wait_tensor.default, aten.slice.Tensor, aten.view.default]
 REDUCE_SCATTER = [aten.view.default, funcol.reduce_scatter_tensor.default, funcol.wait_tensor.default]
-REDUCE_SCATTER_PADDED = [aten.view.default, aten.constant_pad_nd.default, *REDUCE_SCATTER[1:]]
+PACK = torch.ops.zero.pack.default
+REDUCE_SCATTER_PADDED = [PACK, *REDUCE_SCATTER[1:]]
 ALL_TO_ALL = [
     aten.view.default,
     funcol.all_to_all_single.default,
@@ -44,7 +45,7 @@ ALL_TO_ALL = [
     aten.sum.dim_IntList,
     aten.div.Tensor,
 ]
-ALL_TO_ALL_PADDED = [aten.view.default, aten.constant_pad_nd.default, *ALL_TO_ALL[1:]]
+ALL_TO_ALL_PADDED = [PACK, *ALL_TO_ALL[1:]]
 ALL_REDUCE = [funcol.all_reduce.default, funcol.wait_tensor.default, aten.div.Tensor]
 
 pytestmark = pytest.mark.usefixtures("group_name")
@@ -289,7 +290,8 @@ def test_lower_markers_reduce_scatter_shapes_with_padding(group_name, stage):
     assert rs1.target is funcol.reduce_scatter_tensor.default and rs1.args[1:] == ("avg", WORLD, group_name)
     assert rs2.target is funcol.reduce_scatter_tensor.default and rs2.args[1:] == ("avg", WORLD, group_name)
     pad = rs1.args[0]
-    assert pad.target is aten.constant_pad_nd.default and pad.args[1] == [0, 1]  # 15 -> 16
+    (mul,) = gm.graph.find_nodes(op="call_function", target=aten.mul.Tensor)
+    assert pad.target is PACK and pad.args == ([mul], WORLD, [4])  # 15 -> 16
     assert rs2.args[0].target is aten.view.default  # 20 elements: no padding
     assert [tuple(n.meta["val"].shape) for n in (pad, rs1, r1, rs2.args[0], rs2, r2)] == [
         (16,), (4,), (4,), (20,), (5,), (5,)
@@ -637,5 +639,5 @@ def test_end_to_end_stage1_keeps_gathered_weights_and_reduces_at_the_end(group_n
     first_ops = [n.target for n in list(fw.nodes)[n_placeholders : n_placeholders + 8]]
     assert first_ops == GATHER_PADDED + GATHER_PADDED
     assert [(c.op, c.numel) for c in analysis.collectives(bw)] == [("reduce_scatter", 36), ("reduce_scatter", 44)]
-    tail = [n.target for n in list(bw.nodes)[-9:-1]]
+    tail = [n.target for n in list(bw.nodes)[-7:-1]]
     assert tail == REDUCE_SCATTER_PADDED + REDUCE_SCATTER_PADDED

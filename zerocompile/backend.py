@@ -79,6 +79,9 @@ def zero_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[st
     config_patches = {
         "joint_custom_pre_pass": TagGathersForRecompute(directory),
         "post_grad_custom_pre_pass": LowerMarkers(lowering),
+        # Inductor's peak-memory reordering sinks each all-gather to its wait, undoing the prefetch
+        # order lower_markers chose (which already bounds the gathered memory): keep our order.
+        "reorder_for_peak_memory": False,
     }
     if directory is None:
         return compile_fx(gm, example_inputs, config_patches=config_patches)
