@@ -9,7 +9,8 @@ functions the markers run eagerly (`lowering.py`). Where they go depends on the 
 - stage 1: gathers move to the start of the forward; reductions move to the end of the backward,
   so full gradients live until then (the paper's full gradient buffer) and reduce-scatter there.
 - stage 2: gathers at the start of the forward; each reduce-scatter right where its gradient is
-  produced.
+  produced. (With prefetch, stage 1/2 gathers are all issued at the start and each is waited on
+  just before its first use.)
 - stage 3: gathers stay just before their use (the backward's re-gathers too, placed by the
   partitioner at first use), reduce-scatters where the gradient is produced; values die after their
   last use, which Inductor's buffer reuse and FX's generated `del`s both honour.
@@ -51,18 +52,19 @@ def lower_markers(
     for node in [n for n in graph.nodes if is_unshard(n) and unshard_args(n).stage == 0]:
         _forward_whole_parameter(node, tracer)
         counts["identities"] += 1
-    gathers = []
+    gathers, gathers_up_front = [], []
     for bucket in _buckets([n for n in graph.nodes if is_unshard(n)], bucket_bytes, _can_gather_early):
         markers = [unshard_args(n) for n in bucket]
         first = markers[0]
         shapes = [m.shape for m in markers]
-        gathers.append(
-            tracer(
-                bucket,
-                bucket[0],
-                lambda *shards: gather_bucket(list(shards), shapes, first.group_name, first.compute_dtype),
-            )
+        # Stage 1/2 gathers of graph inputs were moved to the top by _place_by_stage.
+        up_front = first.stage in (1, 2) and _can_gather_early(bucket[0])
+        spliced = tracer(
+            bucket,
+            bucket[0],
+            lambda *shards: gather_bucket(list(shards), shapes, first.group_name, first.compute_dtype),
         )
+        (gathers_up_front if up_front else gathers).append(spliced)
         counts["gathers"] += len(bucket)
     reductions = []
     for bucket in _buckets([n for n in graph.nodes if is_reduce_grad(n)], bucket_bytes, _can_reduce_late):
@@ -77,8 +79,10 @@ def lower_markers(
             )
         reductions.append(tracer(bucket, bucket[-1], fn))
         counts["reductions"] += len(bucket)
-    counts["gather_buckets"], counts["reduction_buckets"] = len(gathers), len(reductions)
+    counts["gather_buckets"] = len(gathers) + len(gathers_up_front)
+    counts["reduction_buckets"] = len(reductions)
     if prefetch:
+        _wait_gathers_at_first_use(gathers_up_front)
         _issue_gathers_early(gathers, prefetch)
         _wait_reductions_late(reductions)
     graph.lint()
@@ -154,6 +158,23 @@ def _issue_gathers_early(buckets: list[list[fx.Node]], distance: int) -> None:
         for node in issue:
             anchor.append(node)
             anchor = node
+
+
+def _wait_gathers_at_first_use(buckets: list[list[fx.Node]]) -> None:
+    """Stages 1-2: every gather is issued at the top of the forward; each bucket's wait (and its
+    unpacking) moves down to just before the first node reading one of its parameters, so the
+    later buckets arrive while the first layers compute. Full parameters live through the step
+    at these stages anyway, so having all gathers in flight costs no extra memory."""
+    if not buckets:
+        return
+    position = {node: i for i, node in enumerate(buckets[0][0].graph.nodes)}
+    for bucket in buckets:
+        _issue, wait, unpack = _split_at_wait(bucket)
+        moved = [wait, *unpack]
+        readers = [user for node in moved for user in node.users if user not in moved]
+        first_reader = min(readers, key=position.__getitem__)
+        for node in moved:
+            first_reader.prepend(node)
 
 
 def _wait_reductions_late(buckets: list[list[fx.Node]]) -> None:

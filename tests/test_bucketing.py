@@ -772,6 +772,28 @@ def test_prefetch_moves_the_pack_with_its_all_gather(group_name):
     assert index[mm2] < index[wait2] and nodes[index[wait2] + 1].args[0] is wait2
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_prefetch_stage12_issues_every_gather_first_and_waits_each_at_first_use(group_name, stage):
+    gm = forward_model(group_name, stage=stage)
+
+    assert lower(gm, bucket_bytes=140, prefetch=1) == counts_of(gathers=4, gather_buckets=2)
+
+    # buckets [w1, w2] and [w3, b3]: both in flight before any compute
+    targets = call_targets(gm.graph)
+    assert targets[:4] == [PACK, AG, PACK, AG]
+    relu, mm = aten.relu.default, MM
+    wait1, wait2 = find(gm.graph, WAIT)
+    mm1, mm2, mm3 = find(gm.graph, mm)
+    index = node_index(gm.graph)
+    # bucket 1 is waited on after the first relu, just before w1's matmul (its unpacking between)
+    assert index[find(gm.graph, relu)[0]] < index[wait1] < index[mm1]
+    assert targets[index[wait1] - len(gm.graph.find_nodes(op="placeholder")) - 1] is relu
+    # bucket 2 after w2's matmul, just before w3's
+    assert index[mm2] < index[wait2] < index[mm3]
+    assert list(gm.graph.nodes)[index[mm2] + 1] is wait2
+    assert [shape(out) for out in output_args(gm.graph)] == [(2, 2)]
+
+
 def test_prefetch_does_not_move_a_gather_of_a_computed_shard(group_name):
     gm = _three_layer_stage3(group_name, computed_second=True)
     s1, s2, s3, _ = gm.graph.find_nodes(op="placeholder")

@@ -1146,6 +1146,7 @@ input primals_29: f32[4]
 input primals_30: i64[2, 8]
 pack: f32[1808] = zero.pack([primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15, primals_16, primals_17, primals_18, primals_19, primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26, primals_27, primals_28, primals_29], 1, [128, 32, 4, 4, 192, 12, 64, 4, 4, 4, 256, 16, 256, 4, 4, 4, 192, 12, 64, 4, 4, 4, 256, 16, 256, 4, 4, 4])  # free: primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15, primals_16, primals_17, primals_18, primals_19, primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26, primals_27, primals_28, primals_29
 all_gather_into_tensor: f32[7232] = _c10d_functional.all_gather_into_tensor(pack, 4, WORLD)  # param: wte.weight, wpe.weight, blocks.0.ln1.weight, blocks.0.ln1.bias, blocks.0.attn.qkv.weight, blocks.0.attn.qkv.bias, blocks.0.attn.proj.weight, blocks.0.attn.proj.bias, blocks.0.ln2.weight, blocks.0.ln2.bias, blocks.0.fc.weight, blocks.0.fc.bias, blocks.0.out.weight, blocks.0.out.bias, blocks.1.ln1.weight, blocks.1.ln1.bias, blocks.1.attn.qkv.weight, blocks.1.attn.qkv.bias, blocks.1.attn.proj.weight, blocks.1.attn.proj.bias, blocks.1.ln2.weight, blocks.1.ln2.bias, blocks.1.fc.weight, blocks.1.fc.bias, blocks.1.out.weight, blocks.1.out.bias, ln_f.weight, ln_f.bias; free: pack
+arange: i64[8] = aten.arange(8, device = device(type='cpu'), pin_memory = False)
 wait_tensor: f32[7232] = _c10d_functional.wait_tensor(all_gather_into_tensor)  # free: all_gather_into_tensor
 view_27: f32[4, 1808] = aten.view(wait_tensor, [4, 1808])  # free: wait_tensor
 split_with_sizes: (f32[4, 128], f32[4, 32], f32[4, 4], f32[4, 4], f32[4, 192], f32[4, 12], f32[4, 64], f32[4, 4], f32[4, 4], f32[4, 4], f32[4, 256], f32[4, 16], f32[4, 256], f32[4, 4], f32[4, 4], f32[4, 4], f32[4, 192], f32[4, 12], f32[4, 64], f32[4, 4], f32[4, 4], f32[4, 4], f32[4, 256], f32[4, 16], f32[4, 256], f32[4, 4], f32[4, 4], f32[4, 4]) = aten.split_with_sizes(view_27, [128, 32, 4, 4, 192, 12, 64, 4, 4, 4, 256, 16, 256, 4, 4, 4, 192, 12, 64, 4, 4, 4, 256, 16, 256, 4, 4, 4], 1)  # free: view_27
@@ -1289,7 +1290,6 @@ clone_27: f32[4, 4] = aten.clone(getitem_54, memory_format = torch.contiguous_fo
 _unsafe_view_28: f32[16] = aten._unsafe_view(clone_27, [16])  # free: clone_27
 slice_28: f32[16] = aten.slice.Tensor(_unsafe_view_28, 0, 0, 16)  # free: _unsafe_view_28
 view_55: f32[16] = aten.view(slice_28, [16])  # free: slice_28
-arange: i64[8] = aten.arange(8, device = device(type='cpu'), pin_memory = False)
 embedding: f32[2, 8, 16] = aten.embedding(view_28, primals_1)
 embedding_1: f32[8, 16] = aten.embedding(view_29, arange)  # free: view_29
 add: f32[2, 8, 16] = aten.add.Tensor(embedding, embedding_1)  # free: embedding, embedding_1
@@ -1679,6 +1679,7 @@ input primals_29: f32[4]
 input primals_30: i64[2, 8]
 pack: f32[1808] = zero.pack([primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15, primals_16, primals_17, primals_18, primals_19, primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26, primals_27, primals_28, primals_29], 1, [128, 32, 4, 4, 192, 12, 64, 4, 4, 4, 256, 16, 256, 4, 4, 4, 192, 12, 64, 4, 4, 4, 256, 16, 256, 4, 4, 4])  # free: primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15, primals_16, primals_17, primals_18, primals_19, primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26, primals_27, primals_28, primals_29
 all_gather_into_tensor: f32[7232] = _c10d_functional.all_gather_into_tensor(pack, 4, WORLD)  # param: wte.weight, wpe.weight, blocks.0.ln1.weight, blocks.0.ln1.bias, blocks.0.attn.qkv.weight, blocks.0.attn.qkv.bias, blocks.0.attn.proj.weight, blocks.0.attn.proj.bias, blocks.0.ln2.weight, blocks.0.ln2.bias, blocks.0.fc.weight, blocks.0.fc.bias, blocks.0.out.weight, blocks.0.out.bias, blocks.1.ln1.weight, blocks.1.ln1.bias, blocks.1.attn.qkv.weight, blocks.1.attn.qkv.bias, blocks.1.attn.proj.weight, blocks.1.attn.proj.bias, blocks.1.ln2.weight, blocks.1.ln2.bias, blocks.1.fc.weight, blocks.1.fc.bias, blocks.1.out.weight, blocks.1.out.bias, ln_f.weight, ln_f.bias; free: pack
+arange: i64[8] = aten.arange(8, device = device(type='cpu'), pin_memory = False)
 wait_tensor: f32[7232] = _c10d_functional.wait_tensor(all_gather_into_tensor)  # free: all_gather_into_tensor
 view_27: f32[4, 1808] = aten.view(wait_tensor, [4, 1808])  # free: wait_tensor
 split_with_sizes: (f32[4, 128], f32[4, 32], f32[4, 4], f32[4, 4], f32[4, 192], f32[4, 12], f32[4, 64], f32[4, 4], f32[4, 4], f32[4, 4], f32[4, 256], f32[4, 16], f32[4, 256], f32[4, 4], f32[4, 4], f32[4, 4], f32[4, 192], f32[4, 12], f32[4, 64], f32[4, 4], f32[4, 4], f32[4, 4], f32[4, 256], f32[4, 16], f32[4, 256], f32[4, 4], f32[4, 4], f32[4, 4]) = aten.split_with_sizes(view_27, [128, 32, 4, 4, 192, 12, 64, 4, 4, 4, 256, 16, 256, 4, 4, 4, 192, 12, 64, 4, 4, 4, 256, 16, 256, 4, 4, 4], 1)  # free: view_27
@@ -1822,7 +1823,6 @@ clone_27: f32[4, 4] = aten.clone(getitem_54, memory_format = torch.contiguous_fo
 _unsafe_view_28: f32[16] = aten._unsafe_view(clone_27, [16])  # free: clone_27
 slice_28: f32[16] = aten.slice.Tensor(_unsafe_view_28, 0, 0, 16)  # free: _unsafe_view_28
 view_55: f32[16] = aten.view(slice_28, [16])  # free: slice_28
-arange: i64[8] = aten.arange(8, device = device(type='cpu'), pin_memory = False)
 embedding: f32[2, 8, 16] = aten.embedding(view_28, primals_1)
 embedding_1: f32[8, 16] = aten.embedding(view_29, arange)  # free: view_29
 add: f32[2, 8, 16] = aten.add.Tensor(embedding, embedding_1)  # free: embedding, embedding_1
