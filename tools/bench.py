@@ -37,6 +37,9 @@ How each figure is measured, per mode, after --warmup untimed steps (the first o
               optimizer step (largest rank): zerocompile.model_state_bytes for ours; for the
               others the local tensors, for FSDP2 the local shards of its DTensors
   final loss  mean over the ranks of the last timed step's loss
+  vs ddp      largest relative difference between the mode's and DDP's mean loss over all
+              steps, warm-up included (when ddp runs too): the modes see the same weights and
+              batches, so fp32 modes agree to rounding and bf16 ones show bf16's error
 
 Writes bench.json (everything, per rank too), bench.md (the table) and bench.png (step time and
 bytes sent per mode) to --out. A mode that fails on every rank is reported as failed with its
@@ -84,7 +87,7 @@ MB = 1e6
 LEARNING_RATE = 3e-4
 FP32_BYTES = 4
 # (model size, timed steps, warm-up steps) of a normal run and of --quick.
-DEFAULTS = ("12m", 10, 3)
+DEFAULTS = ("12m", 17, 3)  # 20 steps: the bf16-vs-fp32 loss check runs over 20
 QUICK = ("tiny", 2, 1)
 # glibc unmaps every freed allocation over 64 kB at once instead of keeping it for reuse.
 EXACT_RSS_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -326,6 +329,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "sent": "largest rank's median over timed steps of the /proc/self/io wchar delta around a step",
             "model_state": "largest rank, after the last optimizer step, gradients still held",
             "final_loss": "mean over ranks of the last timed step's loss",
+            "loss_vs_ddp": "largest relative difference from ddp's mean loss over all steps, warm-up included",
             "load": "the machine's 1-minute load average before the timed steps (our own ranks add about N)",
         },
         "theory": _theory(phi, args.ranks),
@@ -402,7 +406,7 @@ def _run_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
     torch.manual_seed(settings.seed)
     prepared = mode.build(GPT(settings.config))
     batches = _RandomBatches(settings.config, settings, rank)
-    warmup_times = [_one_step(prepared, batches)[0] for _ in range(settings.warmup)]
+    warmup = [_one_step(prepared, batches) for _ in range(settings.warmup)]
     rss_source = _reset_peak_rss()
     rss_before = _status_bytes("VmRSS")
     load = os.getloadavg()[0]
@@ -414,9 +418,9 @@ def _run_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
     return {
         "step_times": [seconds for seconds, _sent, _loss in timed],
-        "first_step": warmup_times[0],
+        "first_step": warmup[0][0],
         "sent": [sent for _seconds, sent, _loss in timed],
-        "losses": [loss.item() for _seconds, _sent, loss in timed],
+        "losses": [loss.item() for _seconds, _sent, loss in warmup + timed],
         "held": held,
         "peak_rss": peak,
         "rss_before": rss_before,
@@ -533,14 +537,15 @@ def markdown_table(summary: dict[str, Any]) -> str:
         "",
         (
             "| mode | step s | compile s | RSS between steps MB | peak RSS MB | sent MB/step/rank "
-            "| params / grads / optim MB per rank | final loss | load |"
+            "| params / grads / optim MB per rank | final loss | vs ddp | load |"
         ),
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     notes = []
+    ddp = next((m for m in summary["modes"] if m["mode"] == "ddp" and m["status"] == "ok"), None)
     for mode in summary["modes"]:
         if mode["status"] != "ok":
-            lines.append(f"| {mode['mode']} | {mode['status']} | | | | | | | |")
+            lines.append(f"| {mode['mode']} | {mode['status']} | | | | | | | | |")
             notes.append(f"- {mode['mode']} {mode['status']}: {mode['error']}")
             continue
         held = mode["model_state_bytes"]
@@ -549,7 +554,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
             f"{mode['rss_before_bytes'] / MB:.0f} | {mode['peak_rss_bytes'] / MB:.0f} | "
             f"{mode['sent_bytes_per_step'] / MB:.2f} | "
             f"{held['params'] / MB:.1f} / {held['grads'] / MB:.1f} / {held['optimizer'] / MB:.1f} | "
-            f"{mode['final_loss']:.4f} | {mode['load_avg_1min']:.1f} |"
+            f"{mode['final_loss']:.4f} | {_loss_difference(mode, ddp)} | {mode['load_avg_1min']:.1f} |"
         )
     method = summary["method"]
     lines += [
@@ -566,6 +571,12 @@ def markdown_table(summary: dict[str, Any]) -> str:
         *notes,
     ]
     return "\n".join(lines) + "\n"
+
+
+def _loss_difference(mode: dict[str, Any], ddp: dict[str, Any] | None) -> str:
+    if ddp is None or len(ddp["losses"]) != len(mode["losses"]):
+        return "-"
+    return f"{max(abs(a - b) / abs(b) for a, b in zip(mode['losses'], ddp['losses'])):.1e}"
 
 
 def _plot(summary: dict[str, Any], path: Path) -> None:
