@@ -147,6 +147,8 @@ def check_contents(directory: Path) -> None:
             f"A checkpoint holds only {METADATA}, {STATE_DIR}/shard-*.safetensors and "
             f"{EXTRA_DIR}/rank*.safetensors; remove the others if you trust them"
         )
+    for path in [*state_files(directory), *sorted((directory / EXTRA_DIR).glob("*.safetensors"))]:
+        read_safetensors_header(path)  # a file of another format (a pickle, say) fails here
 
 
 def state_files(directory: Path) -> list[Path]:
