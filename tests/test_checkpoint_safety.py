@@ -150,6 +150,12 @@ def test_another_models_checkpoint_fails_naming_what_differs(tmp_path: Path) -> 
         zc.load(tmp_path / "ckpt", other)
 
 
+def test_names_carry_no_wrapper_prefix(tmp_path: Path) -> None:
+    zc.save(tmp_path / "ckpt", torch.compile(_filled(1.0)))
+    convert(tmp_path / "ckpt", tmp_path / "full.pt", "torch")
+    assert list(torch.load(tmp_path / "full.pt", weights_only=True)) == list(UnevenMLP().state_dict())
+
+
 def test_bad_extra_fails_before_touching_the_previous_checkpoint(tmp_path: Path) -> None:
     zc.save(tmp_path / "ckpt", _filled(1.0), step=1)
     with pytest.raises(TypeError, match="extra value 'when' of type object"):

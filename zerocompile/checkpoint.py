@@ -110,7 +110,7 @@ def _checked(check: Callable[[], Any]) -> Any:
     raises its error, the others an error naming it, so no rank is left waiting in a collective."""
     try:
         result, error = check(), None
-    except (ValueError, TypeError, RuntimeError, OSError) as caught:
+    except Exception as caught:  # re-raised below; first every rank must hear of it
         result, error = None, caught
     messages = [None if error is None else f"{type(error).__name__}: {error}"]
     if dist.is_initialized() and dist.get_world_size() > 1:
