@@ -103,10 +103,14 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, format: str =
     entries = _entries(directory, metadata, ema)
     out = Path(out)
     partial = out.with_name(f".{out.name}.partial")
-    if format == "safetensors":
-        _write_safetensors(partial, entries)
-    else:
-        _write_torch(partial, entries, metadata["state_dict_keys"])
+    try:
+        if format == "safetensors":
+            _write_safetensors(partial, entries)
+        else:
+            _write_torch(partial, entries, metadata["state_dict_keys"])
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     os.replace(partial, out)
     return {"tensors": len(entries), "bytes": sum(e.nbytes for e in entries)}
 

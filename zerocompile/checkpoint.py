@@ -64,12 +64,18 @@ def _is_sharded(info: ShardInfo | None) -> bool:
     return info is not None and info.stage > 0
 
 
-@functools.cache
-def _mesh(group_name: str, device_type: str) -> Any:
-    from torch.distributed.device_mesh import DeviceMesh
+def _resolve(group_name: str) -> dist.ProcessGroup:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return DeviceMesh.from_group(_resolve_process_group(group_name), device_type)
+    return _resolve_process_group(group_name)
+
+
+@functools.cache
+def _mesh(group: dist.ProcessGroup, device_type: str) -> Any:
+    """One mesh per group object (a group re-created under the same name gets its own)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group, device_type)
 
 
 def _global_view(local: torch.Tensor, info: ShardInfo | None) -> torch.Tensor:
@@ -85,7 +91,7 @@ def _global_view(local: torch.Tensor, info: ShardInfo | None) -> torch.Tensor:
     # [r*shard_numel, (r+1)*shard_numel), the last ranks shorter or empty -- our shards unpadded.
     return DTensor.from_local(
         local.detach()[: _valid_numel(info)],
-        _mesh(info.group_name, local.device.type),
+        _mesh(_resolve(info.group_name), local.device.type),
         [Shard(0)],
         run_check=False,
         shape=torch.Size([info.numel]),
@@ -136,11 +142,6 @@ def _check_group(params: dict[nn.Parameter, tuple[str, ...]]) -> None:
                 "checkpoints support models sharded over the whole world (shard(model, group=None))"
             )
 
-
-def _resolve(group_name: str) -> dist.ProcessGroup:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(group_name)
 
 
 # ---------------------------------------------------------------------------------------------
