@@ -8,6 +8,7 @@ full parameters must equal the reference's. The tests then assert on the reports
 
 from __future__ import annotations
 
+import json
 import traceback
 from pathlib import Path
 
@@ -176,7 +177,7 @@ def test_full_state_dict_and_convert_agree_and_load_into_the_plain_model(reports
 
     convert(checkpoint, tmp_path / "full.safetensors")
     with safe_open(str(tmp_path / "full.safetensors"), framework="pt") as f:
-        tied = __import__("json").loads(f.metadata()["zerocompile.tied"])
+        tied = json.loads(f.metadata()["zerocompile.tied"])
         stored = {k: f.get_tensor(k) for k in f.keys()}
     assert set(stored) | set(tied) == set(saved["full"]) and not set(stored) & set(tied)
     assert all(torch.equal(stored[k], saved["full"][k]) for k in stored)

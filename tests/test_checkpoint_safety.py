@@ -68,11 +68,9 @@ zc.save(path, model, step=2)
 """
 
 
-@pytest.mark.parametrize("when", ("writing_shards", "before_publish", "between_renames"))
-def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path: Path, when: str) -> None:
-    path = tmp_path / "latest"
-    zc.save(path, _filled(1.0), step=1)
-    ready = tmp_path / "ready"
+def _kill_a_save(path: Path, when: str, ready: Path) -> None:
+    """Start a save to `path` in another process and SIGKILL it at `when`."""
+    ready.unlink(missing_ok=True)
     child = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, str(path), str(ready), when])
     try:
         deadline = time.monotonic() + 120
@@ -85,13 +83,24 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path: Path, whe
         child.kill()
         child.wait()
     assert child.returncode == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("when", ("writing_shards", "before_publish", "between_renames"))
+def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path: Path, when: str) -> None:
+    path = tmp_path / "latest"
+    zc.save(path, _filled(1.0), step=1)
+    _kill_a_save(path, when, tmp_path / "ready")
     if when == "between_renames":
         assert not path.exists()
         with pytest.warns(UserWarning, match="interrupted"):
             assert _loaded_values(path) == ({1.0}, {"step": 1})
+        # Only the renamed-aside copy is left now: a save killed before publishing keeps it.
+        _kill_a_save(path, "before_publish", tmp_path / "ready")
+        with pytest.warns(UserWarning, match="interrupted"):
+            assert _loaded_values(path) == ({1.0}, {"step": 1})
     else:
         assert _loaded_values(path) == ({1.0}, {"step": 1})
-    # The next save replaces it and clears what the killed one left.
+    # The next save replaces it and clears what the killed ones left.
     zc.save(path, _filled(3.0), step=3)
     assert _loaded_values(path) == ({3.0}, {"step": 3})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "ready"]

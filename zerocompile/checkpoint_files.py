@@ -62,11 +62,12 @@ def publish(staging: Path, final: Path) -> None:
 
     POSIX cannot rename a directory over a non-empty one, so the old one is first renamed aside;
     a crash between the two renames leaves both complete, and `resolve` then loads the old one.
+    At every moment `final` or the renamed-aside copy is a complete checkpoint.
     """
     previous = previous_dir(final)
-    if previous.exists():
-        shutil.rmtree(previous)
     if final.exists():
+        if previous.exists():  # left by a crash after a publication: `final` supersedes it
+            shutil.rmtree(previous)
         os.rename(final, previous)
     os.rename(staging, final)
     _fsync_directory(final.parent)
