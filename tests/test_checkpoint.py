@@ -163,6 +163,9 @@ def test_full_state_dict_and_convert_agree_and_load_into_the_plain_model(reports
     plain = MODELS[name]()
     assert list(saved["full"]) == list(plain.state_dict())
     plain.load_state_dict(saved["full"], strict=True)
+    unsharded = MODELS[name]()  # loaded here, with no process group: N' = 1, not even sharded
+    zc.load(checkpoint, unsharded)
+    assert _max_difference(unsharded.state_dict(), saved["full"]) == 0
 
     convert(checkpoint, tmp_path / "full.pt", "torch")
     converted = torch.load(tmp_path / "full.pt", weights_only=True)
