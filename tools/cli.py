@@ -11,9 +11,15 @@ import argparse
 import sys
 from types import ModuleType
 
-from zerocompile.tools import bench, dump, plan, train
+from zerocompile.tools import bench, convert, dump, plan, train
 
-SUBCOMMANDS: dict[str, ModuleType] = {"train": train, "dump": dump, "plan": plan, "bench": bench}
+SUBCOMMANDS: dict[str, ModuleType] = {
+    "train": train,
+    "dump": dump,
+    "plan": plan,
+    "bench": bench,
+    "convert": convert,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

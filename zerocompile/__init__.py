@@ -3,11 +3,24 @@
     zc.init_distributed()
     zc.shard(model, stage=3)
     cmodel = torch.compile(model, backend="zero")
+    zc.save(path, model, optimizer, ema, step=step)   # zc.load(...) at any stage / world size
 """
 
+from zerocompile.checkpoint import full_state_dict, load, save
 from zerocompile.config import ZeroConfig
 from zerocompile.distributed import init_distributed
+from zerocompile.ema import EMA
 from zerocompile.sharding import full_numel, model_state_bytes, shard
 
-__all__ = ["ZeroConfig", "full_numel", "init_distributed", "model_state_bytes", "shard"]
+__all__ = [
+    "EMA",
+    "ZeroConfig",
+    "full_numel",
+    "full_state_dict",
+    "init_distributed",
+    "load",
+    "model_state_bytes",
+    "save",
+    "shard",
+]
 __version__ = "0.1.0"

@@ -1,0 +1,494 @@
+"""Checkpoints of sharded models: `save`, `load` (any stage, any world size) and `full_state_dict`.
+
+Every parameter-shaped tensor (parameter, optimizer state such as `exp_avg`, EMA) is presented to
+torch.distributed.checkpoint (DCP) as its full *flat* tensor of `numel` elements: at stages 1-3 a
+DTensor sharded on dim 0 whose local part is the valid (unpadded) prefix of this rank's shard, at
+stage 0 (or unsharded) the whole tensor, replicated. The flat global tensor is the same whatever
+wrote it, so resharding between stages and world sizes is DCP's planner's job, not ours: a rank
+loading reads exactly the byte ranges that overlap its shard. Files are DCP's Hugging Face
+(safetensors) format plus JSON: loading unpickles nothing (see `checkpoint_files`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerocompile import checkpoint_files as files
+from zerocompile.sharding import ShardInfo, _parameter_owners, shard_info
+
+if TYPE_CHECKING:
+    from zerocompile.ema import EMA
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The model under torch.compile's and DDP's wrappers, whose names carry no wrapper prefix."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    while True:
+        if isinstance(model, OptimizedModule):
+            model = model._orig_mod
+        elif isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        else:
+            return model
+
+
+def parameter_names(model: nn.Module) -> dict[nn.Parameter, tuple[str, ...]]:
+    """Each distinct parameter with all its FQNs (tied ones have several; the first is primary)."""
+    return {
+        param: tuple(f"{prefix}{'.' if prefix else ''}{attr}" for prefix, _module, attr in places)
+        for param, places in _parameter_owners(model).items()
+    }
+
+
+def _persistent_buffers(model: nn.Module, params: dict[nn.Parameter, tuple[str, ...]]) -> dict[str, torch.Tensor]:
+    param_names = {name for names in params.values() for name in names}
+    return {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in param_names}
+
+
+def _valid_numel(info: ShardInfo) -> int:
+    """Elements of this rank's shard that hold the parameter (the rest is padding)."""
+    return max(0, min(info.shard_numel, info.numel - info.shard_offset))
+
+
+def _is_sharded(info: ShardInfo | None) -> bool:
+    return info is not None and info.stage > 0
+
+
+def _resolve(group_name: str) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+@functools.cache
+def _mesh(group: dist.ProcessGroup, device_type: str) -> Any:
+    """One mesh per group object (a group re-created under the same name gets its own)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group, device_type)
+
+
+def _global_view(local: torch.Tensor, info: ShardInfo | None) -> torch.Tensor:
+    """`local` (laid out like its parameter on this rank) as DCP sees it: the flat full tensor.
+
+    Writing into what this returns writes into `local`, which is how loading fills shards in place.
+    """
+    if not _is_sharded(info):
+        return local.detach().view(-1)
+    from torch.distributed.tensor import DTensor, Shard
+
+    # Shard(0) of a flat [numel] tensor splits as torch.chunk does: rank r holds
+    # [r*shard_numel, (r+1)*shard_numel), the last ranks shorter or empty -- our shards unpadded.
+    return DTensor.from_local(
+        local.detach()[: _valid_numel(info)],
+        _mesh(_resolve(info.group_name), local.device.type),
+        [Shard(0)],
+        run_check=False,
+        shape=torch.Size([info.numel]),
+        stride=(1,),
+    )
+
+
+@contextlib.contextmanager
+def _single_process_quietly() -> Iterator[None]:
+    """Without a process group DCP warns that it assumes a single process: that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _rank_and_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _checked(check: Callable[[], Any]) -> Any:
+    """Run `check` here and agree with the other ranks on whether all passed: a rank that failed
+    raises its error, the others an error naming it, so no rank is left waiting in a collective."""
+    try:
+        result, error = check(), None
+    except Exception as caught:  # re-raised below; first every rank must hear of it
+        result, error = None, caught
+    messages = [None if error is None else f"{type(error).__name__}: {error}"]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        messages = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = [(rank, message) for rank, message in enumerate(messages) if message is not None]
+    if failed:
+        raise RuntimeError(f"rank {failed[0][0]} failed, so this rank stops too: {failed[0][1]}")
+    return result
+
+
+def _check_group(params: dict[nn.Parameter, tuple[str, ...]]) -> None:
+    if not dist.is_initialized():
+        return
+    for param, names in params.items():
+        info = shard_info(param)
+        if _is_sharded(info) and dist.get_world_size(_resolve(info.group_name)) != dist.get_world_size():
+            raise ValueError(
+                f"parameter {names[0]!r} is sharded over a process group of "
+                f"{dist.get_world_size(_resolve(info.group_name))} of the {dist.get_world_size()} ranks: "
+                "checkpoints support models sharded over the whole world (shard(model, group=None))"
+            )
+
+
+
+# ---------------------------------------------------------------------------------------------
+# What is saved: the DCP state dict and the JSON that describes it
+
+
+def _model_state(params: dict[nn.Parameter, tuple[str, ...]], buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    state = {f"param.{names[0]}": _global_view(p, shard_info(p)) for p, names in params.items()}
+    state.update({f"buffer.{name}": b.detach() for name, b in buffers.items()})
+    return state
+
+
+def _optimizer_parameters(
+    optimizer: torch.optim.Optimizer, params: dict[nn.Parameter, tuple[str, ...]]
+) -> list[list[str]]:
+    """The FQNs of each param group's parameters; an error if one is not the model's."""
+    groups = []
+    for index, group in enumerate(optimizer.param_groups):
+        foreign = [tuple(p.shape) for p in group["params"] if p not in params]
+        if foreign:
+            raise ValueError(
+                f"optimizer param group {index} holds {len(foreign)} parameter(s) that are not the "
+                f"model's (shapes {foreign[:3]}): save the optimizer together with the model it optimizes"
+            )
+        groups.append([params[p][0] for p in group["params"]])
+    return groups
+
+
+def _optimizer_state(
+    optimizer: torch.optim.Optimizer, params: dict[nn.Parameter, tuple[str, ...]]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """DCP entries of the optimizer state, and its JSON description (groups, kinds of state)."""
+    group_fqns = _optimizer_parameters(optimizer, params)
+    groups = []
+    for fqns, group in zip(group_fqns, optimizer.param_groups):
+        settings = {k: v for k, v in group.items() if k != "params"}
+        for key, value in settings.items():
+            if isinstance(value, torch.Tensor) or not _is_json(value):
+                raise TypeError(
+                    f"optimizer param group setting {key!r} is a {type(value).__name__}: checkpoints "
+                    "store param group settings as JSON (numbers, strings, bools, tuples)"
+                )
+        groups.append({"params": fqns, **settings})
+    tensors: dict[str, torch.Tensor] = {}
+    kinds: dict[str, dict[str, Any]] = {}
+    for param, state in optimizer.state.items():
+        fqn, info = params[param][0], shard_info(param)
+        kinds[fqn] = {}
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() == 0:
+                tensors[f"optim.{fqn}.{key}"] = value.detach()
+                kinds[fqn][key] = {"kind": "scalar", "dtype": files.dtype_name(value.dtype)}
+            elif isinstance(value, torch.Tensor) and value.shape == param.shape:
+                tensors[f"optim.{fqn}.{key}"] = _global_view(value, info)
+                kinds[fqn][key] = {"kind": "like_param", "dtype": files.dtype_name(value.dtype)}
+            elif not isinstance(value, torch.Tensor) and _is_json(value):
+                kinds[fqn][key] = {"kind": "value", "value": value}
+            else:
+                raise TypeError(
+                    f"optimizer state {key!r} of parameter {fqn!r} is "
+                    f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}: "
+                    f"checkpoints hold state shaped like the parameter ({tuple(param.shape)} here), "
+                    "scalar tensors and JSON values"
+                )
+    return tensors, {"type": type(optimizer).__name__, "param_groups": groups, "state": kinds}
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _ema_state(ema: EMA, model: nn.Module, params: dict[nn.Parameter, tuple[str, ...]]) -> dict[str, torch.Tensor]:
+    if unwrap_model(ema.model) is not model:
+        raise ValueError("the EMA passed averages another model: pass the EMA built with EMA(model, decay) of this model")
+    return {f"ema.{params[p][0]}": _global_view(ema.shadow[p], shard_info(p)) for p in params}
+
+
+def _describe(
+    model: nn.Module, params: dict[nn.Parameter, tuple[str, ...]], buffers: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    config = getattr(model, "_zero_config", None)
+    return {
+        "format": files.FORMAT,
+        "version": files.VERSION,
+        "stage": None if config is None else config.stage,
+        "world_size": _rank_and_world()[1],
+        "params": [
+            {"names": list(names), "shape": list(_full_shape(p)), "dtype": files.dtype_name(p.dtype)}
+            for p, names in params.items()
+        ],
+        "buffers": [
+            {"name": name, "shape": list(b.shape), "dtype": files.dtype_name(b.dtype)} for name, b in buffers.items()
+        ],
+        "state_dict_keys": list(model.state_dict(keep_vars=True)),
+    }
+
+
+def _full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    info = shard_info(param)
+    return tuple(info.shape) if info is not None else tuple(param.shape)
+
+
+def save(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    ema: EMA | None = None,
+    **extra: Any,
+) -> None:
+    """Write a checkpoint of `model` (and `optimizer`, `ema`) to directory `path`; every rank calls it.
+
+    Each rank writes its own shards. `extra` holds this rank's tensors and JSON values (step
+    counters, RNG states); `load` returns them. The checkpoint appears at `path` only when
+    complete, replacing any older one there: a crash mid-save leaves the older one loadable.
+    """
+    model = unwrap_model(model)
+    final = Path(path).absolute()
+    rank, _world = _rank_and_world()
+
+    def gather_state() -> tuple[dict[str, torch.Tensor], dict[str, Any], tuple[dict, str]]:
+        params = parameter_names(model)
+        _check_group(params)
+        buffers = _persistent_buffers(model, params)
+        state = _model_state(params, buffers)
+        description = _describe(model, params, buffers)
+        description["optimizer"] = description["ema"] = None
+        if optimizer is not None:
+            optim_tensors, description["optimizer"] = _optimizer_state(optimizer, params)
+            state.update(optim_tensors)
+        if ema is not None:
+            state.update(_ema_state(ema, model, params))
+            description["ema"] = {"decay": ema.decay}
+        return state, description, files.encode_extra(extra)
+
+    state, description, (extra_tensors, extra_json) = _checked(gather_state)
+    staging = files.staging_dir(final)
+    _checked(lambda: files.prepare_staging(final) if rank == 0 else None)
+    _checked(lambda: files.write_extra(staging, rank, extra_tensors, extra_json))
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    with _single_process_quietly():
+        dcp.save(
+            state,
+            storage_writer=HuggingFaceStorageWriter(str(staging / files.STATE_DIR), save_distributed=True),
+            no_dist=not dist.is_initialized(),
+        )
+
+    def publish() -> None:
+        if rank == 0:
+            files.write_json(staging / files.METADATA, description)
+            files.publish(staging, final)
+
+    _checked(publish)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def _check_matches(
+    where: Path, saved: dict[str, Any], params: dict[nn.Parameter, tuple[str, ...]], buffers: dict[str, torch.Tensor]
+) -> None:
+    """An error naming every parameter and buffer whose names, ties, shape or dtype differ."""
+    model_side = {
+        names[0]: (names, tuple(_full_shape(p)), files.dtype_name(p.dtype)) for p, names in params.items()
+    }
+    model_side.update({f"buffer {n}": ((n,), tuple(b.shape), files.dtype_name(b.dtype)) for n, b in buffers.items()})
+    saved_side = {e["names"][0]: (tuple(e["names"]), tuple(e["shape"]), e["dtype"]) for e in saved["params"]}
+    saved_side.update({f"buffer {e['name']}": ((e["name"],), tuple(e["shape"]), e["dtype"]) for e in saved["buffers"]})
+    problems = []
+    missing = [k for k in model_side if k not in saved_side]
+    unexpected = [k for k in saved_side if k not in model_side]
+    if missing:
+        problems.append(f"in the model but not the checkpoint: {missing}")
+    if unexpected:
+        problems.append(f"in the checkpoint but not the model: {unexpected}")
+    for key in model_side.keys() & saved_side.keys():
+        (m_names, m_shape, m_dtype), (s_names, s_shape, s_dtype) = model_side[key], saved_side[key]
+        if (m_shape, m_dtype) != (s_shape, s_dtype):
+            problems.append(f"{key}: checkpoint {s_shape} {s_dtype}, model {m_shape} {m_dtype}")
+        if set(m_names) != set(s_names):
+            problems.append(f"{key}: tied to {list(s_names)} in the checkpoint, to {list(m_names)} in the model")
+    if problems:
+        raise ValueError(
+            f"the checkpoint at {where} is of another model: " + "; ".join(sorted(problems))
+            + ". Load it into the model it was saved from (same architecture and sizes)"
+        )
+
+
+def _optimizer_destinations(
+    optimizer: torch.optim.Optimizer, saved: dict[str, Any], params: dict[nn.Parameter, tuple[str, ...]]
+) -> tuple[dict[str, torch.Tensor], dict[nn.Parameter, dict[str, Any]], list[tuple[torch.Tensor, ShardInfo]]]:
+    """Fresh state for the saved optimizer state: DCP views to fill, the state by parameter, and
+    the tensors laid out like their parameter (whose padding must stay zero)."""
+    if saved is None:
+        raise ValueError("the checkpoint holds no optimizer state: load without optimizer=, or save with it")
+    group_fqns = _optimizer_parameters(optimizer, params)
+    saved_fqns = [g["params"] for g in saved["param_groups"]]
+    if group_fqns != saved_fqns:
+        raise ValueError(
+            f"the optimizer's param groups hold parameters {group_fqns}, the checkpoint's {saved_fqns}: "
+            "build the optimizer with the same param groups as the one saved"
+        )
+    by_fqn = {names[0]: p for p, names in params.items()}
+    views, states, like_param = {}, {}, []
+    for fqn, kinds in saved["state"].items():
+        param, info = by_fqn[fqn], shard_info(by_fqn[fqn])
+        group = next(g for g, fqns in zip(optimizer.param_groups, group_fqns) if fqn in fqns)
+        # As torch's Optimizer.load_state_dict: scalar state (`step`) stays on the CPU unless the
+        # optimizer keeps it on the device (capturable / fused).
+        scalar_device = param.device if group.get("capturable") or group.get("fused") else torch.device("cpu")
+        state = states[param] = {}
+        for key, kind in kinds.items():
+            if kind["kind"] == "value":
+                state[key] = kind["value"]
+                continue
+            dtype = files.dtype_from_name(kind["dtype"])
+            if kind["kind"] == "scalar":
+                state[key] = views[f"optim.{fqn}.{key}"] = torch.zeros((), dtype=dtype, device=scalar_device)
+            else:
+                state[key] = torch.zeros_like(param, dtype=dtype)
+                views[f"optim.{fqn}.{key}"] = _global_view(state[key], info)
+                like_param.append((state[key], info))
+    return views, states, like_param
+
+
+def _install_optimizer_state(
+    optimizer: torch.optim.Optimizer, saved: dict[str, Any], states: dict[nn.Parameter, dict[str, Any]]
+) -> None:
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+        for key, value in saved_group.items():
+            if key != "params":
+                # JSON turned tuples (Adam's betas) into lists.
+                group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+    optimizer.state.clear()
+    optimizer.state.update(states)
+
+
+def _zero_padding(tensors: list[tuple[torch.Tensor, ShardInfo | None]]) -> None:
+    """The padding past a shard's valid part stays zero, as shard() made it."""
+    with torch.no_grad():
+        for tensor, info in tensors:
+            if _is_sharded(info):
+                tensor.view(-1)[_valid_numel(info) :].zero_()
+
+
+def load(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    ema: EMA | None = None,
+) -> dict[str, Any]:
+    """Load a checkpoint written by `save` into `model` (and `optimizer`, `ema`); returns `extra`.
+
+    The stage and world size may differ from the saving run's (N = 1 and unsharded models
+    included). A checkpoint of another model fails before anything is changed, naming the
+    parameters that differ. `extra` is what this rank saved (rank 0's if the saving run had no
+    rank of this number).
+    """
+    model = unwrap_model(model)
+    rank, _world = _rank_and_world()
+
+    def plan() -> tuple[Path, dict, dict[str, torch.Tensor], dict, list]:
+        directory = files.resolve(path)
+        saved = files.read_metadata(directory)
+        params = parameter_names(model)
+        _check_group(params)
+        buffers = _persistent_buffers(model, params)
+        _check_matches(directory, saved, params, buffers)
+        views = _model_state(params, buffers)
+        padded = [(p, shard_info(p)) for p in params]
+        states: dict = {}
+        if optimizer is not None:
+            optim_views, states, like_param = _optimizer_destinations(optimizer, saved["optimizer"], params)
+            views.update(optim_views)
+            padded += like_param
+        if ema is not None:
+            if saved["ema"] is None:
+                raise ValueError("the checkpoint holds no EMA: load without ema=, or save with it")
+            views.update(_ema_state(ema, model, params))
+            padded += [(ema.shadow[p], shard_info(p)) for p in params]
+        return directory, saved, views, states, padded
+
+    directory, saved, views, states, padded = _checked(plan)
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    with _single_process_quietly():
+        dcp.load(
+            views,
+            storage_reader=HuggingFaceStorageReader(str(directory / files.STATE_DIR)),
+            no_dist=not dist.is_initialized(),
+        )
+    _zero_padding(padded)
+    if optimizer is not None:
+        _install_optimizer_state(optimizer, saved["optimizer"], states)
+    if ema is not None:
+        ema.decay = saved["ema"]["decay"]
+    return _checked(lambda: files.read_extra(directory, rank))
+
+
+# ---------------------------------------------------------------------------------------------
+# Full state dicts
+
+
+def gathered_state_dict(
+    model: nn.Module, local: Callable[[nn.Parameter], torch.Tensor], rank0_only: bool, cpu: bool
+) -> dict[str, torch.Tensor]:
+    """The model's state dict with full tensors, each parameter's values taken from `local(param)`
+    (laid out like the parameter on this rank): the parameters themselves, or an EMA's shadows.
+
+    Gathers one parameter at a time, so a rank holds at most one full tensor beyond the result.
+    """
+    model = unwrap_model(model)
+    params = parameter_names(model)
+    keep = not rank0_only or _rank_and_world()[0] == 0
+    full: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for param, names in params.items():
+            info, values = shard_info(param), local(param).detach()
+            if _is_sharded(info):
+                tensor = torch.ops.zero.unshard(values, list(info.shape), info.stage, info.group_name)
+            else:
+                tensor = values.clone()
+            if keep:
+                tensor = tensor.cpu() if cpu else tensor
+                full.update(dict.fromkeys(names, tensor))
+        if not keep:
+            return {}
+        for name, buffer in _persistent_buffers(model, params).items():
+            full[name] = buffer.detach().clone().cpu() if cpu else buffer.detach().clone()
+    order = list(model.state_dict(keep_vars=True))
+    return {name: full[name] for name in order}
+
+
+def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu: bool = True) -> dict[str, torch.Tensor]:
+    """The unsharded model's state dict: original names (tied ones all present), full shapes.
+
+    Loads with `load_state_dict(strict=True)` into the model before `shard()`. Every rank must
+    call it (it gathers); with `rank0_only` the other ranks get `{}`. With `cpu`, tensors are
+    moved to the CPU.
+    """
+    return gathered_state_dict(model, lambda p: p, rank0_only, cpu)
