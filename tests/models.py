@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
@@ -74,6 +75,21 @@ class ReusedWeight(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.square(torch.tanh(self.square(x)))).abs().mean()
+
+
+class CheckpointedMLP(nn.Module):
+    """Residual MLP blocks, each under torch.utils.checkpoint: the backward recomputes them. Few
+    kernels, so Inductor compiles it quickly (the checkpointed GPT is GPTConfig's switch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(7, 12), nn.Tanh(), nn.Linear(12, 7)) for _ in range(3))
+        self.head = nn.Linear(7, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return self.head(x).square().mean()
 
 
 MODELS = {
