@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-import torch.utils.checkpoint
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from zerocompile.tools.gpt import GPT, SIZES
