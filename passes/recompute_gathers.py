@@ -4,8 +4,12 @@ Left alone, the partitioner saves the gathered weight (or its transpose) for the
 keeps every full parameter alive from forward to backward and silently undoes stage 3. Tagged, the
 min-cut partitioner saves the shard instead and the backward graph gathers again. Must run on the
 joint forward+backward graph before `min_cut_rematerialization_partition` (the default aot_autograd
-partitioner ignores the tags). No-op for markers of stages 0-2, whose gathered parameters are meant
-to live through the backward.
+partitioner ignores the tags).
+
+Stages 1-2 keep gathered parameters through the backward, so their markers get no tag; and a tag
+that activation checkpointing (`torch.utils.checkpoint`) put on a marker inside a checkpointed
+region is removed: recomputing that gather would send the parameter again (Φ more per step) and
+save nothing, since the stage holds full parameters for the whole step anyway.
 """
 
 from __future__ import annotations
@@ -40,7 +44,14 @@ def _is_view_or_cast(node: fx.Node) -> bool:
 
 
 def tag_gathers_for_recompute(graph: fx.Graph) -> int:
-    """Tag stage-3 `unshard` nodes and their view/cast users; returns the number tagged."""
+    """Tag stage-3 `unshard` nodes and their view/cast users; returns the number tagged.
+
+    Stage 1-2 `unshard` nodes lose any recompute tag (activation checkpointing's), so the
+    partitioner saves them like any other gather of those stages.
+    """
+    for node in graph.nodes:
+        if is_unshard(node) and unshard_args(node).stage in (1, 2):
+            node.meta.pop("recompute", None)
     tagged = 0
     frontier = [node for node in graph.nodes if is_unshard(node) and unshard_args(node).stage == 3]
     seen: set[fx.Node] = set()

@@ -4,22 +4,26 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from zerocompile.tools.gpt import GPT, SIZES
 
 
 class UnevenMLP(nn.Module):
-    """(a) No parameter size divisible by 2 or 4: every shard is padded."""
+    """(a) No parameter size divisible by 2 or 4: every shard is padded. With `loss=False` it
+    returns its outputs instead of a loss (inference tests compare those)."""
 
-    def __init__(self) -> None:
+    def __init__(self, loss: bool = True) -> None:
         super().__init__()
+        self.loss = loss
         self.fc1 = nn.Linear(7, 13)
         self.fc2 = nn.Linear(13, 11)
         self.fc3 = nn.Linear(11, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc3(torch.tanh(self.fc2(torch.relu(self.fc1(x))))).square().mean()
+        out = self.fc3(torch.tanh(self.fc2(torch.relu(self.fc1(x)))))
+        return out.square().mean() if self.loss else out
 
 
 class TiedGPT(nn.Module):
@@ -71,6 +75,21 @@ class ReusedWeight(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.square(torch.tanh(self.square(x)))).abs().mean()
+
+
+class CheckpointedMLP(nn.Module):
+    """Residual MLP blocks, each under torch.utils.checkpoint: the backward recomputes them. Few
+    kernels, so Inductor compiles it quickly (the checkpointed GPT is GPTConfig's switch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(7, 12), nn.Tanh(), nn.Linear(12, 7)) for _ in range(3))
+        self.head = nn.Linear(7, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return self.head(x).square().mean()
 
 
 MODELS = {

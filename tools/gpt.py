@@ -9,6 +9,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,6 +19,9 @@ class GPTConfig:
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
+    # Recompute each block in the backward (torch.utils.checkpoint, non-reentrant) instead of
+    # saving its activations.
+    activation_checkpointing: bool = False
 
 
 SIZES = {
@@ -80,7 +84,7 @@ class GPT(nn.Module):
         positions = torch.arange(idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(positions)
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if self.config.activation_checkpointing else block(x)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits

@@ -10,6 +10,7 @@ from zerocompile.checkpoint import full_state_dict, load, save
 from zerocompile.config import ZeroConfig
 from zerocompile.distributed import init_distributed
 from zerocompile.ema import EMA
+from zerocompile.gathered import gathered
 from zerocompile.sharding import full_numel, model_state_bytes, shard
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "ZeroConfig",
     "full_numel",
     "full_state_dict",
+    "gathered",
     "init_distributed",
     "load",
     "model_state_bytes",

@@ -30,6 +30,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from zerocompile.config import ZeroConfig
+from zerocompile.gathered import is_gathered
 from zerocompile import dump
 from zerocompile.passes import analysis, ledger
 from zerocompile.passes.ledger import GraphLedger
@@ -98,6 +99,14 @@ def _config_of(graph: fx.Graph) -> ZeroConfig:
 
 
 def _refuse_unsharded_parameters(gm: fx.GraphModule, example_inputs: list[Any]) -> None:
+    """Parameters that are not shards: full inside a `gathered()` block, or never sharded."""
+    for value in example_inputs:
+        if isinstance(value, nn.Parameter) and is_gathered(value):
+            raise RuntimeError(
+                "a model compiled with backend='zero' was called inside `with zerocompile.gathered(...)` "
+                f"(parameter '{shard_info(value).fqn}' is full there): call the uncompiled model inside the "
+                "block, or the compiled one after it"
+            )
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):

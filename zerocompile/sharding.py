@@ -99,9 +99,12 @@ def shard(
     return model
 
 
-def _cast_floating_inputs(module: nn.Module, args: tuple, kwargs: dict, *, dtype: torch.dtype) -> tuple:
+def _cast_floating_inputs(module: nn.Module, args: tuple, kwargs: dict, *, dtype: torch.dtype) -> tuple | None:
     """Mixed precision: the model's floating-point inputs meet parameters of `dtype` (as FSDP's
-    cast_forward_inputs); integer inputs such as token ids pass unchanged."""
+    cast_forward_inputs); integer inputs such as token ids pass unchanged. Inside
+    `zerocompile.gathered(model)` the parameters are full master-dtype tensors, so nothing is cast."""
+    if getattr(module, "_zero_gathered", False):
+        return None
 
     def cast(value: Any) -> Any:
         return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
@@ -186,7 +189,8 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
 
         return property(full_parameter, doc=f"the full `{name}`, gathered from its shards")
 
-    attributes = {name: make_property(name) for name in names}
+    attributes: dict[str, Any] = {name: make_property(name) for name in names}
+    attributes["_zero_plain_class"] = cls  # what `gathered()` swaps back to for its block
     return type(cls.__name__, (cls,), attributes)
 
 
