@@ -5,9 +5,17 @@
     cmodel = torch.compile(model, backend="zero")
 """
 
+from zerocompile.accumulation import no_sync
 from zerocompile.config import ZeroConfig
 from zerocompile.distributed import init_distributed
 from zerocompile.sharding import full_numel, model_state_bytes, shard
 
-__all__ = ["ZeroConfig", "full_numel", "init_distributed", "model_state_bytes", "shard"]
+__all__ = [
+    "ZeroConfig",
+    "full_numel",
+    "init_distributed",
+    "model_state_bytes",
+    "no_sync",
+    "shard",
+]
 __version__ = "0.1.0"

@@ -1,0 +1,109 @@
+"""Gradient accumulation: reduce every micro-step (the default) or `with no_sync(model):`.
+
+Reducing every micro-step needs nothing special: each backward reduces its gradient into the
+shards' `.grad`, where autograd sums the micro-steps (1/N of the gradient held at stages 1-3).
+
+`no_sync` trades memory for traffic, as DDP's and FSDP's do. On entry each rank gathers a full
+local copy of every parameter once (stage 0: the parameter itself, no copy) and the module
+properties hand out those copies through `unshard(..., local=True)` markers: the micro-steps inside
+send nothing, and each full gradient accumulates unreduced in its copy's `.grad`. On exit the
+copies are dropped and their gradients become *pending*; the next forward with gradients on hands
+each pending gradient to its parameter's marker (`pending=`), and that backward reduces its own
+gradient plus the pending one in a single collective.
+
+The markers' arguments come from this object, so Dynamo guards on its dicts and compiles one graph
+per mode (synced, inside `no_sync`, synced with pending gradients), each once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from zerocompile.passes.markers import UNSHARD
+
+
+class GradientSync:
+    """Per sharded model: what its module properties return, by accumulation mode.
+
+    params: every distinct sharded Parameter by its FQN (tied ones once).
+    local: inside `no_sync`, each parameter's full local copy (a leaf; trainable ones require grad).
+    pending: gradients accumulated inside `no_sync`, waiting for the next synced backward.
+    """
+
+    def __init__(self, params: dict[str, nn.Parameter]) -> None:
+        self.params = params
+        self.local: dict[str, torch.Tensor] = {}
+        self.pending: dict[str, torch.Tensor] = {}
+        self._versions: dict[str, int] = {}
+
+    def full_parameter(self, shard: nn.Parameter, markers: tuple) -> torch.Tensor:
+        """The marker a module property returns for `shard` (`markers`: its arguments after it)."""
+        fqn = markers[3]
+        if fqn in self.local:
+            return UNSHARD(self.local[fqn], *markers, local=True)
+        if fqn in self.pending and torch.is_grad_enabled():
+            # Popped, so exactly one backward (the next with gradients on) adds it.
+            return UNSHARD(shard, *markers, pending=self.pending.pop(fqn))
+        return UNSHARD(shard, *markers)
+
+    def enter_no_sync(self) -> None:
+        """Gather a full local copy of each parameter (its accumulated gradient, if any, kept)."""
+        with torch.no_grad():
+            for fqn, param in self.params.items():
+                info = param._zero
+                # Stage 0's parameter is whole: the "copy" aliases it. Otherwise the marker's eager
+                # kernel gathers (a blocking all-gather of this one parameter).
+                full = param.detach() if info.stage == 0 else UNSHARD(param.detach(), list(info.shape), info.stage, info.group_name)
+                local = full.requires_grad_(param.requires_grad)
+                if fqn in self.pending:
+                    local.grad = self.pending.pop(fqn)
+                self.local[fqn] = local
+                self._versions[fqn] = param._version
+
+    def exit_no_sync(self, check: bool) -> None:
+        """Drop the local copies, keeping their gradients as pending; with `check`, refuse
+        parameters that changed meanwhile (their local copies were stale)."""
+        for fqn, local in self.local.items():
+            if local.grad is not None:
+                self.pending[fqn] = local.grad
+        self.local.clear()
+        changed = [fqn for fqn, version in self._versions.items() if self.params[fqn]._version != version]
+        self._versions.clear()
+        if check and changed:
+            raise RuntimeError(
+                f"parameters {changed[:3]} changed inside zerocompile.no_sync(model) (an optimizer "
+                "step?), but the micro-steps there used copies gathered on entry: step the "
+                "optimizer only after the synced backward that follows the no_sync block"
+            )
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate gradients locally in the backwards inside; the next synced backward reduces once.
+
+    Memory while inside: a full copy of every parameter (none at stage 0) and a full gradient of
+    every trainable parameter on each rank, i.e. stage 0's footprint. Traffic: at stages 1-3 one
+    all-gather of the parameters on entry, nothing in the micro-steps, and the next synced step
+    sends what any step sends. Nested blocks act as one.
+    """
+    sync = getattr(getattr(model, "_orig_mod", model), "_zero_sync", None)
+    if sync is None:
+        raise TypeError(
+            f"zerocompile.no_sync() takes the model zerocompile.shard() sharded (or its "
+            f"torch.compile wrapper), got an unsharded {type(model).__name__}: call "
+            "zerocompile.shard(model, stage=...) first, and pass that root module"
+        )
+    if sync.local:
+        yield
+        return
+    sync.enter_no_sync()
+    try:
+        yield
+    except BaseException:
+        sync.exit_no_sync(check=False)
+        raise
+    sync.exit_no_sync(check=True)
