@@ -6,12 +6,14 @@
 """
 
 from zerocompile.accumulation import no_sync
+from zerocompile.clipping import clip_grad_norm_
 from zerocompile.config import ZeroConfig
 from zerocompile.distributed import init_distributed
 from zerocompile.sharding import full_numel, model_state_bytes, shard
 
 __all__ = [
     "ZeroConfig",
+    "clip_grad_norm_",
     "full_numel",
     "init_distributed",
     "model_state_bytes",
