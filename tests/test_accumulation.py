@@ -29,15 +29,16 @@ MODES = ("every", "no_sync")
 MODEL = "reused_weight"  # one weight used twice: its pending gradient must be added once
 
 
-def _accumulate(forward, model: nn.Module, no_sync, rank: int, world_size: int) -> dict:
-    """STEPS optimizer steps of MICRO_STEPS micro-steps; `no_sync` None reduces every micro-step."""
+def accumulate(forward, model: nn.Module, no_sync, name: str, rank: int, world_size: int) -> dict:
+    """STEPS optimizer steps of MICRO_STEPS micro-steps of model `name` (tests/models.py batches);
+    `no_sync` (a context manager factory) covers all but the last; None reduces every micro-step."""
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     losses, sent, forwards_after_first_step = [], [], None
 
     def micro_step(step: int, micro: int) -> None:
         dist.barrier()
         before = _wchar()
-        loss = forward(local_batch(MODEL, step * MICRO_STEPS + micro, rank, world_size)) / MICRO_STEPS
+        loss = forward(local_batch(name, step * MICRO_STEPS + micro, rank, world_size)) / MICRO_STEPS
         loss.backward()
         sent.append(_wchar() - before)
         losses.append(loss.item())
@@ -65,7 +66,7 @@ def _reference(mode: str, rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     model = MODELS[MODEL]()
     ddp = nn.parallel.DistributedDataParallel(model)
-    return _accumulate(ddp, model, ddp.no_sync if mode == "no_sync" else None, rank, world_size)
+    return accumulate(ddp, model, ddp.no_sync if mode == "no_sync" else None, MODEL, rank, world_size)
 
 
 def _zero(mode: str, stage: int, compiler: str, rank: int, world_size: int) -> dict:
@@ -75,7 +76,7 @@ def _zero(mode: str, stage: int, compiler: str, rank: int, world_size: int) -> d
     model = zc.shard(MODELS[MODEL](), stage=stage)
     compiled = torch.compile(model, backend="zero", options={"compiler": compiler})
     no_sync = (lambda: zc.no_sync(model)) if mode == "no_sync" else None
-    return _accumulate(compiled, model, no_sync, rank, world_size)
+    return accumulate(compiled, model, no_sync, MODEL, rank, world_size)
 
 
 def accumulation_report(rank: int, world_size: int) -> dict:
