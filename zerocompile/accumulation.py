@@ -18,10 +18,13 @@ per mode (synced, inside `no_sync`, synced with pending gradients), each once.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import functools
+import weakref
+from typing import Any, Iterator
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from zerocompile.passes.markers import UNSHARD
 
@@ -38,10 +41,12 @@ class GradientSync:
         self.params = params
         self.local: dict[str, torch.Tensor] = {}
         self.pending: dict[str, torch.Tensor] = {}
-        self._versions: dict[str, int] = {}
+        _ALL.add(self)
+        _install_step_check()
 
     def full_parameter(self, shard: nn.Parameter, markers: tuple) -> torch.Tensor:
-        """The marker a module property returns for `shard` (`markers`: its arguments after it)."""
+        """The marker a module property returns for `shard`; `markers` are the marker's arguments
+        after the shard, in `UnshardArgs` order, so `markers[3]` is the parameter's FQN."""
         fqn = markers[3]
         if fqn in self.local:
             return UNSHARD(self.local[fqn], *markers, local=True)
@@ -62,23 +67,37 @@ class GradientSync:
                 if fqn in self.pending:
                     local.grad = self.pending.pop(fqn)
                 self.local[fqn] = local
-                self._versions[fqn] = param._version
 
-    def exit_no_sync(self, check: bool) -> None:
-        """Drop the local copies, keeping their gradients as pending; with `check`, refuse
-        parameters that changed meanwhile (their local copies were stale)."""
+    def exit_no_sync(self) -> None:
+        """Drop the local copies, keeping their gradients as pending."""
         for fqn, local in self.local.items():
             if local.grad is not None:
                 self.pending[fqn] = local.grad
         self.local.clear()
-        changed = [fqn for fqn, version in self._versions.items() if self.params[fqn]._version != version]
-        self._versions.clear()
-        if check and changed:
+
+
+# Every model's GradientSync, for the optimizer step check; weak, so models can be freed.
+_ALL: weakref.WeakSet[GradientSync] = weakref.WeakSet()
+
+
+def _check_nothing_pending(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Before a step: gradients not reduced yet would be silently left out of it, and inside
+    no_sync the micro-steps use copies of the parameters gathered on entry, which a step would
+    leave stale."""
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for sync in _ALL:
+        waiting = [fqn for fqn in [*sync.pending, *sync.local] if id(sync.params[fqn]) in stepped]
+        if waiting:
             raise RuntimeError(
-                f"parameters {changed[:3]} changed inside zerocompile.no_sync(model) (an optimizer "
-                "step?), but the micro-steps there used copies gathered on entry: step the "
-                "optimizer only after the synced backward that follows the no_sync block"
+                f"parameters {waiting[:3]} have gradients accumulated under zerocompile.no_sync(model) "
+                "that no synced backward has reduced yet: run the last micro-step's forward and "
+                "backward outside the no_sync block, then step the optimizer"
             )
+
+
+@functools.cache
+def _install_step_check() -> None:
+    register_optimizer_step_pre_hook(_check_nothing_pending)
 
 
 @contextlib.contextmanager
@@ -88,22 +107,24 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     Memory while inside: a full copy of every parameter (none at stage 0) and a full gradient of
     every trainable parameter on each rank, i.e. stage 0's footprint. Traffic: at stages 1-3 one
     all-gather of the parameters on entry, nothing in the micro-steps, and the next synced step
-    sends what any step sends. Nested blocks act as one.
+    sends what any step sends. Nested blocks act as one. Covers every sharded module in `model`
+    (parts sharded by separate `shard()` calls included).
     """
-    sync = getattr(getattr(model, "_orig_mod", model), "_zero_sync", None)
-    if sync is None:
+    root = getattr(model, "_orig_mod", model)  # the torch.compile wrapper's model
+    syncs = {id(m._zero_sync): m._zero_sync for m in root.modules() if hasattr(m, "_zero_sync")}
+    if not syncs:
         raise TypeError(
-            f"zerocompile.no_sync() takes the model zerocompile.shard() sharded (or its "
-            f"torch.compile wrapper), got an unsharded {type(model).__name__}: call "
-            "zerocompile.shard(model, stage=...) first, and pass that root module"
+            f"zerocompile.no_sync() takes a model zerocompile.shard() sharded (or its torch.compile "
+            f"wrapper), got an unsharded {type(root).__name__}: call zerocompile.shard(model, "
+            "stage=...) first"
         )
-    if sync.local:
-        yield
-        return
-    sync.enter_no_sync()
+    entered = []
     try:
+        for sync in syncs.values():
+            if not sync.local:  # else an enclosing no_sync block already holds its copies
+                entered.append(sync)
+                sync.enter_no_sync()
         yield
-    except BaseException:
-        sync.exit_no_sync(check=False)
-        raise
-    sync.exit_no_sync(check=True)
+    finally:
+        for sync in entered:
+            sync.exit_no_sync()

@@ -96,7 +96,6 @@ def shard(
         )
     _CONFIG_BY_GROUP[group_name] = config
     model._zero_config = config
-    model._zero_sync = sync
     _install_optimizer_check()
     return model
 
