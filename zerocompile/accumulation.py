@@ -30,7 +30,7 @@ from zerocompile.passes.markers import UNSHARD
 
 
 class GradientSync:
-    """Per sharded model: what its module properties return, by accumulation mode.
+    """Per `shard()` call: what its modules' properties return, by accumulation mode.
 
     params: every distinct sharded Parameter by its FQN (tied ones once).
     local: inside `no_sync`, each parameter's full local copy (a leaf; trainable ones require grad).
@@ -60,9 +60,10 @@ class GradientSync:
         with torch.no_grad():
             for fqn, param in self.params.items():
                 info = param._zero
-                # Stage 0's parameter is whole: the "copy" aliases it. Otherwise the marker's eager
-                # kernel gathers (a blocking all-gather of this one parameter).
-                full = param.detach() if info.stage == 0 else UNSHARD(param.detach(), list(info.shape), info.stage, info.group_name)
+                if info.stage == 0:
+                    full = param.detach()  # whole already: the "copy" aliases it
+                else:  # the marker's eager kernel: a blocking all-gather of this parameter
+                    full = UNSHARD(param.detach(), list(info.shape), info.stage, info.group_name)
                 local = full.requires_grad_(param.requires_grad)
                 if fqn in self.pending:
                     local.grad = self.pending.pop(fqn)
