@@ -25,6 +25,7 @@ NORMS = (2.0, math.inf)
 # Far below the gradients' norms (about 0.1-1), so every step clips.
 MAX_NORM = 0.05
 NORM_TOLERANCE = 1e-6
+SETUPS = ("stage 0", "stage 1", "stage 2", "stage 3", "body 3, top 2", "body 0, top 3")
 
 
 class Body(nn.Module):
@@ -83,14 +84,16 @@ def _torch_clip(model: nn.Module, max_norm: float, norm_type: float) -> torch.Te
 
 
 def _sharded(setup: str) -> nn.Module:
-    """`stage N`: the whole model at stage N; `mixed`: the body at stage 3 over the world, the top
-    at stage 2 over a second group of the same ranks (two groups' norms to combine)."""
+    """`stage N`: the whole model at stage N; `body A, top B`: the body at stage A over the world,
+    the top at stage B over a second group of the same ranks (norms of two groups, or of a group
+    and whole stage-0 gradients, to combine)."""
     model = ClipModel()
-    if setup == "mixed":
-        zc.shard(model.body, stage=3)
-        zc.shard(model.top, stage=2, group=dist.new_group(list(range(dist.get_world_size()))))
-        return model
-    return zc.shard(model, stage=int(setup.split()[1]))
+    if setup.startswith("stage"):
+        return zc.shard(model, stage=int(setup.split()[1]))
+    body, top = (int(part.split()[1]) for part in setup.split(", "))
+    zc.shard(model.body, stage=body)
+    zc.shard(model.top, stage=top, group=dist.new_group(list(range(dist.get_world_size()))))
+    return model
 
 
 def clipping_report(rank: int, world_size: int) -> dict:
@@ -101,7 +104,7 @@ def clipping_report(rank: int, world_size: int) -> dict:
         model = ClipModel()
         ddp = nn.parallel.DistributedDataParallel(model)
         report[("ddp", norm_type)] = _train_clipped(model, ddp, _torch_clip, norm_type, rank, world_size)
-    for setup in ("stage 0", "stage 1", "stage 2", "stage 3", "mixed"):
+    for setup in SETUPS:
         torch._dynamo.reset()  # once per setup: both norms train the same graphs
         for norm_type in NORMS:
             try:
@@ -119,9 +122,6 @@ def clipping_report(rank: int, world_size: int) -> dict:
 def reports() -> list[dict]:
     """Every rank's report, at 2 ranks (rank 1's shard of the one-element head bias is padding)."""
     return run_on_ranks(2, clipping_report, timeout=300)
-
-
-SETUPS = ("stage 0", "stage 1", "stage 2", "stage 3", "mixed")
 
 
 def _ours(report: dict, setup: str, norm_type: float) -> dict:
