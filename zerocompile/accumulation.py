@@ -85,8 +85,11 @@ def _check_nothing_pending(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
     """Before a step: gradients not reduced yet would be silently left out of it, and inside
     no_sync the micro-steps use copies of the parameters gathered on entry, which a step would
     leave stale."""
+    busy = [sync for sync in _ALL if sync.pending or sync.local]
+    if not busy:  # the usual case: a step costs no more than this
+        return
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for sync in _ALL:
+    for sync in busy:
         waiting = [fqn for fqn in [*sync.pending, *sync.local] if id(sync.params[fqn]) in stepped]
         if waiting:
             raise RuntimeError(
