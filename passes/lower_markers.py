@@ -6,6 +6,7 @@ each `reduce_grad` pad + reduce-scatter (or all-reduce at stage 0) + wait, trace
 functions the markers run eagerly (`lowering.py`). Where they go depends on the stage:
 
 - stage 0: `unshard` is dropped (the parameter is whole); `reduce_grad` all-reduces in place.
+  So is a `local` `unshard` at any stage (no_sync: its input is a full local copy).
 - stage 1: gathers move to the start of the forward; reductions move to the end of the backward,
   so full gradients live until then (the paper's full gradient buffer) and reduce-scatter there.
 - stage 2: gathers at the start of the forward; each reduce-scatter right where its gradient is
@@ -30,7 +31,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .lowering import all_reduce_bucket, gather_bucket, reduce_scatter_bucket
-from .markers import is_reduce_grad, is_unshard, reduce_grad_args, unshard_args
+from .markers import UnshardArgs, is_reduce_grad, is_unshard, reduce_grad_args, unshard_args
 
 
 def lower_markers(
@@ -49,7 +50,7 @@ def lower_markers(
     _place_by_stage(graph)
     fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.find_nodes(op="placeholder")])
     tracer = functools.partial(_splice, fake_mode=fake_mode, decompositions=decompositions)
-    for node in [n for n in graph.nodes if is_unshard(n) and unshard_args(n).stage == 0]:
+    for node in [n for n in graph.nodes if is_unshard(n) and _is_whole(unshard_args(n))]:
         _forward_whole_parameter(node, tracer)
         counts["identities"] += 1
     gathers, gathers_up_front = [], []
@@ -87,6 +88,11 @@ def lower_markers(
         _wait_reductions_late(reductions)
     graph.lint()
     return counts
+
+
+def _is_whole(marker: UnshardArgs) -> bool:
+    """The marker's input already is the full parameter: stage 0, or a local copy (no_sync)."""
+    return marker.stage == 0 or marker.local
 
 
 def _full_bytes(node: fx.Node) -> int:
@@ -209,11 +215,15 @@ def _place_by_stage(graph: fx.Graph) -> None:
     last_moved = placeholders[-1] if placeholders else None
     output = graph.output_node()
     for node in list(graph.nodes):
-        if is_unshard(node) and unshard_args(node).stage in (1, 2) and unshard_args(node).shard.op == "placeholder":
+        if is_unshard(node) and _gathers_at_start(unshard_args(node)):
             last_moved.append(node)  # behind the previous one: gathers keep program order
             last_moved = node
         elif is_reduce_grad(node) and reduce_grad_args(node).stage == 1 and set(node.users) == {output}:
             output.prepend(node)
+
+
+def _gathers_at_start(marker: UnshardArgs) -> bool:
+    return marker.stage in (1, 2) and not marker.local and marker.shard.op == "placeholder"
 
 
 def _forward_whole_parameter(node: fx.Node, tracer: Callable) -> None:

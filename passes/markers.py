@@ -7,6 +7,12 @@ placed according to the stage. Their eager kernels run the same collectives bloc
 
 Stage 0 uses the same markers with the parameter left whole: `unshard` is the identity (a copy in
 eager mode, removed in graphs) and `reduce_grad` an all-reduce.
+
+Gradient accumulation without sync (`zerocompile.no_sync`) adds two optional arguments, so those
+graphs say what they do too: `local=True` marks an input that already is a full local copy of the
+parameter (an identity, like stage 0, whose gradient is *not* reduced: it accumulates in the copy's
+`.grad`), and `pending=` carries such an accumulated gradient into the next synced backward, which
+reduces it together with its own gradient in one collective.
 """
 
 from __future__ import annotations
@@ -31,8 +37,10 @@ def unshard(
     param: str = "",
     compute_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    local: bool = False,
+    pending: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    if stage == 0:
+    if stage == 0 or local:
         return shard.to(compute_dtype or shard.dtype, copy=True)
     return gather_bucket([shard], [shape], group_name, compute_dtype)[0]
 
@@ -46,9 +54,11 @@ def _unshard_fake(
     param: str = "",
     compute_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    local: bool = False,
+    pending: torch.Tensor | None = None,
 ) -> torch.Tensor:
     dtype = compute_dtype or shard.dtype
-    if stage == 0:
+    if stage == 0 or local:
         return torch.empty_like(shard, dtype=dtype)
     return shard.new_empty(shape, dtype=dtype)
 
@@ -88,14 +98,24 @@ def _unshard_setup_context(ctx, inputs, output) -> None:
     marker = UnshardArgs(*inputs)
     ctx.shard_numel = marker.shard.numel()
     ctx.shard_dtype = marker.shard.dtype
-    ctx.marker = marker
+    ctx.marker = marker._replace(pending=None)
+    ctx.save_for_backward(marker.pending)
 
 
 def _unshard_backward(ctx, grad: torch.Tensor):
-    """The gradient reduced in reduce_dtype, landing in the shard's (master) dtype."""
+    """The gradient reduced in reduce_dtype, landing in the shard's (master) dtype.
+
+    A local copy's gradient is not reduced: it lands whole in the copy's `.grad`, where autograd
+    accumulates it. A pending gradient is added (in the master dtype) before the one reduction.
+    """
     m = ctx.marker
+    (pending,) = ctx.saved_tensors
+    if m.local:
+        return grad.to(ctx.shard_dtype), None, None, None, None, None, None, None, None
+    if pending is not None:
+        grad = (pending + grad).to(m.reduce_dtype or grad.dtype)
     reduced = reduce_grad(grad, ctx.shard_numel, m.stage, m.group_name, m.param, m.reduce_dtype, ctx.shard_dtype)
-    return reduced, None, None, None, None, None, None
+    return reduced, None, None, None, None, None, None, None, None
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
@@ -114,6 +134,8 @@ class UnshardArgs(NamedTuple):
     param: str = ""
     compute_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    local: bool = False  # the input is a full local copy (no_sync): no gather, no reduction
+    pending: torch.fx.Node | None = None  # a gradient accumulated without sync, reduced with this one
 
 
 class ReduceGradArgs(NamedTuple):

@@ -92,6 +92,35 @@ class CheckpointedMLP(nn.Module):
         return self.head(x).square().mean()
 
 
+class LoRALinear(nn.Module):
+    """A frozen linear layer plus a trainable low-rank update, as LoRA adapters do."""
+
+    def __init__(self, features: int, rank: int = 4) -> None:
+        super().__init__()
+        self.base = nn.Linear(features, features)
+        self.base.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(rank, features) / features**0.5)
+        # Not zero (LoRA's usual start), so the adapters' first gradients are not zero either.
+        self.lora_b = nn.Parameter(torch.randn(features, rank) / rank**0.5 * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+class LoRAMLP(nn.Module):
+    """(f) A frozen base (~197k parameters) with trainable adapters (~6k): only they reduce."""
+
+    def __init__(self, features: int = 256, layers: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(LoRALinear(features) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.square().mean()
+
+
+# The parity suite's models (test_parity); LoRAMLP has its own tests (test_frozen).
 MODELS = {
     "uneven_mlp": UnevenMLP,
     "tied_gpt": TiedGPT,
@@ -100,7 +129,7 @@ MODELS = {
     "reused_weight": ReusedWeight,
 }
 
-_INPUT_FEATURES = {"uneven_mlp": 7, "frozen_buffer": 6, "graph_break": 9, "reused_weight": 10}
+_INPUT_FEATURES = {"uneven_mlp": 7, "frozen_buffer": 6, "graph_break": 9, "reused_weight": 10, "lora_mlp": 256}
 
 
 def global_batch(name: str, step: int, batch: int = 8) -> torch.Tensor:
@@ -113,3 +142,4 @@ def global_batch(name: str, step: int, batch: int = 8) -> torch.Tensor:
 
 def local_batch(name: str, step: int, rank: int, world_size: int, batch: int = 8) -> torch.Tensor:
     return global_batch(name, step, batch).chunk(world_size)[rank]
+

@@ -6,7 +6,9 @@
     zc.save(path, model, optimizer, ema, step=step)   # zc.load(...) at any stage / world size
 """
 
+from zerocompile.accumulation import no_sync
 from zerocompile.checkpoint import full_state_dict, load, save
+from zerocompile.clipping import clip_grad_norm_
 from zerocompile.config import ZeroConfig
 from zerocompile.distributed import init_distributed
 from zerocompile.ema import EMA
@@ -16,12 +18,14 @@ from zerocompile.sharding import full_numel, model_state_bytes, shard
 __all__ = [
     "EMA",
     "ZeroConfig",
+    "clip_grad_norm_",
     "full_numel",
     "full_state_dict",
     "gathered",
     "init_distributed",
     "load",
     "model_state_bytes",
+    "no_sync",
     "save",
     "shard",
 ]

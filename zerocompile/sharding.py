@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from zerocompile.accumulation import GradientSync
 from zerocompile.config import ZeroConfig, config_from_kwargs
 from zerocompile.passes.lowering import padded_numel
-from zerocompile.passes.markers import UNSHARD
 
 # Compile-time settings of the last shard() per process group; the backend reads them.
 _CONFIG_BY_GROUP: dict[str, ZeroConfig] = {}
@@ -87,8 +87,9 @@ def shard(
         param._zero = info
     if optimizer is not None:
         _shard_optimizer_state(optimizer, world_size)
+    sync = GradientSync({shard_info(param).fqn: param for param in owners})
     for module in {id(m): m for places in owners.values() for _p, m, _a in places}.values():
-        _make_module_unshard_on_access(module, config)
+        _make_module_unshard_on_access(module, config, sync)
     if config.param_dtype is not None:
         model.register_forward_pre_hook(
             functools.partial(_cast_floating_inputs, dtype=config.param_dtype), with_kwargs=True
@@ -185,7 +186,7 @@ def _shard_optimizer_state(optimizer: torch.optim.Optimizer, world_size: int) ->
 def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     def make_property(name: str) -> property:
         def full_parameter(self: nn.Module) -> torch.Tensor:
-            return UNSHARD(self._parameters[name], *self._zero_markers[name])
+            return self._zero_sync.full_parameter(self._parameters[name], self._zero_markers[name])
 
         return property(full_parameter, doc=f"the full `{name}`, gathered from its shards")
 
@@ -194,7 +195,7 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     return type(cls.__name__, (cls,), attributes)
 
 
-def _make_module_unshard_on_access(module: nn.Module, config: ZeroConfig) -> None:
+def _make_module_unshard_on_access(module: nn.Module, config: ZeroConfig, sync: GradientSync) -> None:
     names = tuple(name for name, p in module._parameters.items() if p is not None)
     markers = {}
     for name in names:
@@ -204,6 +205,7 @@ def _make_module_unshard_on_access(module: nn.Module, config: ZeroConfig) -> Non
             list(info.shape), info.stage, info.group_name, info.fqn, config.param_dtype, config.reduce_dtype
         )
     module._zero_markers = markers
+    module._zero_sync = sync  # one per model: tied parameters share their no_sync state
     module.__class__ = _sharded_class(type(module), names)
 
 

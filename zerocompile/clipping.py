@@ -1,0 +1,80 @@
+"""`clip_grad_norm_` for a sharded model: torch's, with the norm taken over the whole model.
+
+At stages 1-3 each rank holds only its shard of each gradient, so a local norm would differ per
+rank and clip each shard by its own factor. Here each rank takes the norm of the gradient it holds
+(shards without their padding; stage-0 gradients, which are whole and identical on every rank,
+once), the shard norms are combined over each parameter's own process group (a sum of p-th powers,
+or a max for the inf-norm), and torch's `clip_grads_with_norm_` scales every local gradient by the
+one resulting factor. Tied parameters are one Parameter, so they count once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import distributed_c10d as c10d
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+from zerocompile.sharding import ShardInfo, shard_info
+
+
+def clip_grad_norm_(
+    model: nn.Module | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Clip the gradients of a sharded model (or its parameters) to a total `norm_type`-norm of
+    `max_norm`, as `torch.nn.utils.clip_grad_norm_` on the unsharded model would; returns the
+    total norm before clipping, the same on every rank. Collective: call it on every rank.
+    """
+    params = list(model.parameters() if isinstance(model, nn.Module) else model)
+    params = list({id(p): p for p in params}.values())  # tied parameters count once
+    norm_type = float(norm_type)
+    if not norm_type > 0:
+        raise ValueError(
+            f"zerocompile.clip_grad_norm_ supports norm_type > 0 (2.0, 1.0, float('inf'), ...), got {norm_type}"
+        )
+    whole: list[torch.Tensor] = []  # stage 0 and unsharded: complete here already
+    by_group: dict[str, list[torch.Tensor]] = {}
+    for param in params:
+        info = shard_info(param)
+        if param.grad is None:
+            continue
+        if info is None or info.stage == 0:
+            whole.append(param.grad)
+            continue
+        shards = by_group.setdefault(info.group_name, [])
+        real = _without_padding(param.grad, info)
+        if real.numel():  # a shard of only padding has no norm (the inf-norm of nothing is an error)
+            shards.append(real)
+    # Sorted names: every rank runs the collectives of several groups in the same order.
+    norms = [_group_norm(by_group[name], norm_type, name, foreach) for name in sorted(by_group)]
+    if whole:
+        norms.append(get_total_norm(whole, norm_type, foreach=foreach))
+    total = get_total_norm(norms, norm_type, error_if_nonfinite)
+    clip_grads_with_norm_(params, max_norm, total, foreach)
+    return total
+
+
+def _without_padding(grad: torch.Tensor, info: ShardInfo) -> torch.Tensor:
+    """This rank's slice of the real parameter; the padding past `info.numel` is not part of it."""
+    real = max(0, min(info.shard_numel, info.numel - info.shard_offset))
+    return grad[:real]
+
+
+def _group_norm(shards: list[torch.Tensor], norm_type: float, group_name: str, foreach: bool | None) -> torch.Tensor:
+    """The norm of the whole gradients whose shards this group's ranks hold."""
+    local = get_total_norm(shards, norm_type, foreach=foreach)
+    group = c10d._resolve_process_group(group_name)
+    if math.isinf(norm_type):
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        return local
+    powered = local.pow(norm_type)
+    dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=group)
+    return powered.pow(1.0 / norm_type)
