@@ -11,7 +11,7 @@ import pytest
 from zerocompile.tools.cli import build_parser
 from zerocompile.tools.train import train
 
-STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+) \| loss (\d+\.\d+) \|", re.MULTILINE)
+STEP_LINE = re.compile(r"^\[[#.]+\] step\s+(\d+)/(\d+) \| loss (\d+\.\d+) \|", re.MULTILINE)
 # Eager graphs and the tiny model: the job's own code path, without Inductor's compile time.
 FAST_JOB = ["--compiler", "eager", "--model-size", "tiny", "--batch-size", "16", "--lr", "3e-3"]
 
@@ -22,9 +22,9 @@ def test_help_lists_train() -> None:
     assert "train" in result.stdout
 
 
-def test_train_runs_on_two_ranks_and_the_loss_falls() -> None:
+def test_train_runs_on_two_ranks_and_the_loss_falls(tmp_path) -> None:
     command = [sys.executable, "-m", "zerocompile.tools.cli", "train", "--ranks", "2", "--stage", "3"]
-    command += [*FAST_JOB, "--steps", "20", "--log-every", "5"]
+    command += [*FAST_JOB, "--steps", "20", "--log-every", "5", "--out", str(tmp_path)]
     result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -34,13 +34,41 @@ def test_train_runs_on_two_ranks_and_the_loss_falls() -> None:
     assert first_loss > last_loss + 0.5, result.stdout
     assert "Φ = " in result.stdout and "16Φ/N" in result.stdout
     assert re.search(r"first loss \d+\.\d+ -> last loss \d+\.\d+", result.stdout)
+    assert re.search(r"^sample: 'The ", result.stdout, re.MULTILINE), result.stdout
 
 
-def test_loss_curve_does_not_depend_on_the_number_of_ranks() -> None:
+def test_loss_curve_does_not_depend_on_the_number_of_ranks(tmp_path) -> None:
     """Every rank reads its slice of one global batch, and gradients are averaged over the ranks."""
     losses = {}
     for ranks in (1, 2):
-        args = build_parser().parse_args(["train", "--ranks", str(ranks), *FAST_JOB, "--steps", "4"])
+        args = build_parser().parse_args(
+            ["train", "--ranks", str(ranks), *FAST_JOB, "--steps", "4", "--sample-bytes", "0", "--out", str(tmp_path)]
+        )
         losses[ranks] = train(args)
     assert len(losses[1]) == 4
     assert losses[2] == pytest.approx(losses[1], rel=1e-4)
+
+
+def _train(*flags: str) -> list[float]:
+    return train(build_parser().parse_args(["train", "--ranks", "2", *FAST_JOB, "--sample-bytes", "0", *flags]))
+
+
+def test_gradient_accumulation_both_ways_matches_one_batch(tmp_path) -> None:
+    """Two micro-batches of half the rows (reducing each, or no_sync then one reduction) follow
+    the same loss curve as the whole batch at once; clipping included."""
+    plain = _train("--steps", "4", "--clip", "0.5", "--out", str(tmp_path))
+    for accumulate in (["--grad-accum", "2"], ["--grad-accum", "2", "--no-sync"]):
+        assert _train("--steps", "4", "--clip", "0.5", "--out", str(tmp_path), *accumulate) == pytest.approx(
+            plain, rel=1e-5
+        ), accumulate
+
+
+def test_resume_at_another_stage_continues_the_uninterrupted_run(tmp_path) -> None:
+    """3 steps at stage 3 saved, resumed at stage 2 up to step 6: the same losses as 6 steps in one
+    go (batches continue where they stopped); the loss curve is drawn."""
+    uninterrupted = _train("--steps", "6", "--out", str(tmp_path / "a"))
+    checkpoint = str(tmp_path / "ckpt")
+    _train("--steps", "3", "--save", checkpoint, "--out", str(tmp_path / "b"))
+    resumed = _train("--steps", "6", "--stage", "2", "--resume", checkpoint, "--out", str(tmp_path / "c"))
+    assert resumed == pytest.approx(uninterrupted, rel=1e-6, abs=1e-6)
+    assert (tmp_path / "c" / "loss.png").read_bytes()[:4] == b"\x89PNG"
