@@ -773,24 +773,25 @@ def test_prefetch_moves_the_pack_with_its_all_gather(group_name):
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_prefetch_stage12_issues_every_gather_first_and_waits_each_at_first_use(group_name, stage):
+def test_prefetch_stage12_waits_each_gather_at_first_use_and_issues_the_next_after_it(group_name, stage):
     gm = forward_model(group_name, stage=stage)
 
     assert lower(gm, bucket_bytes=140, prefetch=1) == counts_of(gathers=4, gather_buckets=2)
 
-    # buckets [w1, w2] and [w3, b3]: both in flight before any compute
-    targets = call_targets(gm.graph)
-    assert targets[:4] == [PACK, AG, PACK, AG]
-    relu, mm = aten.relu.default, MM
+    # buckets [w1, w2] and [w3, b3]: the first issued at the top, waited on just before w1's
+    # matmul; the second issued right after that wait, waited on just before w3's matmul
+    relu = aten.relu.default
+    pack1, pack2 = find(gm.graph, PACK)
+    ag1, ag2 = find(gm.graph, AG)
     wait1, wait2 = find(gm.graph, WAIT)
-    mm1, mm2, mm3 = find(gm.graph, mm)
+    mm1, mm2, mm3 = find(gm.graph, MM)
+    nodes = list(gm.graph.nodes)
     index = node_index(gm.graph)
-    # bucket 1 is waited on after the first relu, just before w1's matmul (its unpacking between)
-    assert index[find(gm.graph, relu)[0]] < index[wait1] < index[mm1]
-    assert targets[index[wait1] - len(gm.graph.find_nodes(op="placeholder")) - 1] is relu
-    # bucket 2 after w2's matmul, just before w3's
-    assert index[mm2] < index[wait2] < index[mm3]
-    assert list(gm.graph.nodes)[index[mm2] + 1] is wait2
+    n_placeholders = len(gm.graph.find_nodes(op="placeholder"))
+    assert nodes[n_placeholders : n_placeholders + 3] == [pack1, ag1, find(gm.graph, relu)[0]]
+    assert nodes[index[wait1] : index[wait1] + 3] == [wait1, pack2, ag2]
+    assert index[ag2] < index[mm1] < index[mm2] < index[wait2] < index[mm3]
+    assert nodes[index[mm2] + 1] is wait2
     assert [shape(out) for out in output_args(gm.graph)] == [(2, 2)]
 
 
