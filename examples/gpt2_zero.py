@@ -88,6 +88,7 @@ def main() -> None:
             plain.load_state_dict(full)
             plain.save_pretrained(args.save)
             print(f"saved to {args.save}", flush=True)
+    torch.distributed.barrier()  # no rank tears the group down while another still uses it
     torch.distributed.destroy_process_group()
 
 

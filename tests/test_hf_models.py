@@ -8,7 +8,6 @@ traced too. One 2-rank spawn trains every case and reports; the tests assert on 
 
 from __future__ import annotations
 
-import os
 import traceback
 
 import pytest
@@ -116,8 +115,9 @@ def hf_report(rank: int, world_size: int, cases: list[tuple[str, int, str]]) -> 
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    os.environ["HF_HUB_OFFLINE"] = "1"  # inherited by the spawned ranks: nothing may be downloaded
-    return run_on_ranks(2, hf_report, EAGER_CASES + INDUCTOR_CASES, timeout=600)[0]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")  # inherited by the spawned ranks: nothing may be downloaded
+        return run_on_ranks(2, hf_report, EAGER_CASES + INDUCTOR_CASES, timeout=600)[0]
 
 
 def _facts(report: dict, case: tuple) -> dict:
