@@ -141,6 +141,7 @@ def torchrun_env(port: int, rank: int) -> dict[str, str]:
 def slurm_env(port: int, rank: int) -> dict[str, str]:
     return {
         "SLURM_PROCID": str(rank),
+        "SLURM_STEP_ID": "0",  # srun's mark: without it SLURM_* means an sbatch/salloc shell
         "SLURM_NTASKS": "2",
         "SLURM_LOCALID": str(rank),
         "SLURM_JOB_NODELIST": "127.0.0.1",

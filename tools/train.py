@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 import zerocompile as zc
-from zerocompile.distributed import free_loopback_port, loopback_rank_environment
+from zerocompile.distributed import _launcher_environment, free_loopback_port, loopback_rank_environment
 from zerocompile.tools.gpt import GPT, SIZES
 
 MB = 1e6
@@ -126,9 +126,8 @@ def train(args: argparse.Namespace) -> list[float]:
 
 
 def _launched_by_torchrun_or_slurm() -> bool:
-    """The same variables `zc.init_distributed()` takes its rank from."""
-    env = os.environ
-    return ("RANK" in env and "WORLD_SIZE" in env) or ("SLURM_PROCID" in env and "SLURM_NTASKS" in env)
+    """Whether `zc.init_distributed()` will take this rank from torchrun or srun."""
+    return _launcher_environment() is not None
 
 
 def _spawned_rank(rank: int, args: argparse.Namespace, port: int, losses_file: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 from datetime import timedelta
 
@@ -11,23 +12,49 @@ import torch.distributed as dist
 
 
 def _launcher_environment() -> tuple[int, int, int] | None:
-    """(rank, world size, local rank) from torchrun's or Slurm's variables, if either launched us."""
+    """(rank, world size, local rank) from torchrun's or srun's variables, if either launched us.
+
+    Inside a Slurm allocation but outside `srun` (the body of an sbatch script, an salloc shell),
+    SLURM_PROCID is 0 and SLURM_NTASKS the job's task count, yet no other task runs: taking them
+    at their word would wait forever for ranks that never come, so that is an error instead.
+    Only srun sets SLURM_STEP_ID.
+    """
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
+    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
+        tasks = env.get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"]
+        return int(env["SLURM_PROCID"]), int(tasks), int(env.get("SLURM_LOCALID", 0))
+    job_tasks = int(env.get("SLURM_NTASKS", "1"))
+    if job_tasks > 1:
+        raise RuntimeError(
+            f"this process runs in a Slurm job of {job_tasks} tasks (SLURM_NTASKS={job_tasks}) but "
+            "was not started by srun (no SLURM_STEP_ID), so no other rank will join it: start one "
+            "process per task with `srun python SCRIPT ...` in the sbatch script, or one torchrun "
+            "per node with `srun --ntasks-per-node=1 torchrun --nnodes=$SLURM_NNODES ...`"
+        )
     return None
 
 
+def _first_host(nodelist: str) -> str:
+    """The first host of a Slurm hostlist: "node[07-09,12],gpu1" -> "node07", "r1-n[2-3]-ib" -> "r1-n2-ib"."""
+    depth = 0
+    for end, char in enumerate(nodelist):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            nodelist = nodelist[:end]
+            break
+    # Each bracket's first entry ("07-09,12" -> "07"), zero padding kept.
+    return re.sub(r"\[([^\]]*)\]", lambda group: re.split("[,-]", group[1])[0], nodelist)
+
+
 def _slurm_master_addr() -> str:
-    nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST") or "127.0.0.1"
-    # "node[01-04],gpu7" -> "node01": the first host of the first group.
-    first = nodelist.split(",")[0]
-    if "[" in first:
-        prefix, ranges = first.split("[", 1)
-        first = prefix + ranges.rstrip("]").split(",")[0].split("-")[0]
-    return first
+    return _first_host(os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST") or "127.0.0.1")
+
+
+def _slurm_master_port() -> int:
+    """29500 plus the job id modulo 1000: jobs sharing their first node rarely pick the same port."""
+    return 29500 + int(os.environ.get("SLURM_JOB_ID", "0")) % 1000
 
 
 def free_loopback_port() -> int:
@@ -51,10 +78,13 @@ def loopback_rank_environment(rank: int, world_size: int, port: int) -> dict[str
 def init_distributed(backend: str | None = None, timeout: timedelta | None = None) -> tuple[int, int]:
     """Initialise torch.distributed and return (rank, world_size).
 
-    Reads RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun) or SLURM_PROCID/SLURM_NTASKS/
-    SLURM_JOB_NODELIST (srun; MASTER_PORT defaults to 29500). Without either, starts a one-rank
-    group in this process, binding no port. Uses nccl when CUDA is available, gloo otherwise.
-    A no-op returning the current rank and size when already initialised.
+    Reads RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun) or, under srun, SLURM_PROCID/
+    SLURM_STEP_NUM_TASKS/SLURM_LOCALID with the first host of SLURM_STEP_NODELIST as MASTER_ADDR
+    and MASTER_PORT defaulting to 29500 + SLURM_JOB_ID % 1000 (either may be set to override).
+    Without a launcher, starts a one-rank group in this process, binding no port; inside a
+    multi-task Slurm job but not under srun, raises (the other ranks would never come). Uses nccl
+    when CUDA is available, gloo otherwise. A no-op returning the current rank and size when
+    already initialised.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -68,7 +98,7 @@ def init_distributed(backend: str | None = None, timeout: timedelta | None = Non
     rank, world_size, local_rank = launched
     if "MASTER_ADDR" not in os.environ:
         os.environ["MASTER_ADDR"] = _slurm_master_addr()
-    os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ.setdefault("MASTER_PORT", str(_slurm_master_port()))
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, **kwargs)

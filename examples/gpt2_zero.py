@@ -1,0 +1,96 @@
+"""ZeRO stage 3 for a Hugging Face GPT-2, inside torch.compile: a tutorial you can run.
+
+## 0. Launch
+
+    torchrun --nproc_per_node=2 examples/gpt2_zero.py                  # one machine, 2 ranks
+    torchrun --nnodes=2 --nproc_per_node=1 --node_rank=0 --master_addr=HOST0 --master_port=29500 \\
+        examples/gpt2_zero.py                                          # on HOST0; node_rank=1 on HOST1
+    srun --ntasks=2 python examples/gpt2_zero.py                       # inside a Slurm allocation
+    python examples/gpt2_zero.py                                       # alone: one rank
+
+Needs `pip install -e ".[hf]"` (transformers). Nothing is downloaded: the model is a tiny GPT-2 with
+random weights and the text is the prose shipped with zerocompile, read as bytes (vocabulary 256),
+so no tokenizer is needed either. `--save DIR` writes the trained model with `save_pretrained`:
+`GPT2LMHeadModel.from_pretrained(DIR)` loads it with no zerocompile installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import zerocompile as zc
+from zerocompile.tools.train import GlobalBatches, load_text
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3))
+    parser.add_argument("--batch-size", type=int, default=8, help="global batch, split over the ranks")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--compiler", default="inductor", choices=("inductor", "eager"))
+    parser.add_argument("--save", metavar="DIR", help="write the trained model here (save_pretrained)")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+
+    # 1.1 Start torch.distributed from torchrun's or srun's environment (alone: a one-rank group).
+    rank, world_size = zc.init_distributed()
+    if args.batch_size % world_size:
+        raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the {world_size} ranks")
+    rows = slice(rank * args.batch_size // world_size, (rank + 1) * args.batch_size // world_size)
+
+    # 1.2 Create the model and optimizer as usual. Every rank builds the same model; shard()
+    # broadcasts rank 0's weights anyway, as DDP does.
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=256, n_positions=args.seq_len, n_embd=64, n_layer=2, n_head=4,
+        bos_token_id=0, eos_token_id=0, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = GPT2LMHeadModel(config)  # its input and output embeddings are one tied Parameter
+    # HF chooses the loss by class name and "GPT2LMHeadModel" matches none, so every forward would
+    # log a warning, which is a graph break under torch.compile. Name the loss instead.
+    model.loss_type = "ForCausalLM"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    # 1.3 Shard it: each rank keeps 1/world_size of every parameter (and so of the gradients and
+    # the AdamW state); the compiled graphs gather each layer just before use and free it after.
+    zc.shard(model, stage=args.stage)
+    compiled = torch.compile(model, backend="zero", options={"compiler": args.compiler})
+
+    # 1.4 Data: each rank reads its rows of the same global batch (a DistributedSampler's job).
+    batches = GlobalBatches(load_text(), args.batch_size, args.seq_len, seed=0)
+
+    # 1.5 Train as usual. HF shifts the labels by one token itself.
+    for step in range(1, args.steps + 1):
+        input_ids, _next_tokens = batches.next(rows)
+        loss = compiled(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if rank == 0:
+            print(f"step {step:3d} | loss {loss.item():.4f} (rank 0's rows)", flush=True)
+    if rank == 0:
+        held = zc.model_state_bytes(model, optimizer)
+        print(f"model state on this rank: {sum(held.values()) / 2**20:.2f} MiB ({held})", flush=True)
+
+    # 1.6 Save: gather the full weights on rank 0 and write an ordinary HF checkpoint.
+    if args.save:
+        full = zc.full_state_dict(model)  # every rank takes part; only rank 0 gets the tensors
+        if rank == 0:
+            plain = GPT2LMHeadModel(config)
+            plain.load_state_dict(full)
+            plain.save_pretrained(args.save)
+            print(f"saved to {args.save}", flush=True)
+    torch.distributed.barrier()  # no rank tears the group down while another still uses it
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

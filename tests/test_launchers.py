@@ -1,0 +1,101 @@
+"""Launchers: torchrun on one node and on two "nodes" (two torchrun invocations on 127.0.0.1), and
+how `init_distributed()` reads Slurm's environment.
+
+The torchrun runs train examples/gpt2_zero.py (HF GPT-2, stage 3, eager compiler) and save the
+result; two nodes of one process must train exactly as one node of two.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from zerocompile.distributed import _first_host, _launcher_environment, _slurm_master_port, free_loopback_port
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "gpt2_zero.py"
+EXAMPLE_ARGS = ["--steps", "6", "--batch-size", "4", "--seq-len", "32", "--compiler", "eager"]
+TIMEOUT = 240.0
+STEP_LINE = re.compile(r"^step\s+(\d+) \| loss (\d+\.\d+)", re.MULTILINE)
+
+
+def _torchrun(*launcher_args: str, save: Path) -> subprocess.Popen:
+    """torchrun (as `python -m torch.distributed.run`) of the example, in its own process group."""
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", *launcher_args, "--master-addr=127.0.0.1"]
+    command += [str(EXAMPLE), *EXAMPLE_ARGS, "--save", str(save)]
+    # A session of its own, so a timeout can kill torchrun's workers along with it.
+    return subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+
+
+def _finish(processes: list[subprocess.Popen]) -> list[str]:
+    """Each process's output once all have exited zero; on a timeout or failure, kill them all."""
+    outputs = []
+    try:
+        for process in processes:
+            output, _ = process.communicate(timeout=TIMEOUT)
+            assert process.returncode == 0, output
+            outputs.append(output)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.communicate()
+    return outputs
+
+
+def test_two_nodes_train_like_one_node(tmp_path: Path) -> None:
+    one_node = tmp_path / "one-node"
+    (output,) = _finish([_torchrun("--nproc-per-node=2", f"--master-port={free_loopback_port()}", save=one_node)])
+    losses = [float(loss) for _step, loss in STEP_LINE.findall(output)]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.3, output
+
+    two_nodes = tmp_path / "two-nodes"
+    port = free_loopback_port()
+    node_args = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=static", f"--master-port={port}"]
+    outputs = _finish([_torchrun(*node_args, f"--node-rank={node}", save=two_nodes) for node in (0, 1)])
+    assert STEP_LINE.findall(outputs[0]) == STEP_LINE.findall(output)  # node 0 holds rank 0
+
+    expected = load_file(one_node / "model.safetensors")
+    trained = load_file(two_nodes / "model.safetensors")
+    assert trained.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(trained[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "first"),
+    [("node[07-09,12],gpu1", "node07"), ("gpu3", "gpu3"), ("r1-n[2-3]-ib,r2-n1", "r1-n2-ib"), ("a[1-2]-[5-6]", "a1-5")],
+)
+def test_master_is_the_first_host_of_the_node_list(nodelist: str, first: str) -> None:
+    assert _first_host(nodelist) == first
+
+
+def test_srun_environment_gives_rank_and_step_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)  # torchrun's variables would take precedence
+    srun = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "8"}
+    for name, value in {**srun, "SLURM_STEP_NUM_TASKS": "6", "SLURM_JOB_ID": "4242"}.items():
+        monkeypatch.setenv(name, value)
+    assert _launcher_environment() == (5, 6, 1)
+    assert _slurm_master_port() == 29500 + 242
+
+
+def test_sbatch_without_srun_is_an_error_not_a_hang(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What the body of `sbatch --ntasks=4` sees: a rank and a task count, but no step.
+    for name, value in {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "7"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(RuntimeError, match=r"SLURM_NTASKS=4.*not started by srun.*srun python"):
+        _launcher_environment()
+    monkeypatch.setenv("SLURM_NTASKS", "1")  # a one-task job alone is simply one rank
+    assert _launcher_environment() is None
