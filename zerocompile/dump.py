@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch.distributed as dist
 import torch.fx as fx
@@ -40,21 +41,22 @@ def graph_text(graph: fx.Graph) -> str:
     return code
 
 
-def emit(directory: str | None, piece: str, label: str, text: str, suffix: str = "py") -> None:
-    """One artifact to the structured trace and, if dumping, to DIR/rank{R}/."""
+def emit(directory: str | None, piece: str, label: str, text: Callable[[], str], suffix: str = "py") -> None:
+    """One artifact to the structured trace and, if dumping, to DIR/rank{R}/; `text` is called
+    only if one of them wants it (rendering a graph takes a while)."""
     name = f"{compile_id()}-{piece}-{label}"
-    trace_structured_artifact(f"zerocompile_{name}", "string", payload_fn=lambda: text)
+    trace_structured_artifact(f"zerocompile_{name}", "string", payload_fn=text)
     if directory is None:
         return
     rank = dist.get_rank() if dist.is_initialized() else 0
     folder = Path(directory, f"rank{rank}")
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{name}.{suffix}").write_text(text)
+    (folder / f"{name}.{suffix}").write_text(text())
 
 
 def emit_graph(directory: str | None, piece: str, when: str, pass_name: str, graph: fx.Graph) -> None:
-    emit(directory, piece, f"{when}-{pass_name}", graph_text(graph))
+    emit(directory, piece, f"{when}-{pass_name}", lambda: graph_text(graph))
 
 
-def emit_ledger(directory: str | None, piece: str, ledger: dict) -> None:
-    emit(directory, piece, "ledger", json.dumps(ledger, indent=1), suffix="json")
+def emit_ledger(directory: str | None, piece: str, ledger: Callable[[], dict]) -> None:
+    emit(directory, piece, "ledger", lambda: json.dumps(ledger(), indent=1), suffix="json")
