@@ -329,9 +329,9 @@ def _assert_inference(report: dict, stage: int, tolerance: float) -> None:
     assert not REDUCTIONS & set(ops), f"an inference graph reduces: {ops}"
     assert set(ops) == (set() if stage == 0 else {"all_gather"})
     (peak,) = outcome["peak_gathered"]
-    if stage in (1, 2):
-        assert peak == outcome["gathered_numel"]  # all gathered at the start, as in training
-    if stage == 3:
+    if stage in (1, 2, 3):
+        # Gathered prefetch-ahead and, with no backward to save them for, freed after last use
+        # (stages 1-2 as well: their training forward keeps them only because it saves them).
         assert peak <= outcome["window_bound"] < outcome["gathered_numel"], outcome
 
 

@@ -54,6 +54,13 @@ class CompiledGraph:
         self.compile_id = compile_id  # Dynamo's frame/attempt: one per graph-break fragment
         self.graph = graph
 
+    _FACTS = ("code", "ledger", "saved_gathered", "peak_gathered_numel", "peak_unreduced_grad_numel")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (e.g. sent back from a spawned rank) as its facts: the graph's fake tensors
+        do not pickle."""
+        return {"kind": self.kind, "compile_id": self.compile_id, **{name: getattr(self, name) for name in self._FACTS}}
+
     @functools.cached_property
     def code(self) -> str:
         return self.graph.python_code("self").src
