@@ -84,7 +84,7 @@ def lower_markers(
     counts["reduction_buckets"] = len(reductions)
     if prefetch:
         _wait_gathers_at_first_use(gathers_up_front)
-        _issue_gathers_early(gathers_up_front, prefetch)
+        _issue_gathers_early(_in_wait_order(gathers_up_front), prefetch)
         _issue_gathers_early(gathers, prefetch)
         _wait_reductions_late(reductions)
     graph.lint()
@@ -162,6 +162,9 @@ def _issue_gathers_early(buckets: list[list[fx.Node]], distance: int) -> None:
             continue
         # The first `distance` buckets are all issued up front, one after another.
         anchor = _split_at_wait(buckets[k - distance])[1] if k >= distance else _split_at_wait(buckets[k - 1])[0][-1]
+        position = {node: i for i, node in enumerate(anchor.graph.nodes)}
+        if position[anchor] > position[_split_at_wait(bucket)[1]]:
+            continue  # its own wait comes first (first uses out of bucket order): stay in place
         for node in issue:
             anchor.append(node)
             anchor = node
@@ -185,6 +188,13 @@ def _wait_gathers_at_first_use(buckets: list[list[fx.Node]]) -> None:
         first_reader = min(readers, key=position.__getitem__)
         for node in moved:
             first_reader.prepend(node)
+
+
+def _in_wait_order(buckets: list[list[fx.Node]]) -> list[list[fx.Node]]:
+    if not buckets:
+        return buckets
+    position = {node: i for i, node in enumerate(buckets[0][0].graph.nodes)}
+    return sorted(buckets, key=lambda bucket: position[_split_at_wait(bucket)[1]])
 
 
 def _wait_reductions_late(buckets: list[list[fx.Node]]) -> None:
