@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from .lowering import unpack
 from .markers import is_unshard, unshard_args
 
 aten = torch.ops.aten
@@ -31,6 +32,7 @@ _CASTS = {
     aten.clone.default,
     aten._unsafe_view.default,
     torch.ops.prims.convert_element_type.default,
+    unpack._opoverload,  # a bucket's parameters, copied out of the gathered buffer
 }
 
 

@@ -35,6 +35,7 @@ from zerocompile.passes.markers import REDUCE_GRAD, UNSHARD
 aten = torch.ops.aten
 funcol = torch.ops._c10d_functional
 PACK = torch.ops.zero.pack.default
+UNPACK = torch.ops.zero.unpack.default
 
 # The forward/backward test model: four parameters, two of them padded over 4 ranks.
 SHAPES = ([3, 5], [5, 4], [4, 2], [2])  # numel 15, 20, 8, 2
@@ -291,35 +292,20 @@ def test_gather_bucket_is_one_all_gather_of_the_packed_shards(group_name, dtype)
     assert ag.args[1:] == (WORLD, group_name)
     (wait,) = ag.users
     assert wait.target is funcol.wait_tensor.default
-    (rows,) = wait.users
-    assert rows.target is aten.view.default and rows.args == (wait, [WORLD, total])
-    (split,) = rows.users
-    assert split.target is aten.split_with_sizes.default and split.args == (rows, list(SHARDS), 1)
-    assert [shape(n) for n in (packed, ag, wait, rows)] == [(total,), (WORLD * total,), (WORLD * total,), (WORLD, total)]
+    (unpacked,) = wait.users
+    numels = [math.prod(full) for full in SHAPES]
+    assert unpacked.target is UNPACK and unpacked.args == (wait, WORLD, list(SHARDS), numels)
+    assert [shape(n) for n in (packed, ag, wait)] == [(total,), (WORLD * total,), (WORLD * total,)]
 
-    # Per parameter: getitem (a column block) -> clone -> _unsafe_view (flat, padded) -> slice -> view.
-    # The slice is emitted even when unpadded (a no-op [0:numel]): the bucket path always slices.
-    pieces = sorted(split.users, key=lambda n: n.args[1])
+    # Per parameter: getitem (its flat, unpadded copy out of the bucket) -> view in its shape.
+    pieces = sorted(unpacked.users, key=lambda n: n.args[1])
     assert [p.target for p in pieces] == [operator.getitem] * 4 and [p.args[1] for p in pieces] == [0, 1, 2, 3]
     fulls = []
-    for piece, full, shard in zip(pieces, SHAPES, SHARDS):
-        if shard == 1:  # a [4, 1] column block is viewable flat: no copy
-            (flat,) = piece.users
-            assert flat.target is aten.view.default and flat.args == (piece, [WORLD])
-            chain = (piece, flat)
-        else:
-            (copy,) = piece.users
-            (flat,) = copy.users
-            assert copy.target is aten.clone.default and shape(copy) == (WORLD, shard)
-            assert flat.target is aten._unsafe_view.default and flat.args == (copy, [WORLD * shard])
-            chain = (piece, copy, flat)
-        (sliced,) = flat.users
-        (view,) = sliced.users
-        assert sliced.target is aten.slice.Tensor and sliced.args == (flat, 0, 0, math.prod(full))
-        assert view.target is aten.view.default and view.args == (sliced, full)
-        chain = (*chain, sliced, view)
-        assert [shape(n) for n in (piece, flat, sliced, view)] == [(WORLD, shard), (WORLD * shard,), (math.prod(full),), tuple(full)]
-        assert {n.meta["val"].dtype for n in (packed, ag, wait, rows, *chain)} == {dtype}
+    for piece, full, numel in zip(pieces, SHAPES, numels):
+        (view,) = piece.users
+        assert view.target is aten.view.default and view.args == (piece, full)
+        assert shape(piece) == (numel,) and shape(view) == tuple(full)
+        assert {n.meta["val"].dtype for n in (packed, ag, wait, piece, view)} == {dtype}
         fulls.append(view)
 
     # The compute now reads the full views, in the right places.
@@ -333,11 +319,9 @@ def test_gather_bucket_is_one_all_gather_of_the_packed_shards(group_name, dtype)
         PACK,
         funcol.all_gather_into_tensor.default,
         funcol.wait_tensor.default,
-        aten.view.default,
-        aten.split_with_sizes.default,
+        UNPACK,
         *[operator.getitem] * 4,
-        *[aten.clone.default, aten._unsafe_view.default, aten.slice.Tensor, aten.view.default] * 3,
-        *[aten.view.default, aten.slice.Tensor, aten.view.default],  # the bias: shard 1
+        *[aten.view.default] * 4,
         aten.mm.default,
         relu,
         aten.mm.default,
@@ -766,7 +750,7 @@ def test_prefetch_moves_the_pack_with_its_all_gather(group_name):
     nodes = list(gm.graph.nodes)
     index = node_index(gm.graph)
     assert nodes[index[wait1] + 1 : index[wait1] + 3] == [pack2, ag2]
-    assert nodes[index[wait1] + 3].target is VIEW and nodes[index[wait1] + 3].args[0] is wait1
+    assert nodes[index[wait1] + 3].target is UNPACK and nodes[index[wait1] + 3].args[0] is wait1
     # bucket 2's wait stays just before its unpacking, after bucket 1's last use (the second mm)
     mm2 = find(gm.graph, MM)[1]
     assert index[mm2] < index[wait2] and nodes[index[wait2] + 1].args[0] is wait2
