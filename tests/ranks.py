@@ -13,7 +13,7 @@ import tempfile
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Hashable, Iterable
 
 import torch.multiprocessing as mp
 
@@ -72,6 +72,24 @@ def _wait(context: Any, tmp: str, timeout: float) -> None:
                 return
         if waited >= timeout:
             raise TimeoutError(f"ranks still running after {timeout:.0f} s")
+
+
+def run_cases(cases: Iterable[tuple[Hashable, Callable[[], Any]]]) -> dict[Hashable, Any]:
+    """Inside a rank: each case's result, or its traceback if it raised, by key.
+
+    One failing case must not cost the report of the others, and a barrier after each keeps the
+    ranks in step, so a rank that failed early cannot meet the others' next collectives.
+    """
+    import torch.distributed as dist
+
+    report: dict[Hashable, Any] = {}
+    for key, run in cases:
+        try:
+            report[key] = run()
+        except Exception:
+            report[key] = traceback.format_exc()
+        dist.barrier()
+    return report
 
 
 class _RankFailure:

@@ -9,7 +9,6 @@ around each one) and the graphs compiled; the tests assert on the report.
 from __future__ import annotations
 
 import contextlib
-import traceback
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from torch import nn
 
 import zerocompile as zc
 from models import MODELS, local_batch
-from ranks import run_on_ranks
+from ranks import run_cases, run_on_ranks
 from test_parity import EAGER_TOLERANCE, INDUCTOR_TOLERANCE, _full_parameters
 from test_stages import _wchar
 from zerocompile.backend import compiled_graphs
@@ -109,12 +108,7 @@ def _misplaced_steps(rank: int, world_size: int) -> dict[str, str]:
 def accumulation_report(rank: int, world_size: int) -> dict:
     """{"ddp", mode}: DDP's run; {case}: ours, or the traceback of a failure."""
     report = {("ddp", mode): _reference(mode, rank, world_size) for mode in MODES}
-    for case in CASES:
-        try:
-            report[case] = _zero(case, rank, world_size)
-        except Exception:
-            report[case] = traceback.format_exc()
-        dist.barrier()
+    report.update(run_cases((case, lambda case=case: _zero(case, rank, world_size)) for case in CASES))
     report["misplaced steps"] = _misplaced_steps(rank, world_size)
     return report
 

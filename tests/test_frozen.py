@@ -10,8 +10,6 @@ gradients).
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,7 +17,7 @@ from torch import nn
 
 import zerocompile as zc
 from models import LoRAMLP, local_batch
-from ranks import run_on_ranks
+from ranks import run_cases, run_on_ranks
 from test_accumulation import MICRO_STEPS, accumulate
 from test_parity import EAGER_TOLERANCE, _full_parameters
 from test_stages import _wchar
@@ -89,13 +87,7 @@ def frozen_report(rank: int, world_size: int) -> dict:
     report["ddp no_sync"] = accumulate(ddp, model, ddp.no_sync, "lora_mlp", rank, world_size)
     cases = {stage: lambda stage=stage: _sharded(stage) for stage in STAGES}
     cases["no_sync"] = lambda: _no_sync(3, rank)
-    for key, run in cases.items():
-        try:
-            report[key] = run()
-        except Exception:
-            report[key] = traceback.format_exc()
-        dist.barrier()
-    return report
+    return {**report, **run_cases(cases.items())}
 
 
 @pytest.fixture(scope="module")

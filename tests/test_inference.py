@@ -13,17 +13,15 @@ One spawned 2-rank group per compiler runs every case and reports; the tests ass
 from __future__ import annotations
 
 import dataclasses
-import traceback
 from typing import Any, Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import zerocompile as zc
 from models import UnevenMLP, local_batch
-from ranks import run_on_ranks
+from ranks import run_cases, run_on_ranks
 from test_parity import _full_parameters
 from zerocompile.backend import compiled_graphs
 from zerocompile.sharding import shard_info
@@ -114,14 +112,8 @@ def _inference_case(case: Case, stage: int, rank: int, compiler: str, schedule: 
 
 
 def inference_report(rank: int, world_size: int, case_name: str, compiler: str, schedule: tuple[str, ...]) -> dict:
-    report: dict[Any, Any] = {"schedule": schedule}
-    for stage in STAGES:
-        try:
-            report[stage] = _inference_case(CASES[case_name], stage, rank, compiler, schedule)
-        except Exception:
-            report[stage] = traceback.format_exc()
-        dist.barrier()
-    return report
+    cases = [(stage, lambda stage=stage: _inference_case(CASES[case_name], stage, rank, compiler, schedule)) for stage in STAGES]
+    return {"schedule": schedule, **run_cases(cases)}
 
 
 # ----------------------------------------------------------------------------------- gathered()
@@ -287,18 +279,13 @@ def _eager_inside_case(rank: int) -> dict[str, Any]:
 
 def eager_report(rank: int, world_size: int) -> dict:
     report: dict[Any, Any] = {"inference": inference_report(rank, world_size, "gpt", "eager", SWITCHING)}
-    for key, run in [
+    cases = [
         *[(("gathered", stage), lambda s=stage: _gathered_case(s, rank, None)) for stage in STAGES],
         (("gathered", "bf16"), lambda: _gathered_case(3, rank, torch.bfloat16)),
         ("misuse", lambda: _misuse_case(rank)),
         ("eager_inside", lambda: _eager_inside_case(rank)),
-    ]:
-        try:
-            report[key] = run()
-        except Exception:
-            report[key] = traceback.format_exc()
-        dist.barrier()
-    return report
+    ]
+    return {**report, **run_cases(cases)}
 
 
 @pytest.fixture(scope="module")
