@@ -24,6 +24,7 @@ import json
 import os
 import tempfile
 import time
+import warnings
 from importlib import resources
 from pathlib import Path
 
@@ -33,6 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 import zerocompile as zc
+from zerocompile import checkpoint_files
 from zerocompile.distributed import _launcher_environment, free_loopback_port, loopback_rank_environment
 from zerocompile.tools.gpt import GPT, SIZES
 
@@ -230,7 +232,7 @@ def _resume(
     """(losses so far, first step to run): from --resume's checkpoint, or a fresh start."""
     if args.resume is None:
         return [], 1
-    if not args.resume.exists():
+    if not _checkpoint_exists(args.resume):
         if rank == 0:
             print(f"no checkpoint at {args.resume} yet: starting afresh", flush=True)
         return [], 1
@@ -239,6 +241,18 @@ def _resume(
     if rank == 0:
         print(f"resumed from {args.resume} after step {extra['step']}", flush=True)
     return list(extra["losses"]), extra["step"] + 1
+
+
+def _checkpoint_exists(path: Path) -> bool:
+    """Whether `zc.load(path)` has a checkpoint to load: `path` itself, or the previous checkpoint a
+    save killed between its two renames left beside it (starting afresh then would lose it)."""
+    try:
+        with warnings.catch_warnings():  # `zc.load` warns about the previous checkpoint itself
+            warnings.simplefilter("ignore")
+            checkpoint_files.resolve(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 @torch.no_grad()

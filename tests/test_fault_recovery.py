@@ -1,0 +1,84 @@
+"""Fault recovery of the main job: a rank SIGKILLed mid-run under `torchrun --max-restarts=1`.
+
+The job (`zerocompile train --save D --save-every N --resume D`) must be restarted by torchrun from
+its last complete checkpoint and end with exactly the parameters, optimizer state and loss curve of
+a run that was never interrupted: the README's promise for `torchrun --max-restarts=K`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from zerocompile import checkpoint_files
+from zerocompile.distributed import free_loopback_port
+from zerocompile.tools.convert import convert
+
+KILL_RANK_TRAIN = Path(__file__).resolve().parent / "kill_rank_train.py"
+STEPS, SAVE_EVERY, KILL_AT_STEP = 8, 3, 5  # checkpoints after steps 3, 6, 8; the kill loses steps 4-5
+TIMEOUT = 240.0
+
+
+def _torchrun_train(entry: list[str], checkpoint: Path, out: Path, extra_env: dict[str, str]) -> str:
+    """`entry train ...` as 2 torchrun workers allowed one restart; its output once it exits zero.
+
+    torchrun runs in a session of its own, so on a timeout or failure its workers die with it.
+    """
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **extra_env}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1"]
+    # c10d rendezvous with a fresh store per attempt: torchrun's static rendezvous (and c10d's shared
+    # store) keep one store for the whole job, whose keys from the killed attempt (gloo addresses)
+    # a restarted rank can read before they are rewritten, and then connect to a dead process.
+    command += ["--monitor-interval=0.1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_loopback_port()}"]
+    command += ["--local-addr=127.0.0.1"]
+    command += [*entry, "train", "--compiler", "eager", "--model-size", "tiny", "--batch-size", "16"]
+    command += ["--steps", str(STEPS), "--log-every", "1", "--sample-bytes", "0", "--out", str(out)]
+    command += ["--save", str(checkpoint), "--save-every", str(SAVE_EVERY), "--resume", str(checkpoint)]
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = process.communicate(timeout=TIMEOUT)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    assert process.returncode == 0, output
+    return output
+
+
+def _final_state(checkpoint: Path, tmp_path: Path) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The full parameters (through `zerocompile convert`) and the loss curve a job saved last."""
+    weights = tmp_path / f"{checkpoint.name}.safetensors"
+    convert(checkpoint, weights)
+    extra = checkpoint_files.read_extra(checkpoint_files.resolve(checkpoint), rank=0)
+    assert extra["step"] == STEPS
+    return load_file(weights), extra["losses"]
+
+
+def test_a_rank_killed_mid_run_restarts_from_the_checkpoint_to_the_same_weights(tmp_path: Path) -> None:
+    uninterrupted = _torchrun_train(["-m", "zerocompile.tools.cli"], tmp_path / "uninterrupted", tmp_path, {})
+    assert "no checkpoint at" in uninterrupted and "resumed from" not in uninterrupted
+
+    kill = {"KILL_RANK": "1", "KILL_AT_STEP": str(KILL_AT_STEP)}
+    restarted = _torchrun_train([str(KILL_RANK_TRAIN)], tmp_path / "restarted", tmp_path, kill)
+    assert f"rank 1: killing myself at step {KILL_AT_STEP}" in restarted, restarted
+    assert re.search(r"exitcode\s*:\s*-9|Signal 9 \(SIGKILL\)", restarted), restarted  # torchrun saw the kill
+    # The restart began from the last checkpoint before the kill and redid the lost steps.
+    assert f"resumed from {tmp_path / 'restarted'} after step {SAVE_EVERY}" in restarted, restarted
+    steps_logged = [int(step) for step in re.findall(r"\] step\s+(\d+)/", restarted)]
+    assert steps_logged == [*range(1, KILL_AT_STEP), *range(SAVE_EVERY + 1, STEPS + 1)], restarted
+
+    expected_weights, expected_losses = _final_state(tmp_path / "uninterrupted", tmp_path)
+    weights, losses = _final_state(tmp_path / "restarted", tmp_path)
+    assert losses == expected_losses
+    assert weights.keys() == expected_weights.keys()
+    for name, tensor in expected_weights.items():
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=0, msg=name)
