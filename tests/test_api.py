@@ -58,7 +58,7 @@ def test_unknown_setting_and_option_list_the_valid_ones(single_rank) -> None:
         zc.shard(UnevenMLP(), stage=3, bucket=1)
     model = zc.shard(UnevenMLP(), stage=3)
     compiled = torch.compile(model, backend="zero", options={"prefetch_depth": 2})
-    with pytest.raises(Exception, match=r"unknown option\(s\) \['prefetch_depth'\].*valid options: \['compiler', 'dump_dir', 'bucket_bytes', 'prefetch'\]"):
+    with pytest.raises(Exception, match=r"unknown option\(s\) \['prefetch_depth'\].*valid options: \['compiler', 'dump_dir', 'bucket_bytes', 'prefetch', 'check_ranks'\]"):
         compiled(torch.randn(2, 7))
 
 

@@ -27,8 +27,10 @@ from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._guards import CompileContext
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from zerocompile import guard
 from zerocompile.config import ZeroConfig
 from zerocompile.gathered import is_gathered
 from zerocompile import dump
@@ -95,12 +97,14 @@ def zero_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[st
     merge_repeated_unshards(gm.graph)
     gm.recompile()
     dump.emit_graph(directory, "dynamo", "after", "merge_repeated_unshards", gm.graph)
+    context = _check_ranks_agree(gm.graph, config) if config.check_ranks else None
     lowering = Lowering(directory, config.bucket_bytes, config.prefetch)
     if config.compiler == "eager":
-        lower = functools.partial(_lower_and_run_eagerly, lowering=lowering)
-        return aot_autograd(
+        lower = functools.partial(_lower_and_run_eagerly, lowering=lowering, context=context)
+        compiled = aot_autograd(
             fw_compiler=lower, bw_compiler=lower, partition_fn=functools.partial(_partition, directory=directory)
         )(gm, example_inputs)
+        return _explained(compiled, context, "forward")
     from torch._inductor.compile_fx import compile_fx
 
     from torch._inductor.decomposition import select_decomp_table
@@ -114,10 +118,34 @@ def zero_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[st
         "reorder_for_peak_memory": False,
     }
     if directory is None:
-        return compile_fx(gm, example_inputs, config_patches=config_patches)
+        return _explained(compile_fx(gm, example_inputs, config_patches=config_patches), context, "forward")
     # A cache hit would skip our passes and so write no dump: compile afresh when dumping.
     with torch._functorch.config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, config_patches={**config_patches, "fx_graph_cache": False})
+        compiled = compile_fx(gm, example_inputs, config_patches={**config_patches, "fx_graph_cache": False})
+    return _explained(compiled, context, "forward")
+
+
+def _check_ranks_agree(graph: fx.Graph, config: ZeroConfig) -> guard.GraphContext | None:
+    """The rank-consistency guard on the merged Dynamo graph, with every setting that steers how
+    its markers are lowered (and the torch version, whose passes and decompositions do too)."""
+    settings = {
+        "bucket_bytes": config.bucket_bytes,
+        "prefetch": config.prefetch,
+        "compiler": config.compiler,
+        "torch": torch.__version__,
+    }
+    compile_id = CompileContext.current_compile_id()
+    return guard.check_ranks_agree(graph, settings, str(compile_id) if compile_id is not None else "outside Dynamo")
+
+
+def _explained(compiled: Callable, context: guard.GraphContext | None, kind: str) -> Callable:
+    """`compiled`, whose failed collectives raise an error naming the graph, rank and timeout.
+
+    Wraps what the backend returns, i.e. the forward. The backward is wrapped only on the eager
+    path (its `bw_compiler` is ours); Inductor's backward comes out of AOTAutograd, or straight from
+    its cache, with no hook of ours around the callable.
+    """
+    return compiled if context is None else guard.explain_collective_failures(compiled, context, kind)
 
 
 def _config_of(graph: fx.Graph) -> ZeroConfig:
@@ -160,10 +188,14 @@ def _partition(joint: fx.GraphModule, joint_inputs: Any, *, directory: str | Non
     return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
-def _lower_and_run_eagerly(gm: fx.GraphModule, example_inputs: Any, *, lowering: Lowering) -> Callable:
+def _lower_and_run_eagerly(
+    gm: fx.GraphModule, example_inputs: Any, *, lowering: Lowering, context: guard.GraphContext | None
+) -> Callable:
+    kind = _graph_kind(gm.graph)
     _lower_and_record(gm.graph, lowering)
     gm.recompile()
-    return make_boxed_func(gm.forward)
+    # The forward is explained by zero_backend's wrapper around the whole compiled function.
+    return make_boxed_func(_explained(gm.forward, context, kind) if kind == "backward" else gm.forward)
 
 
 def _graph_kind(graph: fx.Graph) -> str:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 # Fields that only steer the graph passes, so `options=` of one compile may change them.
-COMPILE_TIME_FIELDS = ("compiler", "dump_dir", "bucket_bytes", "prefetch")
+COMPILE_TIME_FIELDS = ("compiler", "dump_dir", "bucket_bytes", "prefetch", "check_ranks")
 COMPILERS = ("inductor", "eager")
 
 
@@ -36,6 +36,10 @@ class ZeroConfig:
         and the model computes in it; the shards stay in their own dtype (fp32 master weights).
     reduce_dtype: gradients are reduced in it and land in the shards' dtype (default: the
         dtype they were computed in).
+    check_ranks: before a compiled graph first runs, the ranks compare their collective
+        schedules (through the process group's store) and all raise on a mismatch instead of
+        hanging. Off only for code whose ranks legitimately compile different graphs with the
+        same collectives (e.g. rank-local input shapes recompiling on one rank).
     """
 
     stage: int = 3
@@ -49,6 +53,7 @@ class ZeroConfig:
     prefetch: int = 1
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    check_ranks: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -62,6 +67,8 @@ class ZeroConfig:
             dtype = getattr(self, name)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise ValueError(f"{name} must be a floating-point torch.dtype such as torch.bfloat16, got {dtype!r}")
+        if not isinstance(self.check_ranks, bool):
+            raise ValueError(f"check_ranks must be True or False, got {self.check_ranks!r}")
         if self.bucket_bytes < 0 or self.prefetch < 0:
             raise ValueError(
                 f"bucket_bytes and prefetch must be >= 0, got {self.bucket_bytes} and {self.prefetch}"

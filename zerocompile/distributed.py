@@ -75,6 +75,20 @@ def loopback_rank_environment(rank: int, world_size: int, port: int) -> dict[str
     }
 
 
+def process_group_timeout(group: dist.ProcessGroup | None = None) -> timedelta:
+    """How long collectives on `group` (default: the world) wait for a peer before failing.
+
+    The timeout `init_process_group`/`new_group` gave the group's backend: gloo enforces it on
+    every collective, functional ones inside compiled graphs included.
+    """
+    group = group if group is not None else dist.group.WORLD
+    for device in group._device_types:
+        options = getattr(group._get_backend(device), "options", None)
+        if options is not None:
+            return options._timeout
+    return dist.distributed_c10d._get_process_group_store(group).timeout
+
+
 def init_distributed(backend: str | None = None, timeout: timedelta | None = None) -> tuple[int, int]:
     """Initialise torch.distributed and return (rank, world_size).
 

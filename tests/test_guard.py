@@ -1,0 +1,239 @@
+"""The rank-consistency guard and collective timeouts (zerocompile/guard.py).
+
+One spawned group of 2 ranks runs every distributed case in turn and reports what each rank saw;
+the cases that break a group's connections use a subgroup of their own with a short timeout, so
+the world group stays usable for the next case. The comparison and its messages are also tested
+on hand-built schedules, without any process group.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zerocompile as zc
+from ranks import run_on_ranks
+from zerocompile import guard
+from zerocompile.guard import MarkerEntry, Schedule, first_difference
+
+WORLD_SIZE = 2
+SHORT_TIMEOUT = timedelta(seconds=3)
+EAGER = {"compiler": "eager"}
+
+
+class RankBranch(nn.Module):
+    """With `branch_on_rank`, rank 0 applies a layer the other ranks skip: the bug the guard is for."""
+
+    def __init__(self, branch_on_rank: bool) -> None:
+        super().__init__()
+        self.branch_on_rank = branch_on_rank
+        self.body = nn.Linear(8, 8)
+        self.extra = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.body(x))
+        if not self.branch_on_rank or dist.get_rank() == 0:
+            x = self.extra(x)
+        return self.head(x).square().mean()
+
+
+def _compiled(stage: int, branch_on_rank: bool, group: dist.ProcessGroup | None = None) -> nn.Module:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = zc.shard(RankBranch(branch_on_rank), stage=stage, group=group)
+    return torch.compile(model, backend="zero", options=EAGER)
+
+
+def _batch(rank: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+
+
+def _identical(rank: int) -> dict:
+    """Two training steps on identical ranks: the guard runs once per graph and finds nothing."""
+    checks, seconds, written = guard.stats.checks, guard.stats.seconds, guard.stats.bytes_written
+    compiled = _compiled(3, branch_on_rank=False)
+    started = time.perf_counter()
+    for _ in range(2):
+        compiled(_batch(rank)).backward()
+    return {
+        "checks": guard.stats.checks - checks,
+        "guard_seconds": guard.stats.seconds - seconds,
+        "bytes_written": guard.stats.bytes_written - written,
+        "step_seconds": time.perf_counter() - started,
+    }
+
+
+def _diverging(stage: int, rank: int) -> dict:
+    compiled = _compiled(stage, branch_on_rank=True)
+    started = time.perf_counter()
+    try:
+        compiled(_batch(rank)).backward()
+    except Exception as error:  # what the user sees, Dynamo's wrapping included
+        return {"error": str(error), "type": _root_cause(error), "seconds": time.perf_counter() - started}
+    return {"error": None, "seconds": time.perf_counter() - started}
+
+
+def _root_cause(error: BaseException) -> str:
+    """The backend's own error type: Dynamo re-raises it as BackendCompilerFailed, not chained."""
+    return type(getattr(error, "inner_exception", error)).__name__
+
+
+def _stalled_peer(rank: int, where: str) -> dict:
+    """Rank 1 stops taking part — it sleeps past the timeout before its forward, or leaves the
+    group before its backward — and rank 0's collectives must fail with the explained error."""
+    group = dist.new_group([0, 1], timeout=SHORT_TIMEOUT)
+    compiled = _compiled(3, branch_on_rank=False, group=group)
+    compiled(_batch(rank)).backward()  # compiles and runs once on both ranks
+    started = time.perf_counter()
+    try:
+        if rank == 1 and where == "forward":
+            time.sleep(SHORT_TIMEOUT.total_seconds() + 3)
+        loss = compiled(_batch(rank))
+        if rank == 1 and where == "backward":
+            dist.destroy_process_group(group)  # as if the process had exited: its connections close
+            return {"left": True}
+        loss.backward()
+    except Exception as error:
+        # Exceptions lose their __cause__ when pickled back to the test: report the chain here.
+        cause = error.__cause__
+        return {"error": str(error), "type": type(error).__name__, "cause": type(cause).__name__ if cause else None,
+                "seconds": time.perf_counter() - started}
+    return {"error": None, "seconds": time.perf_counter() - started}
+
+
+def guard_report(rank: int, world_size: int) -> dict:
+    """Every case on this rank: its outcome, or the traceback of an unexpected failure."""
+    cases = {
+        "identical": lambda: _identical(rank),
+        "diverging stage 3": lambda: _diverging(3, rank),
+        "diverging stage 2": lambda: _diverging(2, rank),
+        "stall in forward": lambda: _stalled_peer(rank, "forward"),
+        "exit before backward": lambda: _stalled_peer(rank, "backward"),
+    }
+    report = {}
+    for name, run in cases.items():
+        try:
+            report[name] = run()
+        except Exception:
+            report[name] = traceback.format_exc()
+        dist.barrier()
+    return report
+
+
+@pytest.fixture(scope="module")
+def reports() -> list[dict]:
+    return run_on_ranks(WORLD_SIZE, guard_report, timeout=120)
+
+
+def _case(report: dict, name: str) -> dict:
+    outcome = report[name]
+    assert not isinstance(outcome, str), outcome
+    return outcome
+
+
+def test_identical_ranks_pass_the_guard_cheaply(reports) -> None:
+    for report in reports:
+        outcome = _case(report, "identical")
+        # One training graph; the guard compared it once and wrote one small schedule.
+        assert outcome["checks"] == 1
+        assert 0 < outcome["bytes_written"] < 4096
+        assert outcome["guard_seconds"] < 0.2 * outcome["step_seconds"], outcome
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_rank_dependent_branch_fails_on_every_rank_naming_the_collective(reports, stage: int) -> None:
+    for rank, report in enumerate(reports):
+        outcome = _case(report, f"diverging stage {stage}")
+        assert outcome["error"] is not None, f"rank {rank} ran a diverging model without error"
+        assert outcome["type"] == "RankMismatchError"
+        assert outcome["seconds"] < 30
+        message = outcome["error"]
+        assert "collective 3 differs" in message, message
+        assert f"rank 0 gathers 'extra.weight' [8, 8] at stage {stage}" in message, message
+        assert f"rank 1 gathers 'head.weight' [1, 8] at stage {stage}" in message, message
+        assert "do not branch on dist.get_rank()" in message
+
+
+@pytest.mark.parametrize(("case", "kind"), [("stall in forward", "forward"), ("exit before backward", "backward")])
+def test_lost_peer_fails_within_the_timeout_with_an_explained_error(reports, case: str, kind: str) -> None:
+    survivor = _case(reports[0], case)
+    message = survivor["error"]
+    assert survivor["type"] == "CollectiveFailedError", message
+    assert survivor["cause"] == "RuntimeError"  # the transport's own error stays chained
+    assert survivor["seconds"] < SHORT_TIMEOUT.total_seconds() + 2
+    assert f"in the {kind} of zero-compiled graph #1" in message, message
+    assert "stage 3" in message and "rank 0 of 2" in message
+    assert f"timeout ({SHORT_TIMEOUT})" in message and "init_distributed(timeout=" in message
+
+
+# The comparison itself, on hand-built schedules.
+
+SETTINGS = {"bucket_bytes": 1024, "prefetch": 1, "compiler": "eager", "torch": "2.13.0"}
+
+
+def _gather(param: str, shape: list[int], stage: int = 3) -> MarkerEntry:
+    return MarkerEntry("unshard", param, shape, stage, "0", grad_reduced=True)
+
+
+def test_equal_schedules_agree() -> None:
+    markers = [_gather("a.weight", [4, 4]), _gather("b.weight", [2, 4])]
+    assert first_difference([Schedule("0/0", SETTINGS, markers), Schedule("0/1", SETTINGS, list(markers))]) is None
+
+
+def test_first_differing_collective_is_named_with_both_ranks_parameters() -> None:
+    ours = [_gather("a.weight", [4, 4]), _gather("b.weight", [2, 4])]
+    theirs = [_gather("a.weight", [4, 4]), _gather("c.weight", [3, 4])]
+    message = first_difference([Schedule("0/0", SETTINGS, ours), Schedule("0/0", SETTINGS, theirs)])
+    assert message.startswith(
+        "collective 2 differs — rank 0 gathers 'b.weight' [2, 4] at stage 3, gradient reduced, "
+        "rank 1 gathers 'c.weight' [3, 4] at stage 3, gradient reduced"
+    ), message
+
+
+def test_a_difference_only_in_dtype_or_gradient_is_visible_in_the_message() -> None:
+    ours = [_gather("a.weight", [4, 4])]
+    theirs = [MarkerEntry("unshard", "a.weight", [4, 4], 3, "0", compute_dtype="bfloat16")]
+    message = first_difference([Schedule("0/0", SETTINGS, ours), Schedule("0/0", SETTINGS, theirs)])
+    assert "rank 1 gathers 'a.weight' [4, 4] at stage 3, compute bfloat16, no gradient" in message, message
+
+
+def test_an_extra_collective_is_named_whichever_rank_has_it() -> None:
+    short = [_gather("a.weight", [4, 4])]
+    long = short + [MarkerEntry("reduce_grad", "z.bias", [2], 2, "0")]
+    for schedules, extra_rank in (([long, short], 0), ([short, long], 1)):
+        message = first_difference([Schedule("1/0", SETTINGS, s) for s in schedules])
+        assert "collective 2" in message and "the first extra one" in message, message
+        assert f"rank {extra_rank} reduces the gradient of 'z.bias' (2 elements per rank) at stage 2" in message
+
+
+def test_the_first_rank_differing_from_rank_0_is_named() -> None:
+    reference = [_gather("a.weight", [4, 4])]
+    schedules = [Schedule("0/0", SETTINGS, reference)] * 2 + [Schedule("0/0", SETTINGS, [_gather("q", [1])])]
+    assert "rank 2 gathers 'q' [1]" in first_difference(schedules)
+
+
+def test_different_settings_are_named_with_the_fix() -> None:
+    markers = [_gather("a.weight", [4, 4])]
+    other = {**SETTINGS, "bucket_bytes": 0}
+    message = first_difference([Schedule("0/0", SETTINGS, markers), Schedule("0/0", other, markers)])
+    assert "rank 0 bucket_bytes=1024; rank 1 bucket_bytes=0" in message, message
+    assert "same torch.compile options" in message
+
+
+def test_schedules_survive_the_store_round_trip() -> None:
+    schedule = Schedule("2/1", SETTINGS, [_gather("a.weight", [4, 4]), MarkerEntry("reduce_grad", "b", [3], 2, "7")])
+    assert Schedule.from_json(schedule.to_json().encode()) == schedule
+
+
+def test_check_ranks_is_a_compile_time_option() -> None:
+    assert zc.ZeroConfig().check_ranks is True
+    assert zc.ZeroConfig().with_options({"check_ranks": False}).check_ranks is False
+    with pytest.raises(ValueError, match="check_ranks must be True or False"):
+        zc.ZeroConfig(check_ranks="no")

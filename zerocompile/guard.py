@@ -1,0 +1,297 @@
+"""Rank-consistency guard: ranks compare their collective schedules before a compiled graph runs.
+
+ZeRO's collectives only line up if every rank issues the same ones in the same order. A model that
+branches on `dist.get_rank()` or on rank-local data traces a different graph on some rank, and the
+ranks then hang in mismatched collectives (or, worse, exchange wrongly shaped buffers). So
+`zero_backend` describes each Dynamo graph's schedule — its marker nodes in order (which
+parameter, full shape, stage, group, dtypes, whether its gradient is reduced) plus the settings
+that steer the lowering — and the ranks of each group compare descriptions before anything runs.
+The lowered schedule is a deterministic function of that description, and unlike the lowered
+graph it is seen on every compile, Inductor/AOT cache hit or not.
+
+The exchange goes through the group's c10d store, not a collective: a collective could itself be
+mismatched and hang. Each rank counts the graphs it compiled per group with `store.add` (the count
+starts afresh with every new process group), `set`s its description under that number, `wait`s for
+the other ranks' with the process group's timeout, and compares. Every rank reads the same
+descriptions and so raises the same error.
+
+This module also turns a collective that failed at run time (a rank died or stalled past the
+timeout) into an error saying which graph, rank and stage, and how to change the timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import re
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch.distributed.distributed_c10d import _get_process_group_store, _resolve_process_group
+
+from zerocompile.distributed import process_group_timeout
+from zerocompile.passes.markers import is_reduce_grad, is_unshard, reduce_grad_args, unshard_args
+
+log = logging.getLogger(__name__)
+
+_KEY_PREFIX = "zerocompile-guard"
+_DIVERGENCE_FIX = (
+    "Every rank must trace the same graph: do not branch on dist.get_rank() or rank-local data "
+    "inside the compiled model"
+)
+
+
+class RankMismatchError(RuntimeError):
+    """Ranks traced different collective schedules, or some rank never compiled the graph."""
+
+
+class CollectiveFailedError(RuntimeError):
+    """A collective inside a zero-compiled graph failed: another rank died or stalled."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MarkerEntry:
+    """One marker of a Dynamo graph, as far as it decides the collectives lowered from it."""
+
+    marker: str  # "unshard" or "reduce_grad"
+    param: str
+    shape: list[int]  # full shape (unshard); the shard's element count (reduce_grad)
+    stage: int
+    group: str
+    compute_dtype: str | None = None
+    reduce_dtype: str | None = None
+    local: bool = False  # no_sync's local copy: no gather, gradient kept locally
+    pending: bool = False  # carries an accumulated gradient into this reduction
+    grad_reduced: bool = False  # unshard: the backward reduces this parameter's gradient
+
+    def describe(self) -> str:
+        """What this rank does for the marker, in words: "gathers 'fc.weight' [16, 16] at stage 3"."""
+        dtypes = "".join(
+            f", {name} {value}"
+            for name, value in (("compute", self.compute_dtype), ("reduce", self.reduce_dtype))
+            if value is not None
+        )
+        if self.marker == "reduce_grad":
+            return f"reduces the gradient of '{self.param}' ({self.shape[0]} elements per rank) at stage {self.stage}{dtypes}"
+        action = "uses its local copy of" if self.local else ("uses" if self.stage == 0 else "gathers")
+        extras = dtypes + (", gradient reduced" if self.grad_reduced else ", no gradient")
+        extras += ", with a pending accumulated gradient" if self.pending else ""
+        return f"{action} '{self.param}' {self.shape} at stage {self.stage}{extras}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """What one rank compiled for one group: the settings that shape the lowering and the markers."""
+
+    compile_id: str  # Dynamo's frame/attempt, for the message only (it may differ legitimately)
+    settings: dict[str, Any]
+    markers: list[MarkerEntry]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str | bytes) -> Schedule:
+        data = json.loads(text)
+        return Schedule(data["compile_id"], data["settings"], [MarkerEntry(**m) for m in data["markers"]])
+
+
+@dataclasses.dataclass
+class GuardStats:
+    """How often the guard ran in this process and what it cost (tests and benchmarks read it)."""
+
+    checks: int = 0  # graph x group exchanges compared
+    seconds: float = 0.0  # wall time inside the exchanges, waiting for slower ranks included
+    bytes_written: int = 0  # schedule JSON this rank put into the store
+
+
+stats = GuardStats()
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _requires_grad(node: fx.Node) -> bool:
+    value = node.meta.get("example_value")
+    return bool(getattr(value, "requires_grad", False))
+
+
+def marker_entries(graph: fx.Graph) -> list[MarkerEntry]:
+    """The graph's markers in graph order, which is the order `lower_markers` buckets them in."""
+    entries = []
+    for node in graph.nodes:
+        if is_unshard(node):
+            m = unshard_args(node)
+            entries.append(
+                MarkerEntry(
+                    "unshard", m.param, list(m.shape), m.stage, m.group_name, _dtype_name(m.compute_dtype),
+                    _dtype_name(m.reduce_dtype), m.local, m.pending is not None,
+                    # Whether the backward reduces it is decided here, by autograd on this output.
+                    _requires_grad(node) and not m.local,
+                )
+            )
+        elif is_reduce_grad(node):
+            m = reduce_grad_args(node)
+            entries.append(
+                MarkerEntry(
+                    "reduce_grad", m.param, [m.shard_numel], m.stage, m.group_name,
+                    reduce_dtype=_dtype_name(m.reduce_dtype),
+                )
+            )
+    return entries
+
+
+def first_difference(schedules: list[Schedule]) -> str | None:
+    """Why `schedules` (index = group rank) do not describe the same collectives, or None if they do.
+
+    Every rank runs this on the same list and so words the same message. Rank 0's schedule is the
+    reference; the first rank that differs from it is named, with the first differing collective.
+    """
+    reference = schedules[0]
+    for rank, schedule in enumerate(schedules[1:], start=1):
+        if schedule.settings != reference.settings:
+            changed = sorted(k for k in reference.settings.keys() | schedule.settings.keys()
+                             if reference.settings.get(k) != schedule.settings.get(k))
+            sides = "; ".join(
+                f"rank {r} {', '.join(f'{k}={s.settings.get(k)!r}' for k in changed)}"
+                for r, s in ((0, reference), (rank, schedule))
+            )
+            return (
+                f"ranks compiled with different settings ({sides}): pass the same torch.compile "
+                "options and ZeroConfig on every rank, and run the same torch version"
+            )
+        if schedule.markers == reference.markers:
+            continue
+        ours, theirs = reference.markers, schedule.markers
+        index = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        frames = f"rank 0 in Dynamo frame {reference.compile_id}, rank {rank} in {schedule.compile_id}"
+        if index < len(ours) and index < len(theirs):
+            detail = f"collective {index + 1} differs — rank 0 {ours[index].describe()}, rank {rank} {theirs[index].describe()}"
+        else:
+            longer, extra_rank = (ours, 0) if len(ours) > len(theirs) else (theirs, rank)
+            detail = (
+                f"rank 0 has {len(ours)} collectives, rank {rank} {len(theirs)}; the first extra one, "
+                f"collective {index + 1}: rank {extra_rank} {longer[index].describe()}"
+            )
+        return f"{detail} ({frames})"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphContext:
+    """Where a compiled graph sits among the ranks, for run-time error messages."""
+
+    number: int  # this rank's count of graphs compiled over `group_name`, 1-based
+    compile_id: str
+    group_name: str
+    rank: int
+    world_size: int
+    stages: tuple[int, ...]
+    timeout: timedelta
+
+
+def check_ranks_agree(graph: fx.Graph, settings: dict[str, Any], compile_id: str) -> GraphContext | None:
+    """Compare this graph's collective schedule with the other ranks' of each group it uses.
+
+    Raises `RankMismatchError` on every rank if they differ, or if some rank does not compile its
+    graph of the same number within the process group's timeout. Returns where the graph sits (its
+    first group's), or None when there is nothing to compare: no markers, no process group, or a
+    one-rank group.
+    """
+    entries = marker_entries(graph)
+    if not entries or not dist.is_initialized():
+        return None
+    context = None
+    for group_name in sorted({entry.group for entry in entries}):
+        group = _resolve_process_group(group_name)
+        if dist.get_world_size(group) == 1:
+            continue
+        schedule = Schedule(compile_id, settings, [entry for entry in entries if entry.group == group_name])
+        number = _exchange_and_compare(group, group_name, schedule)
+        context = context or GraphContext(
+            number, compile_id, group_name, dist.get_rank(group), dist.get_world_size(group),
+            tuple(sorted({entry.stage for entry in entries})), process_group_timeout(group),
+        )
+    return context
+
+
+def _exchange_and_compare(group: dist.ProcessGroup, group_name: str, schedule: Schedule) -> int:
+    started = time.perf_counter()
+    store = _get_process_group_store(group)  # already prefixed by the group's name
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    number = store.add(f"{_KEY_PREFIX}/count/rank{rank}", 1)
+    keys = [f"{_KEY_PREFIX}/graph{number}/rank{r}" for r in range(world_size)]
+    payload = schedule.to_json()
+    store.set(keys[rank], payload)
+    timeout = process_group_timeout(group)
+    try:
+        store.wait(keys, timeout)
+    except dist.DistError as error:
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise RankMismatchError(
+            f"rank {rank} of group '{group_name}' waited {timeout} for ranks {missing} to compile their "
+            f"graph #{number} (this rank's is Dynamo frame {schedule.compile_id}), and they did not: the ranks "
+            "compiled different numbers of graphs, or those ranks died or stalled. Every rank must run "
+            "the same code: do not branch on dist.get_rank() or rank-local data inside the compiled model; "
+            "rank-local input shapes (an uneven last batch) make one rank recompile alone: give every rank "
+            "the same shapes, or turn this check off with torch.compile(..., options={'check_ranks': False}) "
+            "if the collectives provably match. The wait is the process group's timeout "
+            "(zerocompile.init_distributed(timeout=...))."
+        ) from error
+    schedules = [schedule if r == rank else Schedule.from_json(store.get(keys[r])) for r in range(world_size)]
+    difference = first_difference(schedules)
+    stats.checks += 1
+    stats.bytes_written += len(payload)
+    stats.seconds += time.perf_counter() - started
+    log.debug("rank %d: graph #%d of group '%s' agrees on %d markers", rank, number, group_name, len(schedule.markers))
+    if difference is not None:
+        raise RankMismatchError(
+            f"ranks traced different collective schedules for compiled graph #{number} of group "
+            f"'{group_name}': {difference}. {_DIVERGENCE_FIX}."
+        )
+    return number
+
+
+# A transport failure or timeout, as gloo, NCCL and the c10d stores word them.
+_PEER_FAILURE = re.compile(
+    r"timed? ?out|timeout|connection (closed|reset|refused)|closed by peer|pair closure|broken pipe|socket",
+    re.IGNORECASE,
+)
+
+
+def explain_collective_failures(run: Callable, context: GraphContext, kind: str) -> Callable:
+    """`run` (a compiled graph), raising `CollectiveFailedError` from a failed collective's error.
+
+    Only errors that look like a lost or late peer (a `dist.DistError`, or a timeout / closed
+    connection in the message) are explained; any other error passes through untouched.
+    """
+
+    @functools.wraps(run)
+    def run_explaining_failures(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return run(*args, **kwargs)
+        except CollectiveFailedError:
+            raise
+        except RuntimeError as error:
+            if not (isinstance(error, dist.DistError) or _PEER_FAILURE.search(str(error))):
+                raise
+            stages = ", ".join(map(str, context.stages))
+            raise CollectiveFailedError(
+                f"a collective in the {kind} of zero-compiled graph #{context.number} (Dynamo frame "
+                f"{context.compile_id}, stage {stages}) failed on rank {context.rank} of "
+                f"{context.world_size} in group '{context.group_name}': another rank died or stalled "
+                f"for longer than the process group's timeout ({context.timeout}). Look at the other "
+                "ranks' output for the first error; if a rank is legitimately slow (a long compile, "
+                "I/O), raise the timeout with zerocompile.init_distributed(timeout=datetime.timedelta"
+                "(minutes=...)) or dist.init_process_group(..., timeout=...). Original error: "
+                f"{error}"
+            ) from error
+
+    return run_explaining_failures
