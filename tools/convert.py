@@ -100,6 +100,7 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, format: str =
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     directory = files.resolve(checkpoint)
     metadata = files.read_metadata(directory)
+    files.check_files(directory, metadata, slice(None))  # no ranks to share the hashing with
     entries = _entries(directory, metadata, ema)
     out = Path(out)
     partial = out.with_name(f".{out.name}.partial")

@@ -130,6 +130,22 @@ def _checked(check: Callable[[], Any]) -> Any:
     return result
 
 
+def _gathered_results(check: Callable[[], Any]) -> list[Any]:
+    """`_checked(check)` on every rank, then every rank's (small, picklable) result, by rank."""
+    result = _checked(check)
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [result]
+    results: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(results, result)
+    return results
+
+
+def _my_share() -> slice:
+    """This rank's part of work split over the ranks: every world_size-th item, from its rank."""
+    rank, world = _rank_and_world()
+    return slice(rank, None, world)
+
+
 def _check_group(params: dict[nn.Parameter, tuple[str, ...]]) -> None:
     if not dist.is_initialized():
         return
@@ -295,6 +311,12 @@ def save(
             no_dist=not dist.is_initialized(),
         )
 
+    # Each rank hashes its share of the files (all are complete: dcp.save ends in a collective).
+    shares = _gathered_results(
+        lambda: {name: files.file_digest(staging / name) for name in files.data_files(staging)[_my_share()]}
+    )
+    description["files"] = {name: digest for share in shares for name, digest in sorted(share.items())}
+
     def publish() -> None:
         if rank == 0:
             files.write_json(staging / files.METADATA, description)
@@ -403,16 +425,19 @@ def load(
     """Load a checkpoint written by `save` into `model` (and `optimizer`, `ema`); returns `extra`.
 
     The stage and world size may differ from the saving run's (N = 1 and unsharded models
-    included). A checkpoint of another model fails before anything is changed, naming the
-    parameters that differ. `extra` is what this rank saved (rank 0's if the saving run had no
-    rank of this number).
+    included). A checkpoint of another model, or a damaged one (a file truncated, changed or
+    missing: the ranks verify the recorded SHA-256 of a share of the files each), fails before
+    anything is changed, naming the parameters that differ or the damaged file. `extra` is what
+    this rank saved (rank 0's if the saving run had no rank of this number).
     """
     model = unwrap_model(model)
     rank, _world = _rank_and_world()
 
-    def plan() -> tuple[Path, dict, dict[str, torch.Tensor], dict, list]:
+    def plan() -> tuple[Path, dict, dict[str, torch.Tensor], dict, list, dict[str, Any]]:
         directory = files.resolve(path)
         saved = files.read_metadata(directory)
+        files.check_files(directory, saved, _my_share())
+        extra = files.read_extra(directory, rank)
         params = parameter_names(model)
         _check_group(params)
         buffers = _persistent_buffers(model, params)
@@ -429,9 +454,9 @@ def load(
                 raise ValueError("the checkpoint holds no EMA: load without ema=, or save with it")
             views.update(_ema_state(ema, model, params))
             padded += [(ema.shadow[p], shard_info(p)) for p in params]
-        return directory, saved, views, states, padded
+        return directory, saved, views, states, padded, extra
 
-    directory, saved, views, states, padded = _checked(plan)
+    directory, saved, views, states, padded, extra = _checked(plan)
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -447,7 +472,7 @@ def load(
         _install_optimizer_state(optimizer, saved["optimizer"], states)
     if ema is not None:
         ema.decay = saved["ema"]["decay"]
-    return _checked(lambda: files.read_extra(directory, rank))
+    return extra
 
 
 # ---------------------------------------------------------------------------------------------

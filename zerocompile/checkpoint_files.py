@@ -8,13 +8,16 @@
     CKPT/extra/rank{R}.safetensors         rank R's `extra`: tensors, other values as JSON
 
 Nothing here unpickles: JSON and safetensors only, and any other file in the directory makes it
-unreadable (a planted pickle is refused, never opened). Saves are written into `.CKPT.partial`
+unreadable (a planted pickle is refused, never opened). The JSON lists every data file with its
+size and SHA-256, checked before anything is loaded: a truncated, corrupted or missing file is
+an error naming it, never a crash inside the reader and never garbage loaded silently. Saves are written into `.CKPT.partial`
 beside the target and renamed into place when complete (`publish`), so a crash leaves the
 previous checkpoint intact; `resolve` finds it even if the crash fell between the two renames.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -27,7 +30,9 @@ from typing import Any
 import torch
 
 FORMAT = "zerocompile-checkpoint"
-VERSION = 1
+VERSION = 2  # 2 added "files": each data file's size and SHA-256; version 1 is still read
+_READABLE_VERSIONS = (1, 2)
+_DIGEST_BLOCK = 8 * 2**20
 METADATA = "zerocompile.json"
 STATE_DIR = "state"
 EXTRA_DIR = "extra"
@@ -98,7 +103,8 @@ def resolve(path: str | os.PathLike) -> Path:
         return previous
     if final.exists():
         raise CheckpointError(
-            f"{final} is not a zerocompile checkpoint (no {METADATA}): write one with zerocompile.save()"
+            f"{final} has no {METADATA}: it is not a zerocompile checkpoint (write one with "
+            "zerocompile.save()), or the checkpoint is damaged"
         )
     raise FileNotFoundError(f"no checkpoint at {final}")
 
@@ -119,12 +125,84 @@ def read_metadata(directory: Path) -> dict[str, Any]:
         raise CheckpointError(f"{directory / METADATA} is not valid JSON ({error}): the checkpoint is damaged") from None
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
         raise CheckpointError(f"{directory / METADATA} is not zerocompile checkpoint metadata")
-    if metadata.get("version") != VERSION:
+    if metadata.get("version") not in _READABLE_VERSIONS:
         raise CheckpointError(
             f"{directory} has checkpoint format version {metadata.get('version')}; this zerocompile "
-            f"reads version {VERSION}"
+            f"reads versions {list(_READABLE_VERSIONS)}"
         )
+    _check_schema(directory / METADATA, metadata)
     return metadata
+
+
+# The metadata's fields and their JSON types; "files" from version 2 on.
+_SCHEMA = {
+    "stage": (int, type(None)),
+    "world_size": int,
+    "params": list,
+    "buffers": list,
+    "state_dict_keys": list,
+    "optimizer": (dict, type(None)),
+    "ema": (dict, type(None)),
+}
+_ENTRY_SCHEMA = {"params": {"names": list, "shape": list, "dtype": str}, "buffers": {"name": str, "shape": list, "dtype": str}}
+
+
+def _check_schema(path: Path, metadata: dict[str, Any]) -> None:
+    """Valid JSON with a field missing or of the wrong kind is damage too: say so here, not with a
+    KeyError from deep inside loading."""
+    schema = {**_SCHEMA, **({"files": dict} if metadata["version"] >= 2 else {})}
+    problems = [key for key, kind in schema.items() if not isinstance(metadata.get(key), kind)]
+    for key, fields in _ENTRY_SCHEMA.items():
+        entries = metadata.get(key) if isinstance(metadata.get(key), list) else []
+        if not all(isinstance(e, dict) and all(isinstance(e.get(f), k) for f, k in fields.items()) for e in entries):
+            problems.append(f"{key} entries")
+    if problems:
+        raise CheckpointError(f"{path} lacks or garbles {problems}: the checkpoint is damaged")
+
+
+def data_files(directory: Path) -> list[str]:
+    """Every data file of a checkpoint (shards and extras), relative to it, in one order on every rank."""
+    return [str(p.relative_to(directory)) for p in [*state_files(directory), *sorted((directory / EXTRA_DIR).glob("*.safetensors"))]]
+
+
+def file_digest(path: Path) -> dict[str, Any]:
+    """Size and SHA-256 of a file, read in blocks (a shard can be larger than memory allows twice)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_DIGEST_BLOCK):
+            digest.update(block)
+    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def check_files(directory: Path, metadata: dict[str, Any], share: slice) -> None:
+    """The data files are exactly those the metadata lists, each of its recorded size; the files in
+    `share` of the listing (one rank's part of the work) also hash as recorded.
+
+    Version-1 checkpoints record no files: nothing to check.
+    """
+    listed = metadata.get("files")
+    if listed is None:
+        return
+    present = set(data_files(directory))
+    missing = sorted(set(listed) - present)
+    if missing:
+        raise CheckpointError(f"{directory}: {missing} missing (the save wrote them): the checkpoint is damaged")
+    unlisted = sorted(present - set(listed))
+    if unlisted:
+        raise CheckpointError(f"{directory}: {unlisted} were not written by its save: the checkpoint is damaged")
+    for name, recorded in listed.items():
+        size = (directory / name).stat().st_size
+        if size != recorded.get("bytes"):
+            raise CheckpointError(
+                f"{directory / name} has {size} bytes, its save wrote {recorded.get('bytes')} (truncated or "
+                "overwritten): the checkpoint is damaged"
+            )
+    for name in sorted(listed)[share]:
+        if file_digest(directory / name)["sha256"] != listed[name].get("sha256"):
+            raise CheckpointError(
+                f"{directory / name} does not hash to the SHA-256 its save recorded (its bytes changed): "
+                "the checkpoint is damaged"
+            )
 
 
 def check_contents(directory: Path) -> None:
@@ -156,6 +234,9 @@ def state_files(directory: Path) -> list[Path]:
     return sorted((directory / STATE_DIR).glob("shard-*.safetensors"))
 
 
+_DAMAGED = ": the checkpoint is damaged, or the file was not written by zerocompile"
+
+
 def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
     """A safetensors file's JSON header and the file offset its data starts at.
 
@@ -165,16 +246,16 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
     with open(path, "rb") as f:
         prefix = f.read(8)
         if len(prefix) < 8:
-            raise CheckpointError(f"{path} is not a safetensors file (too short)")
+            raise CheckpointError(f"{path} is not a safetensors file (too short){_DAMAGED}")
         (length,) = struct.unpack("<Q", prefix)
         if length > min(os.path.getsize(path) - 8, 100 * 2**20):
-            raise CheckpointError(f"{path} is not a safetensors file (header length {length})")
+            raise CheckpointError(f"{path} is not a safetensors file (header length {length}){_DAMAGED}")
         try:
             header = json.loads(f.read(length))
         except (UnicodeDecodeError, json.JSONDecodeError):
-            raise CheckpointError(f"{path} is not a safetensors file (header is not JSON)") from None
+            raise CheckpointError(f"{path} is not a safetensors file (header is not JSON){_DAMAGED}") from None
     if not isinstance(header, dict):
-        raise CheckpointError(f"{path} is not a safetensors file (header is not a JSON object)")
+        raise CheckpointError(f"{path} is not a safetensors file (header is not a JSON object){_DAMAGED}")
     return header, 8 + length
 
 

@@ -96,7 +96,10 @@ def shard(
         )
     _CONFIG_BY_GROUP[group_name] = config
     model._zero_config = config
+    for prefix, module in model.named_modules():
+        module._zero_prefix = prefix  # what the registration guard names; its mark of a sharded model
     _install_optimizer_check()
+    _install_registration_guard()
     return model
 
 
@@ -120,8 +123,7 @@ def _check_can_shard(model: nn.Module) -> None:
             "zerocompile.init_distributed() first (it reads torchrun/Slurm settings and also works "
             "in a single process)"
         )
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        raise TypeError("shard() takes the plain model, not a DistributedDataParallel wrapper: pass model.module")
+    _check_not_wrapped(model)
     already = [name for name, p in model.named_parameters() if shard_info(p) is not None]
     if already or getattr(model, "_zero_config", None) is not None:
         raise RuntimeError(
@@ -137,12 +139,74 @@ def _check_can_shard(model: nn.Module) -> None:
             f"parameters and buffers are on several devices ({listing}): move the model to one "
             "device with model.to(device) before zerocompile.shard()"
         )
+    _check_parameters_shardable(model)
     with_grad = [name for name, p in model.named_parameters() if p.grad is not None]
     if with_grad:
         raise RuntimeError(
             f"parameters {with_grad[:3]} hold gradients of the unsharded model: call "
             "optimizer.zero_grad(set_to_none=True) or model.zero_grad() before zerocompile.shard()"
         )
+
+
+def _check_not_wrapped(model: nn.Module) -> None:
+    """Another data-parallel wrapper already owns the parameters' synchronisation (DDP) or their
+    layout (FSDP): sharding on top would reduce twice or slice slices."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise TypeError("shard() takes the plain model, not a DistributedDataParallel wrapper: pass model.module")
+    for name, module in model.named_modules():
+        where = f"submodule '{name}'" if name else "the model"
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            raise TypeError(
+                f"{where} is wrapped in DistributedDataParallel: shard() replaces DDP, so pass the "
+                "plain modules (DDP's .module) and let zerocompile.shard(model, stage=0) do what DDP did"
+            )
+        if isinstance(module, (FullyShardedDataParallel, FSDPModule)):
+            raise TypeError(
+                f"{where} is already sharded by FSDP ({type(module).__name__}): zerocompile.shard() "
+                "takes the plain, unsharded model. Build it without FSDP/fully_shard and call "
+                "zerocompile.shard(model, stage=3) instead"
+            )
+    distributed = [name for name, p in model.named_parameters() if isinstance(p, DTensor)]
+    if distributed:
+        raise TypeError(
+            f"parameters {distributed[:3]} are DTensors (sharded by FSDP's fully_shard or tensor "
+            "parallelism): zerocompile.shard() takes the plain, unsharded model"
+        )
+
+
+def _check_parameters_shardable(model: nn.Module) -> None:
+    """Parameters our collectives cannot carry, or that hold no values yet, fail here naming them
+    rather than deep inside a collective or, for the meta device, not at all."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    on_meta = [name for name, tensor in tensors if tensor.is_meta]
+    if on_meta:
+        raise ValueError(
+            f"parameters/buffers {on_meta[:3]} are on the meta device and hold no values: materialise "
+            "the model with model.to_empty(device=...) and initialise it (e.g. reset_parameters() or "
+            "load_state_dict) before zerocompile.shard()"
+        )
+    for name, param in model.named_parameters():
+        if param.layout != torch.strided:
+            raise TypeError(
+                f"parameter '{name}' is a {param.layout} tensor: zerocompile shards dense parameters "
+                "only; make it dense (param.to_dense()) before zerocompile.shard()"
+            )
+        if param.is_complex():
+            raise TypeError(
+                f"parameter '{name}' is complex ({param.dtype}): zerocompile's collectives carry real "
+                "dtypes. Store it as real pairs, nn.Parameter(torch.view_as_real(value)), and use "
+                "torch.view_as_complex(self.<name>) in forward"
+            )
+    for name, module in model.named_modules():
+        if getattr(module, "sparse", False) is True and isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+            raise TypeError(
+                f"module '{name}' ({type(module).__name__}) has sparse=True, whose sparse gradients "
+                "cannot be reduce-scattered: build it with sparse=False (dense gradients) before "
+                "zerocompile.shard()"
+            )
 
 
 def _broadcast_from_group_rank0(model: nn.Module, group: dist.ProcessGroup) -> None:
@@ -182,11 +246,21 @@ def _shard_optimizer_state(optimizer: torch.optim.Optimizer, world_size: int) ->
                 state[key] = _local_slice(value, info, world_size)
 
 
+def sharded_shape(info: ShardInfo) -> tuple[int, ...]:
+    """The shape a sharded Parameter's data has on every rank: whole at stage 0, else its shard."""
+    return info.shape if info.stage == 0 else (info.shard_numel,)
+
+
 @functools.cache
 def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     def make_property(name: str) -> property:
         def full_parameter(self: nn.Module) -> torch.Tensor:
-            return self._zero_sync.full_parameter(self._parameters[name], self._zero_markers[name])
+            param = self._parameters.get(name)
+            # An identity test and a shape comparison: under torch.compile they are decided while
+            # tracing (a changed shape fails a guard and retraces), so compiled steps pay nothing.
+            if param is not self._zero_shards[name] or tuple(param.shape) != sharded_shape(param._zero):
+                _raise_changed_after_shard(self, name, param)
+            return self._zero_sync.full_parameter(param, self._zero_markers[name])
 
         return property(full_parameter, doc=f"the full `{name}`, gathered from its shards")
 
@@ -205,8 +279,88 @@ def _make_module_unshard_on_access(module: nn.Module, config: ZeroConfig, sync: 
             list(info.shape), info.stage, info.group_name, info.fqn, config.param_dtype, config.reduce_dtype
         )
     module._zero_markers = markers
+    module._zero_shards = {name: module._parameters[name] for name in names}  # what the properties expect
     module._zero_sync = sync  # one per model: tied parameters share their no_sync state
     module.__class__ = _sharded_class(type(module), names)
+
+
+_FIX_BEFORE_SHARD = (
+    "zerocompile.shard() slices each parameter once, so change the model before it (build the model "
+    "again, change it, then shard it), or change values in place under "
+    "`with zerocompile.gathered(model): module.weight.copy_(new)`"
+)
+
+
+def _raise_changed_after_shard(module: nn.Module, name: str, param: torch.Tensor | None) -> None:
+    """The error for a parameter whose Parameter object or data changed since shard()."""
+    info = shard_info(module._zero_shards[name])
+    if param is None:
+        raise RuntimeError(f"parameter '{info.fqn}' was removed after zerocompile.shard(): {_FIX_BEFORE_SHARD}")
+    if param is not module._zero_shards[name]:
+        raise RuntimeError(
+            f"parameter '{info.fqn}' was replaced after zerocompile.shard() by a new Parameter of shape "
+            f"{tuple(param.shape)}, which is not sharded: {_FIX_BEFORE_SHARD}"
+        )
+    raise RuntimeError(_data_replaced_message(info, param))
+
+
+def _data_replaced_message(info: ShardInfo, param: torch.Tensor) -> str:
+    return (
+        f"parameter '{info.fqn}' holds a tensor of shape {tuple(param.shape)}, but at stage {info.stage} "
+        f"it is sharded to {sharded_shape(info)} (full shape {info.shape}): its .data was replaced after "
+        f"zerocompile.shard(). {_FIX_BEFORE_SHARD}"
+    )
+
+
+def _refuse_new_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """Global parameter-registration hook: a Parameter set on a module of a sharded model would be
+    neither sharded nor reduced, so each rank would silently train its own copy. (torch runs no
+    hook when a parameter is set to None; the module property reports that at the next use.)"""
+    prefix = module.__dict__.get("_zero_prefix")
+    if prefix is None:
+        return
+    from zerocompile.gathered import is_gathered  # it imports this module
+
+    current = module._parameters.get(name)
+    if current is param or (current is not None and is_gathered(current)):
+        return  # re-setting the same object changes nothing; inside gathered() it checks on exit
+    fqn = f"{prefix}{'.' if prefix else ''}{name}"
+    raise RuntimeError(
+        f"parameter '{fqn}' of a sharded model was given a new Parameter of shape {tuple(param.shape)} after "
+        f"zerocompile.shard(): {_FIX_BEFORE_SHARD}"
+    )
+
+
+def _refuse_new_submodule(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+    """Global module-registration hook: replacing a submodule that holds parameters (or adding one)
+    after shard() brings unsharded parameters or drops sharded ones. Parameter-free modules
+    (dropout, activations) may still be swapped."""
+    prefix = module.__dict__.get("_zero_prefix")
+    if prefix is None:
+        return
+    from zerocompile.gathered import is_gathered  # it imports this module
+
+    current = module._modules.get(name)
+    old = [] if current is None else list(current.parameters())
+    new = [] if submodule is None else list(submodule.parameters())
+    if not old and not new or current is submodule or any(is_gathered(p) for p in old):
+        return
+    fqn = f"{prefix}{'.' if prefix else ''}{name}"
+    raise RuntimeError(
+        f"submodule '{fqn}' of a sharded model was {'replaced' if current is not None else 'added'} after "
+        f"zerocompile.shard() ({len(new)} unsharded parameter(s) in, {len(old)} sharded out): {_FIX_BEFORE_SHARD}"
+    )
+
+
+@functools.cache
+def _install_registration_guard() -> None:
+    from torch.nn.modules.module import (
+        register_module_module_registration_hook,
+        register_module_parameter_registration_hook,
+    )
+
+    register_module_parameter_registration_hook(_refuse_new_parameter)
+    register_module_module_registration_hook(_refuse_new_submodule)
 
 
 def _check_optimizer_state(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -218,6 +372,8 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
                 continue
             for key, value in optimizer.state[param].items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                    if tuple(param.shape) != sharded_shape(info):  # the parameter changed, not the state
+                        raise RuntimeError(_data_replaced_message(info, param))
                     raise RuntimeError(
                         f"optimizer state {key!r} of parameter '{info.fqn}' has shape "
                         f"{tuple(value.shape)} but the parameter is sharded to {tuple(param.shape)}: "
