@@ -31,7 +31,9 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
     out = tmp_path_factory.mktemp("bench")
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    args = parser.parse_args(["--quick", "--ranks", "2", "--modes", ",".join(MODES), "--out", str(out)])
+    args = parser.parse_args(
+        ["--quick", "--ranks", "2", "--modes", ",".join(MODES), "--interleave", "ddp,zero3", "--out", str(out)]
+    )
     return bench.run(args), out
 
 
@@ -78,3 +80,27 @@ def test_model_state_and_loss_are_what_each_mode_promises(quick_run: tuple[int, 
         assert sum(modes[name]["model_state_bytes"].values()) == pytest.approx(16 * phi / ranks, rel=0.02)
     losses = [mode["final_loss"] for mode in modes.values()]
     assert losses == pytest.approx([losses[0]] * len(losses), rel=1e-4)
+
+
+def test_interleaved_modes_are_timed_round_by_round(quick_run: tuple[int, Path]) -> None:
+    """Each --interleave mode gets one timed step per round, every step a real (positive) time."""
+    summary, _ = _modes(quick_run)
+    interleaved = summary["interleaved"]
+    steps = summary["settings"]["steps"]
+    assert interleaved["modes"] == ["ddp", "zero3"]
+    for name in interleaved["modes"]:
+        assert len(interleaved["step_times_s"][name]) == steps
+        assert all(seconds > 0 for seconds in interleaved["step_times_s"][name])
+        times = interleaved["step_times_s"][name]
+        assert min(times) <= interleaved["step_time_s"][name] <= max(times)
+    table = (quick_run[1] / "bench.md").read_text()
+    assert "| zero3 |" in table.split("Interleaved:")[1]
+
+
+def test_interleave_needs_two_different_modes() -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    for bad in ("zero3", "zero3,zero3", "zero3,nope"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--interleave", bad])
+    assert parser.parse_args(["--interleave", "none"]).interleave == []

@@ -41,6 +41,13 @@ How each figure is measured, per mode, after --warmup untimed steps (the first o
               steps, warm-up included (when ddp runs too): the modes see the same weights and
               batches, so fp32 modes agree to rounding and bf16 ones show bf16's error
 
+Step times of modes run one after another move with whatever else the machine does meanwhile
+(±30 % between runs on a shared 2-core machine). So, after the modes, the --interleave modes
+(default: ddp-compile, fsdp2-compile, zero2, zero3) are built again side by side in one set of
+ranks, warmed up, and timed in rounds, one step of each mode per round: every mode sees the same
+load, and their ratios are the ones to quote. Memory is not measured there (the modes share
+processes).
+
 Writes bench.json (everything, per rank too), bench.md (the table) and bench.png (step time and
 bytes sent per mode) to --out. A mode that fails on every rank is reported as failed with its
 error and the others still run. --quick is a smoke run for CI (tiny model, 1 warm-up and 2 timed
@@ -88,6 +95,7 @@ LEARNING_RATE = 3e-4
 FP32_BYTES = 4
 # (model size, timed steps, warm-up steps) of a normal run and of --quick.
 DEFAULTS = ("12m", 17, 3)  # 20 steps: the bf16-vs-fp32 loss check runs over 20
+DEFAULT_INTERLEAVE = ("ddp-compile", "fsdp2-compile", "zero2", "zero3")  # the acceptance ratios
 QUICK = ("tiny", 2, 1)
 # glibc unmaps every freed allocation over 64 kB at once instead of keeping it for reuse.
 EXACT_RSS_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -206,6 +214,15 @@ def _mode_list(text: str) -> list[str]:
     return names
 
 
+def _interleave_list(text: str) -> list[str]:
+    if text.strip() == "none":
+        return []
+    names = _mode_list(text)
+    if len(names) < 2 or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"needs two or more different modes (or 'none'), got {text!r}")
+    return names
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `zerocompile bench`; size, steps and warm-up default to --quick's when it is given."""
     parser.add_argument("--ranks", type=_positive_int, default=2, help="gloo ranks to spawn (default 2)")
@@ -236,6 +253,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--modes", type=_mode_list, default=list(MODES), help=f"comma-separated (default all: {','.join(MODES)})"
     )
+    parser.add_argument(
+        "--interleave",
+        type=_interleave_list,
+        default=None,
+        help="modes timed again side by side, one step each per round, in one set of ranks "
+        f"(default {','.join(DEFAULT_INTERLEAVE)}; --quick: none); 'none' to skip",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the tokens (default 0)")
     parser.add_argument(
         "--quick",
@@ -262,6 +286,7 @@ class Settings:
     batch_size: int
     seed: int
     modes: tuple[str, ...]
+    interleave: tuple[str, ...]
     cache_root: str
 
     @property
@@ -299,6 +324,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             batch_size=args.batch_size,
             seed=args.seed,
             modes=tuple(args.modes),
+            interleave=tuple(args.interleave if args.interleave is not None else () if args.quick else DEFAULT_INTERLEAVE),
             cache_root=tmp,
         )
         measured = {}
@@ -310,10 +336,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 measured[name] = json.loads(results_file.read_text())
                 print(_progress_line(measured[name]), flush=True)
+            interleaved = _run_interleaved(settings) if settings.interleave else None
     summary = {
         "machine": machine,
         "settings": {
-            **{k: v for k, v in dataclasses.asdict(settings).items() if k not in ("modes", "cache_root")},
+            **{k: v for k, v in dataclasses.asdict(settings).items() if k not in ("modes", "interleave", "cache_root")},
             "phi": phi,
             "block_size": settings.config.block_size,
             "optimizer": f"torch.optim.AdamW(lr={LEARNING_RATE}), fp32",
@@ -331,9 +358,12 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "final_loss": "mean over ranks of the last timed step's loss",
             "loss_vs_ddp": "largest relative difference from ddp's mean loss over all steps, warm-up included",
             "load": "the machine's 1-minute load average before the timed steps (our own ranks add about N)",
+            "interleaved": "the --interleave modes in one set of ranks, one step of each per round after their "
+            "warm-up; median over rounds of the slowest rank's step",
         },
         "theory": _theory(phi, args.ranks),
         "modes": [measured[name] for name in args.modes],
+        "interleaved": interleaved,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -378,6 +408,34 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 
 def _spawned_rank(rank: int, name: str, settings: Settings, port: int, results_file: str) -> None:
     """Run mode `name` on this rank; rank 0 writes every rank's summarised figures to `results_file`."""
+    with _rank_session(rank, settings, port, name):
+        measured = _run_mode(MODES[name], settings, rank)
+    _gather_to_file(measured, results_file, lambda per_rank: _summarise(name, per_rank))
+
+
+def _interleaved_rank(rank: int, settings: Settings, port: int, results_file: str) -> None:
+    """Time the --interleave modes side by side on this rank (see the module docstring)."""
+    with _rank_session(rank, settings, port, "interleaved"):
+        # Every mode compiles the same GPT code again: past Dynamo's limit it would silently run eagerly.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(settings.interleave))
+        prepared = {}
+        for name in settings.interleave:
+            torch.manual_seed(settings.seed)
+            prepared[name] = MODES[name].build(GPT(settings.config))
+        batches = {name: _RandomBatches(settings.config, settings, rank) for name in settings.interleave}
+        times: dict[str, list[float]] = {name: [] for name in settings.interleave}
+        for round_ in range(settings.warmup + settings.steps):
+            for name in settings.interleave:
+                seconds, _sent, _loss = _one_step(prepared[name], batches[name])
+                if round_ >= settings.warmup:
+                    times[name].append(seconds)
+        measured = {"step_times": times, "load": os.getloadavg()[0]}
+    _gather_to_file(measured, results_file, _summarise_interleaved)
+
+
+@contextlib.contextmanager
+def _rank_session(rank: int, settings: Settings, port: int, cache_name: str) -> Iterator[None]:
+    """This rank's process group, threads and a fresh Inductor cache of its own for the run."""
     os.environ.update(loopback_rank_environment(rank, settings.ranks, port))
     # The ranks share the machine's cores, and each compiles with one worker: more threads than
     # cores slows every rank down.
@@ -387,22 +445,49 @@ def _spawned_rank(rank: int, name: str, settings: Settings, port: int, results_f
     # modes do not look leaner than the compiled ones by that much.
     importlib.import_module("torch._inductor.compile_fx")
     zc.init_distributed()
-    try:
-        with temporary_cache_dir(os.path.join(settings.cache_root, name)):
-            measured = _run_mode(MODES[name], settings, rank)
-    except Exception as error:  # a mode that fails must not take the others with it
-        measured = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
-    per_rank: list[dict[str, Any]] = [{} for _ in range(settings.ranks)]
+    with temporary_cache_dir(os.path.join(settings.cache_root, cache_name)):
+        yield
+
+
+def _gather_to_file(measured: dict[str, Any], results_file: str, summarise: Callable[[list[dict]], dict]) -> None:
+    """Rank 0 writes `summarise` of every rank's `measured` to `results_file`; the group ends."""
+    per_rank: list[dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(per_rank, measured)
-    if rank == 0:
-        Path(results_file).write_text(json.dumps(_summarise(name, per_rank)))
+    if dist.get_rank() == 0:
+        Path(results_file).write_text(json.dumps(summarise(per_rank)))
     # Without the barrier a rank may tear gloo down while another is still in a collective, and
     # the process sometimes dies with SIGABRT.
     dist.barrier()
     dist.destroy_process_group()
 
 
+def _run_interleaved(settings: Settings) -> dict[str, Any]:
+    print(f"interleaved      {', '.join(settings.interleave)}: {settings.steps} rounds", flush=True)
+    results_file = Path(settings.cache_root) / "interleaved.json"
+    torch.multiprocessing.spawn(
+        _interleaved_rank, args=(settings, free_loopback_port(), str(results_file)), nprocs=settings.ranks
+    )
+    interleaved = json.loads(results_file.read_text())
+    first = settings.interleave[0]
+    print(
+        "interleaved      "
+        + " | ".join(
+            f"{name} {seconds:.3f} s ({seconds / interleaved['step_time_s'][first]:.2f}x {first})"
+            for name, seconds in interleaved["step_time_s"].items()
+        ),
+        flush=True,
+    )
+    return interleaved
+
+
 def _run_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
+    try:
+        return _measure_mode(mode, settings, rank)
+    except Exception as error:  # a mode that fails must not take the others with it
+        return {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+
+
+def _measure_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
     torch.manual_seed(settings.seed)
     prepared = mode.build(GPT(settings.config))
     batches = _RandomBatches(settings.config, settings, rank)
@@ -513,6 +598,18 @@ def _summarise(name: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _summarise_interleaved(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median over rounds of the slowest rank's step, per interleaved mode."""
+    names = list(per_rank[0]["step_times"])
+    slowest = {name: [max(steps) for steps in zip(*(m["step_times"][name] for m in per_rank))] for name in names}
+    return {
+        "modes": names,
+        "step_time_s": {name: statistics.median(times) for name, times in slowest.items()},
+        "step_times_s": slowest,
+        "load_avg_1min": per_rank[0]["load"],
+    }
+
+
 def _progress_line(mode: dict[str, Any]) -> str:
     if mode["status"] != "ok":
         return f"{mode['mode']:<16} FAILED {mode['error']}"
@@ -569,8 +666,28 @@ def markdown_table(summary: dict[str, Any]) -> str:
         "",
         *(f"- {key.replace('_', ' ')}: {text}" for key, text in method.items()),
         *notes,
+        *_interleaved_table(summary["interleaved"]),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _interleaved_table(interleaved: dict[str, Any] | None) -> list[str]:
+    if interleaved is None:
+        return []
+    names = interleaved["modes"]
+    step = interleaved["step_time_s"]
+    return [
+        "",
+        f"Interleaved: {', '.join(names)} side by side in one set of ranks, one step of each per round "
+        f"(load {interleaved['load_avg_1min']:.1f}):",
+        "",
+        "| mode | step s | " + " | ".join(f"x {name}" for name in names) + " |",
+        "|---|---|" + "---|" * len(names),
+        *(
+            f"| {name} | {step[name]:.3f} | " + " | ".join(f"{step[name] / step[other]:.2f}" for other in names) + " |"
+            for name in names
+        ),
+    ]
 
 
 def _loss_difference(mode: dict[str, Any], ddp: dict[str, Any] | None) -> str:
