@@ -11,7 +11,7 @@ import argparse
 import sys
 from types import ModuleType
 
-from zerocompile.tools import bench, convert, dump, plan, train
+from zerocompile.tools import bench, convert, dump, plan, soak, train
 
 SUBCOMMANDS: dict[str, ModuleType] = {
     "train": train,
@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, ModuleType] = {
     "plan": plan,
     "bench": bench,
     "convert": convert,
+    "soak": soak,
 }
 
 
