@@ -9,7 +9,6 @@ on hand-built schedules, without any process group.
 from __future__ import annotations
 
 import time
-import traceback
 from datetime import timedelta
 
 import pytest
@@ -18,12 +17,13 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocompile as zc
-from ranks import run_on_ranks
+from ranks import run_cases, run_on_ranks
 from zerocompile import guard
 from zerocompile.guard import MarkerEntry, Schedule, first_difference
 
 WORLD_SIZE = 2
 SHORT_TIMEOUT = timedelta(seconds=3)
+PEER_WAIT = timedelta(seconds=2)  # instead of 30 s, for the case where a peer never shows up
 EAGER = {"compiler": "eager"}
 
 
@@ -108,23 +108,30 @@ def _stalled_peer(rank: int, where: str) -> dict:
     return {"error": None, "seconds": time.perf_counter() - started}
 
 
+def _recompiling_alone(rank: int) -> dict:
+    """Rank 1's second batch has another length, so it alone recompiles (for a dynamic batch
+    size); the collectives still match, and training must go on after a bounded wait."""
+    guard.PEER_WAIT = PEER_WAIT
+    unanswered = guard.stats.unanswered
+    compiled = _compiled(3, branch_on_rank=False)
+    started = time.perf_counter()
+    compiled(_batch(rank)).backward()
+    compiled(torch.randn(3 if rank == 1 else 4, 8)).backward()
+    return {"unanswered": guard.stats.unanswered - unanswered, "seconds": time.perf_counter() - started}
+
+
 def guard_report(rank: int, world_size: int) -> dict:
     """Every case on this rank: its outcome, or the traceback of an unexpected failure."""
-    cases = {
-        "identical": lambda: _identical(rank),
-        "diverging stage 3": lambda: _diverging(3, rank),
-        "diverging stage 2": lambda: _diverging(2, rank),
-        "stall in forward": lambda: _stalled_peer(rank, "forward"),
-        "exit before backward": lambda: _stalled_peer(rank, "backward"),
-    }
-    report = {}
-    for name, run in cases.items():
-        try:
-            report[name] = run()
-        except Exception:
-            report[name] = traceback.format_exc()
-        dist.barrier()
-    return report
+    return run_cases(
+        [
+            ("identical", lambda: _identical(rank)),
+            ("diverging stage 3", lambda: _diverging(3, rank)),
+            ("diverging stage 2", lambda: _diverging(2, rank)),
+            ("recompiling alone", lambda: _recompiling_alone(rank)),
+            ("stall in forward", lambda: _stalled_peer(rank, "forward")),
+            ("exit before backward", lambda: _stalled_peer(rank, "backward")),
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +175,7 @@ def test_lost_peer_fails_within_the_timeout_with_an_explained_error(reports, cas
     assert survivor["type"] == "CollectiveFailedError", message
     assert survivor["cause"] == "RuntimeError"  # the transport's own error stays chained
     assert survivor["seconds"] < SHORT_TIMEOUT.total_seconds() + 2
-    assert f"in the {kind} of zero-compiled graph #1" in message, message
+    assert f"in the {kind} of the zero-compiled graph of Dynamo frame 0/0" in message, message
     assert "stage 3" in message and "rank 0 of 2" in message
     assert f"timeout ({SHORT_TIMEOUT})" in message and "init_distributed(timeout=" in message
 
@@ -180,6 +187,13 @@ SETTINGS = {"bucket_bytes": 1024, "prefetch": 1, "compiler": "eager", "torch": "
 
 def _gather(param: str, shape: list[int], stage: int = 3) -> MarkerEntry:
     return MarkerEntry("unshard", param, shape, stage, "0", grad_reduced=True)
+
+
+def test_a_rank_recompiling_alone_waits_a_bounded_time_and_trains_on(reports) -> None:
+    rank0, rank1 = (_case(report, "recompiling alone") for report in reports)
+    assert rank0["unanswered"] == 0, "rank 0 compiled nothing its peer did not"
+    assert rank1["unanswered"] == 1, "rank 1's recompile has no counterpart on rank 0"
+    assert rank1["seconds"] < PEER_WAIT.total_seconds() + 20
 
 
 def test_equal_schedules_agree() -> None:

@@ -10,10 +10,18 @@ The lowered schedule is a deterministic function of that description, and unlike
 graph it is seen on every compile, Inductor/AOT cache hit or not.
 
 The exchange goes through the group's c10d store, not a collective: a collective could itself be
-mismatched and hang. Each rank counts the graphs it compiled per group with `store.add` (the count
-starts afresh with every new process group), `set`s its description under that number, `wait`s for
-the other ranks' with the process group's timeout, and compares. Every rank reads the same
-descriptions and so raises the same error.
+mismatched and hang. A graph is named by its Dynamo frame (e.g. "0/1", the same on ranks running
+the same code) and how often this rank compiled that frame before (`store.add`, so it starts afresh
+with every process group, and a `torch._dynamo.reset()` on every rank stays aligned). Each rank
+`set`s its description under that name, `wait`s a bounded time for the other ranks', and compares;
+every rank reads the same descriptions and so raises the same error.
+
+A rank may legitimately compile a frame alone, or late: rank-local input shapes (variable-length
+batches) make ranks recompile for dynamic shapes at different steps, while their collectives
+still match. So a peer that does not show up within `PEER_WAIT` is not an error: this rank warns
+and goes on without the comparison (the peer compares against this rank's description when it
+gets there). Ranks that really diverged then fail in the next collective, after the process
+group's timeout, with the error below.
 
 This module also turns a collective that failed at run time (a rank died or stalled past the
 timeout) into an error saying which graph, rank and stage, and how to change the timeout.
@@ -41,6 +49,9 @@ from zerocompile.passes.markers import is_reduce_grad, is_unshard, reduce_grad_a
 log = logging.getLogger(__name__)
 
 _KEY_PREFIX = "zerocompile-guard"
+# How long a rank waits for the others to compile the same frame: ranks reach a frame's compile
+# within a second or two of each other when they run the same code.
+PEER_WAIT = timedelta(seconds=30)
 _DIVERGENCE_FIX = (
     "Every rank must trace the same graph: do not branch on dist.get_rank() or rank-local data "
     "inside the compiled model"
@@ -89,7 +100,7 @@ class MarkerEntry:
 class Schedule:
     """What one rank compiled for one group: the settings that shape the lowering and the markers."""
 
-    compile_id: str  # Dynamo's frame/attempt, for the message only (it may differ legitimately)
+    compile_id: str  # Dynamo's frame/attempt: which graph of the other ranks this one is compared with
     settings: dict[str, Any]
     markers: list[MarkerEntry]
 
@@ -107,6 +118,7 @@ class GuardStats:
     """How often the guard ran in this process and what it cost (tests and benchmarks read it)."""
 
     checks: int = 0  # graph x group exchanges compared
+    unanswered: int = 0  # exchanges in which some peer had not compiled the same frame in time
     seconds: float = 0.0  # wall time inside the exchanges, waiting for slower ranks included
     bytes_written: int = 0  # schedule JSON this rank put into the store
 
@@ -171,7 +183,6 @@ def first_difference(schedules: list[Schedule]) -> str | None:
             continue
         ours, theirs = reference.markers, schedule.markers
         index = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-        frames = f"rank 0 in Dynamo frame {reference.compile_id}, rank {rank} in {schedule.compile_id}"
         if index < len(ours) and index < len(theirs):
             detail = f"collective {index + 1} differs — rank 0 {ours[index].describe()}, rank {rank} {theirs[index].describe()}"
         else:
@@ -180,7 +191,7 @@ def first_difference(schedules: list[Schedule]) -> str | None:
                 f"rank 0 has {len(ours)} collectives, rank {rank} {len(theirs)}; the first extra one, "
                 f"collective {index + 1}: rank {extra_rank} {longer[index].describe()}"
             )
-        return f"{detail} ({frames})"
+        return detail
     return None
 
 
@@ -188,7 +199,6 @@ def first_difference(schedules: list[Schedule]) -> str | None:
 class GraphContext:
     """Where a compiled graph sits among the ranks, for run-time error messages."""
 
-    number: int  # this rank's count of graphs compiled over `group_name`, 1-based
     compile_id: str
     group_name: str
     rank: int
@@ -200,10 +210,10 @@ class GraphContext:
 def check_ranks_agree(graph: fx.Graph, settings: dict[str, Any], compile_id: str) -> GraphContext | None:
     """Compare this graph's collective schedule with the other ranks' of each group it uses.
 
-    Raises `RankMismatchError` on every rank if they differ, or if some rank does not compile its
-    graph of the same number within the process group's timeout. Returns where the graph sits (its
-    first group's), or None when there is nothing to compare: no markers, no process group, or a
-    one-rank group.
+    Raises `RankMismatchError` on every rank that compares if they differ; warns if some rank does
+    not compile the same frame within `PEER_WAIT` (see the module docstring). Returns where the
+    graph sits (its first group's), or None when there is nothing to compare: no markers, no
+    process group, or a one-rank group.
     """
     entries = marker_entries(graph)
     if not entries or not dist.is_initialized():
@@ -214,49 +224,49 @@ def check_ranks_agree(graph: fx.Graph, settings: dict[str, Any], compile_id: str
         if dist.get_world_size(group) == 1:
             continue
         schedule = Schedule(compile_id, settings, [entry for entry in entries if entry.group == group_name])
-        number = _exchange_and_compare(group, group_name, schedule)
+        _exchange_and_compare(group, group_name, schedule)
         context = context or GraphContext(
-            number, compile_id, group_name, dist.get_rank(group), dist.get_world_size(group),
+            compile_id, group_name, dist.get_rank(group), dist.get_world_size(group),
             tuple(sorted({entry.stage for entry in entries})), process_group_timeout(group),
         )
     return context
 
 
-def _exchange_and_compare(group: dist.ProcessGroup, group_name: str, schedule: Schedule) -> int:
+def _exchange_and_compare(group: dist.ProcessGroup, group_name: str, schedule: Schedule) -> None:
     started = time.perf_counter()
     store = _get_process_group_store(group)  # already prefixed by the group's name
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    number = store.add(f"{_KEY_PREFIX}/count/rank{rank}", 1)
-    keys = [f"{_KEY_PREFIX}/graph{number}/rank{r}" for r in range(world_size)]
+    frame = schedule.compile_id
+    occurrence = store.add(f"{_KEY_PREFIX}/count/{frame}/rank{rank}", 1)
+    name = f"Dynamo frame {frame} (compile #{occurrence} of it)"
+    keys = [f"{_KEY_PREFIX}/{frame}#{occurrence}/rank{r}" for r in range(world_size)]
     payload = schedule.to_json()
     store.set(keys[rank], payload)
-    timeout = process_group_timeout(group)
+    stats.bytes_written += len(payload)
     try:
-        store.wait(keys, timeout)
-    except dist.DistError as error:
+        store.wait(keys, min(PEER_WAIT, process_group_timeout(group)))
+    except RuntimeError:  # a TCPStore times out with DistStoreError, a FileStore with RuntimeError
         missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        raise RankMismatchError(
-            f"rank {rank} of group '{group_name}' waited {timeout} for ranks {missing} to compile their "
-            f"graph #{number} (this rank's is Dynamo frame {schedule.compile_id}), and they did not: the ranks "
-            "compiled different numbers of graphs, or those ranks died or stalled. Every rank must run "
-            "the same code: do not branch on dist.get_rank() or rank-local data inside the compiled model; "
-            "rank-local input shapes (an uneven last batch) make one rank recompile alone: give every rank "
-            "the same shapes, or turn this check off with torch.compile(..., options={'check_ranks': False}) "
-            "if the collectives provably match. The wait is the process group's timeout "
-            "(zerocompile.init_distributed(timeout=...))."
-        ) from error
+        stats.seconds += time.perf_counter() - started
+        stats.unanswered += 1
+        log.warning(
+            "zerocompile: rank %d of group '%s' compiled %s; ranks %s have not compiled it within %s, so its "
+            "collectives were not compared with theirs. Fine if they compile it later (rank-local input "
+            "shapes make ranks recompile at different steps); if they never do, the ranks run different "
+            "code and the next collective fails after the process group's timeout.",
+            rank, group_name, name, missing, PEER_WAIT,
+        )
+        return
     schedules = [schedule if r == rank else Schedule.from_json(store.get(keys[r])) for r in range(world_size)]
     difference = first_difference(schedules)
     stats.checks += 1
-    stats.bytes_written += len(payload)
     stats.seconds += time.perf_counter() - started
-    log.debug("rank %d: graph #%d of group '%s' agrees on %d markers", rank, number, group_name, len(schedule.markers))
+    log.debug("rank %d: %s of group '%s' agrees on %d markers", rank, name, group_name, len(schedule.markers))
     if difference is not None:
         raise RankMismatchError(
-            f"ranks traced different collective schedules for compiled graph #{number} of group "
-            f"'{group_name}': {difference}. {_DIVERGENCE_FIX}."
+            f"ranks traced different collective schedules for {name}, group '{group_name}': "
+            f"{difference}. {_DIVERGENCE_FIX}."
         )
-    return number
 
 
 # A transport failure or timeout, as gloo, NCCL and the c10d stores word them.
@@ -284,8 +294,8 @@ def explain_collective_failures(run: Callable, context: GraphContext, kind: str)
                 raise
             stages = ", ".join(map(str, context.stages))
             raise CollectiveFailedError(
-                f"a collective in the {kind} of zero-compiled graph #{context.number} (Dynamo frame "
-                f"{context.compile_id}, stage {stages}) failed on rank {context.rank} of "
+                f"a collective in the {kind} of the zero-compiled graph of Dynamo frame "
+                f"{context.compile_id} (stage {stages}) failed on rank {context.rank} of "
                 f"{context.world_size} in group '{context.group_name}': another rank died or stalled "
                 f"for longer than the process group's timeout ({context.timeout}). Look at the other "
                 "ranks' output for the first error; if a rank is legitimately slow (a long compile, "
