@@ -31,12 +31,11 @@ def _torchrun_train(entry: list[str], checkpoint: Path, out: Path, extra_env: di
 
     torchrun runs in a session of its own, so on a timeout or failure its workers die with it.
     """
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **extra_env}
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", **extra_env}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1"]
-    # c10d rendezvous with a fresh store per attempt: torchrun's static rendezvous (and c10d's shared
-    # store) keep one store for the whole job, whose keys from the killed attempt (gloo addresses)
-    # a restarted rank can read before they are rewritten, and then connect to a dead process.
-    command += ["--monitor-interval=0.1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_loopback_port()}"]
+    # The static rendezvous, as the README launches: one store for the whole job, which
+    # init_distributed gives each restart attempt a private view of.
+    command += ["--monitor-interval=0.1", "--master-addr=127.0.0.1", f"--master-port={free_loopback_port()}"]
     command += ["--local-addr=127.0.0.1"]
     command += [*entry, "train", "--compiler", "eager", "--model-size", "tiny", "--batch-size", "16"]
     command += ["--steps", str(STEPS), "--log-every", "1", "--sample-bytes", "0", "--out", str(out)]

@@ -115,5 +115,29 @@ def init_distributed(backend: str | None = None, timeout: timedelta | None = Non
     os.environ.setdefault("MASTER_PORT", str(_slurm_master_port()))
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, **kwargs)
+    restart_store = _torchrun_attempt_store(world_size, timeout)
+    if restart_store is not None:
+        dist.init_process_group(backend, store=restart_store, rank=rank, world_size=world_size, **kwargs)
+    else:
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, **kwargs)
     return rank, world_size
+
+
+def _torchrun_attempt_store(world_size: int, timeout: timedelta | None) -> dist.Store | None:
+    """Under torchrun's agent store, a view of it private to this restart attempt; else None.
+
+    With the static rendezvous (--master-addr/--master-port) torchrun keeps one store for the whole
+    job across --max-restarts. A restarted rank could read the killed attempt's gloo addresses
+    from it before the new ones are written and connect to a dead process ("Connection refused").
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=timeout or timedelta(minutes=30),
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"zerocompile/attempt-{attempt}/", store)
