@@ -35,7 +35,11 @@ def _build(name: str, stage: int, seed: int = 0) -> tuple[nn.Module, nn.Module, 
     torch._dynamo.reset()
     torch.manual_seed(seed)
     model = zc.shard(MODELS[name](), stage=stage)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # eps well above rounding noise: the attention's key bias has an exactly-zero gradient (softmax
+    # ignores a shift shared by all keys), so it gets pure rounding noise, which AdamW with its
+    # default eps=1e-8 normalises into updates of up to lr; resumed at another world size the
+    # gradients are summed in another order and that noise alone moved the key bias by 1.0e-6.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5)
     compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
     return model, compiled, optimizer, zc.EMA(model, DECAY)
 
