@@ -18,6 +18,7 @@ from .recompute_gathers import _is_view_or_cast
 
 funcol = torch.ops._c10d_functional
 COLLECTIVES = {
+    funcol.all_gather_into_tensor_coalesced.default: "all_gather",
     funcol.all_gather_into_tensor.default: "all_gather",
     funcol.reduce_scatter_tensor.default: "reduce_scatter",
     funcol.all_to_all_single.default: "all_to_all",
@@ -29,7 +30,7 @@ COLLECTIVES = {
 class Collective:
     op: str
     position: int  # index of the node in the graph
-    numel: int  # elements of the input tensor
+    numel: int  # elements of the input tensor (of all of them, coalesced)
     dtype: torch.dtype
 
     @property
@@ -37,23 +38,38 @@ class Collective:
         return self.numel * self.dtype.itemsize
 
 
+_GATHERS = (funcol.all_gather_into_tensor.default, funcol.all_gather_into_tensor_coalesced.default)
+
+
+def _is_gather(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in _GATHERS
+
+
 def collectives(graph: fx.Graph) -> list[Collective]:
     found = []
     for position, node in enumerate(graph.nodes):
         if node.op == "call_function" and node.target in COLLECTIVES:
-            value = node.args[0].meta["val"]
-            found.append(Collective(COLLECTIVES[node.target], position, value.numel(), value.dtype))
+            inputs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+            values = [n.meta["val"] for n in inputs]
+            found.append(Collective(COLLECTIVES[node.target], position, sum(v.numel() for v in values), values[0].dtype))
     return found
 
 
+def waits_of(collective: fx.Node) -> list[fx.Node]:
+    """The wait_tensor nodes of a collective: on its output, or on each output of a coalesced one."""
+    outputs = [user for user in collective.users if user.target is operator.getitem] or [collective]
+    return [user for output in outputs for user in output.users if user.target is funcol.wait_tensor.default]
+
+
+def gathered_buffers(gather: fx.Node) -> list[fx.Node]:
+    """The tensors an all-gather produces: itself, or each output of a coalesced one."""
+    return [user for user in gather.users if user.target is operator.getitem] or [gather]
+
+
 def gathered_values(graph: fx.Graph) -> set[fx.Node]:
-    """Every value that is a gathered parameter: the all-gather, its wait, and their views/casts."""
+    """Every value that is a gathered parameter: the all-gather, its waits, and their views/casts."""
     values: set[fx.Node] = set()
-    frontier = [
-        node
-        for node in graph.nodes
-        if node.op == "call_function" and node.target is funcol.all_gather_into_tensor.default
-    ]
+    frontier = [node for node in graph.nodes if _is_gather(node)]
     while frontier:
         node = frontier.pop()
         values.add(node)
@@ -83,15 +99,18 @@ def nbytes(value: torch.Tensor) -> int:
 
 def gathered_live_intervals(graph: fx.Graph, size: Callable[[torch.Tensor], int] = _numel) -> list[tuple[int, int, int]]:
     """(position of the all-gather, last position, size) of each gathered buffer: alive from the
-    moment the collective is issued until the last use of it or of any view/copy of it."""
+    moment the collective is issued until the last use of it or of any view/copy of it. A
+    coalesced all-gather has one buffer per parameter, each dying after its own last use."""
     position = {node: i for i, node in enumerate(graph.nodes)}
     gathered = gathered_values(graph)
     intervals = []
     for node in graph.nodes:
-        if node.op == "call_function" and node.target is funcol.all_gather_into_tensor.default:
-            chain = [n for n in gathered if _derives_from(n, node, gathered)]
+        if not _is_gather(node):
+            continue
+        for buffer in gathered_buffers(node):
+            chain = [n for n in gathered if _derives_from(n, buffer, gathered)]
             last = max(position[user] for n in chain for user in n.users)
-            intervals.append((position[node], last, size(node.meta["val"])))
+            intervals.append((position[node], last, size(buffer.meta["val"])))
     return intervals
 
 

@@ -57,7 +57,7 @@ class GraphLedger:
 
 
 def _world_size(node: fx.Node) -> int:
-    if node.target is funcol.all_gather_into_tensor.default:
+    if node.target in (funcol.all_gather_into_tensor.default, funcol.all_gather_into_tensor_coalesced.default):
         return node.args[1]
     if node.target is funcol.reduce_scatter_tensor.default:
         return node.args[2]
@@ -79,13 +79,15 @@ def graph_ledger(graph: fx.Graph, kind: str) -> GraphLedger:
     nodes = list(graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
     dag = nx.DiGraph((arg, node) for node in nodes for arg in node.all_input_nodes)
-    gather_ends = {start: end for start, end, _ in analysis.gathered_live_intervals(graph)}
+    gather_ends: dict[int, int] = {}  # a coalesced gather's buffers die one by one: the last
+    for start, end, _ in analysis.gathered_live_intervals(graph):
+        gather_ends[start] = max(end, gather_ends.get(start, end))
     entries = []
     world_size = 1
     for collective in analysis.collectives(graph):
         node = nodes[collective.position]
         world_size = _world_size(node)
-        (wait,) = [user for user in node.users if user.target is funcol.wait_tensor.default]
+        wait = max(analysis.waits_of(node), key=position.__getitem__)  # the last one: done when all are
         in_flight = nodes[position[node] + 1 : position[wait]]
         depends = nx.descendants(dag, node) if node in dag else set()
         last_use = gather_ends.get(collective.position)

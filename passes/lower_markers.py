@@ -1,8 +1,9 @@
 """Replace the marker ops of a partitioned forward or backward graph with collectives, per stage.
 
 Runs on each graph AOTAutograd hands to the compiler (after partitioning), so the rewrite sees the
-forward and the backward separately. Each `unshard` becomes all-gather + wait + slice + view and
-each `reduce_grad` pad + reduce-scatter (or all-reduce at stage 0) + wait, traced from the same
+forward and the backward separately. Each bucket of `unshard`s becomes one coalesced all-gather +
+a wait per parameter + slice + view, and each bucket of `reduce_grad`s pack + reduce-scatter (or
+all-reduce at stage 0) + wait, traced from the same
 functions the markers run eagerly (`lowering.py`). Where they go depends on the stage:
 
 - stage 0: `unshard` is dropped (the parameter is whole); `reduce_grad` all-reduces in place.
@@ -157,13 +158,13 @@ def _issue_gathers_early(buckets: list[list[fx.Node]], distance: int) -> None:
     compute in between; its wait stays just before its first use. Only gathers of graph inputs
     move (stage-3 backward re-gathers and all forward gathers)."""
     for k, bucket in enumerate(buckets[1:], start=1):
-        issue, _wait, _unpack = _split_at_wait(bucket)
+        issue, waits, _unpack = _split_at_wait(bucket)
         if any(arg.op != "placeholder" for node in issue for arg in node.all_input_nodes if arg not in issue):
             continue
         # The first `distance` buckets are all issued up front, one after another.
-        anchor = _split_at_wait(buckets[k - distance])[1] if k >= distance else _split_at_wait(buckets[k - 1])[0][-1]
+        anchor = _split_at_wait(buckets[k - distance])[1][-1] if k >= distance else _split_at_wait(buckets[k - 1])[0][-1]
         position = {node: i for i, node in enumerate(anchor.graph.nodes)}
-        if position[anchor] > position[_split_at_wait(bucket)[1]]:
+        if position[anchor] > position[waits[0]]:
             continue  # its own wait comes first (first uses out of bucket order): stay in place
         for node in issue:
             anchor.append(node)
@@ -171,7 +172,7 @@ def _issue_gathers_early(buckets: list[list[fx.Node]], distance: int) -> None:
 
 
 def _wait_gathers_at_first_use(buckets: list[list[fx.Node]]) -> None:
-    """Stages 1-2: each bucket's wait (and its unpacking) moves down from the top of the forward
+    """Stages 1-2: each bucket's waits (and their slices and views) move down from the top of the forward
     to just before the first node reading one of its parameters; `_issue_gathers_early` then
     starts each gather `prefetch` buckets ahead, so later buckets arrive while the first layers
     compute. (All gathers in flight at once would cost no memory here, full parameters live
@@ -182,8 +183,8 @@ def _wait_gathers_at_first_use(buckets: list[list[fx.Node]]) -> None:
         return
     position = {node: i for i, node in enumerate(buckets[0][0].graph.nodes)}
     for bucket in buckets:
-        _issue, wait, unpack = _split_at_wait(bucket)
-        moved = [wait, *unpack]
+        _issue, waits, unpack = _split_at_wait(bucket)
+        moved = [*waits, *unpack]
         readers = [user for node in moved for user in node.users if user not in moved]
         first_reader = min(readers, key=position.__getitem__)
         for node in moved:
@@ -194,34 +195,34 @@ def _in_wait_order(buckets: list[list[fx.Node]]) -> list[list[fx.Node]]:
     if not buckets:
         return buckets
     position = {node: i for i, node in enumerate(buckets[0][0].graph.nodes)}
-    return sorted(buckets, key=lambda bucket: position[_split_at_wait(bucket)[1]])
+    return sorted(buckets, key=lambda bucket: position[_split_at_wait(bucket)[1][0]])
 
 
 def _wait_reductions_late(buckets: list[list[fx.Node]]) -> None:
     """Wait for bucket k's reduction just before bucket k+1's starts: its collective runs during
     the backward compute in between, and at most two are in flight."""
     for earlier, later in zip(buckets, buckets[1:]):
-        _issue, wait, unpack = _split_at_wait(earlier)
-        moved = {wait, *unpack}
+        _issue, waits, unpack = _split_at_wait(earlier)
+        moved = [*waits, *unpack]
         if any(user.op != "output" and user not in moved for node in moved for user in node.users):
             continue  # something in the graph reads the reduced gradient: it must be ready in place
         start = _split_at_wait(later)[0][0]
-        for node in [wait, *unpack]:
+        for node in moved:
             start.prepend(node)
 
 
-def _split_at_wait(bucket: list[fx.Node]) -> tuple[list[fx.Node], fx.Node, list[fx.Node]]:
-    """A spliced bucket as (packing + collective, its wait, unpacking), in graph order."""
-    wait = next(n for n in bucket if n.target is torch.ops._c10d_functional.wait_tensor.default)
+def _split_at_wait(bucket: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node], list[fx.Node]]:
+    """A spliced bucket as (packing + collective, its waits, what reads them), in graph order."""
+    waits = [n for n in bucket if n.target is torch.ops._c10d_functional.wait_tensor.default]
     ancestors: set[fx.Node] = set()
-    frontier = [wait]
+    frontier = list(waits)
     while frontier:
         for arg in frontier.pop().all_input_nodes:
             if arg not in ancestors:
                 ancestors.add(arg)
                 frontier.append(arg)
     issue = [n for n in bucket if n in ancestors]
-    return issue, wait, [n for n in bucket if n is not wait and n not in ancestors]
+    return issue, waits, [n for n in bucket if n not in waits and n not in ancestors]
 
 
 def _place_by_stage(graph: fx.Graph) -> None:

@@ -70,46 +70,31 @@ def _packed(tensors: list[torch.Tensor], rows: int, row_numels: list[int], dtype
     return pack(tensors, rows, row_numels, dtype)
 
 
-@torch.library.custom_op("zero::unpack", mutates_args=())
-def unpack(buffer: torch.Tensor, rows: int, row_numels: list[int], numels: list[int]) -> list[torch.Tensor]:
-    """The inverse of `pack` for a gathered bucket: column block i of the `rows`-row `buffer`,
-    flattened and cut to `numels[i]` elements (padding dropped), as a new flat tensor.
-
-    An opaque op on purpose: written as slices and reshapes, each distinct block layout became a
-    C++/Triton copy kernel of its own (ten for a 12m GPT at stage 3, 0.6 s of compile each on
-    CPU) and split Inductor's fusion of the compute around it; as an extern kernel it compiles
-    to nothing and copies as fast.
-    """
-    blocks = buffer.view(rows, sum(row_numels)).split(row_numels, dim=1)
-    unpacked = []
-    for block, row_numel, numel in zip(blocks, row_numels, numels):
-        full = buffer.new_empty(rows * row_numel)
-        full.view(rows, row_numel).copy_(block)
-        unpacked.append(full[:numel])
-    return unpacked
-
-
-@unpack.register_fake
-def _unpack_fake(buffer: torch.Tensor, rows: int, row_numels: list[int], numels: list[int]) -> list[torch.Tensor]:
-    return [buffer.new_empty(numel) for numel in numels]
-
-
 def gather_bucket(
     shards: list[torch.Tensor], shapes: list[list[int]], group_name: str, dtype: torch.dtype | None = None
 ) -> list[torch.Tensor]:
     """One all-gather for several parameters, in `dtype` (cast before sending: mixed precision
-    halves the bytes). Rank r's buffer holds its shard of each parameter back to back, so the
-    gathered buffer is [rank, parameter slice]; each parameter is its column block, flattened (a
-    copy unless there is one parameter), unpadded."""
+    halves the bytes), each cut to its numel (padding dropped) and viewed in its shape.
+
+    A coalesced all-gather: one collective call whose every shard lands in a full tensor of its
+    own, so nothing is copied out of a shared [rank, parameter] buffer afterwards. On NCCL that
+    is a group of all-gathers with no copy at all; gloo copies into the outputs as part of its
+    transfer. Measured on gloo (2 ranks, a 7 MB bucket of 8 parameters): 6.1 ms against 8.0 ms
+    for packing one buffer, gathering it and copying each parameter out; a 12m GPT's stage-3
+    step 3.7 % faster side by side.
+    """
     world_size = group_size(group_name)
     numels = [shard.numel() for shard in shards]
-    flat = _packed(shards, 1, numels, dtype)
-    gathered = funcol.wait_tensor(funcol.all_gather_into_tensor(flat, world_size, group_name))
-    if len(shards) == 1:
-        numel = math.prod(shapes[0])
-        return [(gathered if gathered.numel() == numel else gathered[:numel]).view(shapes[0])]
-    fulls = unpack(gathered, world_size, numels, [math.prod(shape) for shape in shapes])
-    return [full.view(shape) for full, shape in zip(fulls, shapes)]
+    if dtype is None or all(shard.dtype == dtype for shard in shards):
+        inputs = shards
+    else:  # one opaque cast of the bucket (see `pack`), sent as views of its buffer
+        inputs = list(pack(shards, 1, numels, dtype).split(numels))
+    outputs = funcol.all_gather_into_tensor_coalesced(inputs, world_size, group_name)
+    fulls = [funcol.wait_tensor(output) for output in outputs]
+    return [
+        (full if full.numel() == math.prod(shape) else full[: math.prod(shape)]).view(shape)
+        for full, shape in zip(fulls, shapes)
+    ]
 
 
 def reduce_scatter_bucket(

@@ -20,7 +20,6 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .lowering import unpack
 from .markers import is_unshard, unshard_args
 
 aten = torch.ops.aten
@@ -32,7 +31,6 @@ _CASTS = {
     aten.clone.default,
     aten._unsafe_view.default,
     torch.ops.prims.convert_element_type.default,
-    unpack._opoverload,  # a bucket's parameters, copied out of the gathered buffer
 }
 
 
@@ -40,7 +38,7 @@ def _is_view_or_cast(node: fx.Node) -> bool:
     target = node.target
     if node.op != "call_function":
         return False
-    if target in _CASTS or target is operator.getitem:  # getitem: one piece of a split bucket
+    if target in _CASTS or target is operator.getitem:  # getitem: one parameter of a bucket
         return True
     return isinstance(target, torch._ops.OpOverload) and target.is_view
 

@@ -6,8 +6,9 @@ op order, `meta["val"]` shapes and dtypes, the ledger and `graph.lint()`.
 
 The numbers are checked too: `run_ranks` interprets a lowered graph for all WORLD ranks in
 lockstep, node by node, replacing each functional collective by what the group would compute from
-every rank's input (all-gather = concatenation in rank order, reduce-scatter = rank r's chunk of
-the reduction, all-to-all = rank r's split from every rank). So the bucket layouts traced from
+every rank's input (all-gather = concatenation in rank order, coalesced all-gather = that for each
+of its inputs, reduce-scatter = rank r's chunk of the reduction, all-to-all = rank r's split from
+every rank). So the bucket layouts traced from
 `gather_bucket` / `reduce_scatter_bucket` / `all_reduce_bucket` are run as they appear in the graph
 and compared with the original full parameters, the per-parameter reduction, and the unbucketed
 lowering of the same graph.
@@ -35,7 +36,9 @@ from zerocompile.passes.markers import REDUCE_GRAD, UNSHARD
 aten = torch.ops.aten
 funcol = torch.ops._c10d_functional
 PACK = torch.ops.zero.pack.default
-UNPACK = torch.ops.zero.unpack.default
+# A gather bucket is one coalesced all-gather: output i (a getitem) is parameter i, padded, gathered.
+AG, GI, WAIT = funcol.all_gather_into_tensor_coalesced.default, operator.getitem, funcol.wait_tensor.default
+SLICE, VIEW, MM, SPLIT = aten.slice.Tensor, aten.view.default, aten.mm.default, aten.split_with_sizes.default
 
 # The forward/backward test model: four parameters, two of them padded over 4 ranks.
 SHAPES = ([3, 5], [5, 4], [4, 2], [2])  # numel 15, 20, 8, 2
@@ -53,16 +56,6 @@ pytestmark = pytest.mark.usefixtures("group_name")
 
 
 # --------------------------------------------------------------------------------------- helpers
-
-
-
-
-
-
-
-
-
-
 
 
 def find(graph: fx.Graph, target) -> list[fx.Node]:
@@ -86,6 +79,8 @@ def lower(gm: fx.GraphModule, **kwargs) -> dict[str, int]:
         val = node.meta.get("val")
         vals = val if isinstance(val, (list, tuple)) else [val]  # split_with_sizes: a list
         assert vals and all(isinstance(v, FakeTensor) for v in vals), f"{node.format_node()} has no fake val"
+    # every gather bucket, of one parameter or several, is lowered as a coalesced all-gather
+    assert find(gm.graph, funcol.all_gather_into_tensor.default) == []
     gm.recompile()
     return counts
 
@@ -100,38 +95,105 @@ def counts_of(gathers: int = 0, reductions: int = 0, gather_buckets: int = 0, re
     }
 
 
-def unwrap_views(node: fx.Node) -> fx.Node:
-    """The node a chain of view / slice nodes starts from."""
-    while node.target in (aten.view.default, aten.slice.Tensor):
-        node = node.args[0]
-    return node
-
-
 def bucket_members(collective: fx.Node) -> list[fx.Node]:
-    """The per-parameter inputs packed into a collective: the pack's inputs, or the lone input."""
+    """The per-parameter inputs of a collective: a gather's shards (`gather_members`); a
+    reduction's packed gradients, or its lone input."""
+    if collective.target is AG:
+        return gather_members(collective)
     packed = collective.args[0]
     while packed.target is aten.view.default and packed.args[1] == [-1]:  # a lone gradient, flattened
         packed = packed.args[0]
     return list(packed.args[0]) if packed.target is PACK else [packed]
 
 
+def gather_members(ag: fx.Node) -> list[fx.Node]:
+    """The shards a coalesced all-gather carries, in output order: its inputs themselves, or with
+    a cast (compute dtype != shard dtype) the shards of the one cast buffer, `pack(shards, 1,
+    numels, dtype)`, whose `split` pieces (in order, one per shard) are its inputs."""
+    assert ag.target is AG and not ag.kwargs
+    inputs = list(ag.args[0])
+    assert inputs
+    if not any(node.target is GI for node in inputs):
+        return inputs
+    split = inputs[0].args[0]
+    assert split.target is SPLIT
+    packed = split.args[0]
+    assert packed.target is PACK
+    shards, rows, numels, dtype = packed.args
+    assert rows == 1 and numels == [shard.meta["val"].numel() for shard in shards]
+    assert dtype is not None and all(shard.meta["val"].dtype != dtype for shard in shards)  # a cast
+    assert split.args == (packed, numels) and set(split.users) == set(inputs)
+    assert [(node.target, node.args) for node in inputs] == [(GI, (split, i)) for i in range(len(shards))]
+    assert [shape(node) for node in inputs] == [(n,) for n in numels]
+    assert {node.meta["val"].dtype for node in (packed, *inputs)} == {dtype}
+    return list(shards)
+
+
+def gather_issue(ag: fx.Node) -> list[fx.Node]:
+    """Every node that issues the bucket, in the order the lowering emits them: (pack, split, its
+    getitems,) the all-gather, its output getitems."""
+    inputs = list(ag.args[0])
+    casting = [inputs[0].args[0].args[0], inputs[0].args[0], *inputs] if inputs[0].target is GI else []
+    return [*casting, ag, *sorted(ag.users, key=lambda n: n.args[1])]
+
+
+def gathered_chains(ag: fx.Node, shapes, dtype: torch.dtype) -> list[tuple]:
+    """Checks what a coalesced all-gather's outputs become and returns, per parameter in bucket
+    order, (getitem, wait, slice or None, view): output i = getitem(ag, i) of the padded full
+    parameter [world * shard numel] -> its own wait_tensor -> a slice to the parameter's numel
+    only if padded -> a view in its shape; all in `dtype`, nothing else reading them."""
+    world = ag.args[1]
+    members = gather_members(ag)
+    assert len(shapes) == len(members)
+    vals = ag.meta["val"]
+    assert isinstance(vals, list) and all(isinstance(v, FakeTensor) for v in vals)
+    padded = [world * member.meta["val"].numel() for member in members]
+    assert [(tuple(v.shape), v.dtype) for v in vals] == [((n,), dtype) for n in padded]
+    getitems = list(ag.users)
+    assert all(node.target is GI for node in getitems)
+    getitems.sort(key=lambda n: n.args[1])
+    assert [node.args for node in getitems] == [(ag, i) for i in range(len(members))]
+    chains = []
+    for getitem, full, n in zip(getitems, shapes, padded):
+        numel = math.prod(full)
+        (wait,) = getitem.users
+        assert wait.target is WAIT and wait.args == (getitem,)
+        (after,) = wait.users
+        if numel != n:
+            sliced = after
+            assert sliced.target is SLICE and sliced.args == (wait, 0, 0, numel)
+            (view,) = sliced.users
+        else:
+            sliced, view = None, after
+        assert view.target is VIEW and view.args == (sliced or wait, list(full))
+        nodes = [getitem, wait, *([sliced] if sliced else []), view]
+        assert [shape(node) for node in nodes] == [(n,), (n,), *([(numel,)] if sliced else []), tuple(full)]
+        assert {node.meta["val"].dtype for node in nodes} == {dtype}
+        chains.append((getitem, wait, sliced, view))
+    return chains
+
+
 def gathered_shards(graph: fx.Graph) -> list[list[str]]:
     """For each all-gather in order, the names of the shards it carries."""
-    return [[n.name for n in bucket_members(ag)] for ag in find(graph, funcol.all_gather_into_tensor.default)]
+    return [[n.name for n in bucket_members(ag)] for ag in find(graph, AG)]
 
 
-def forward_model(group_name: str, stage: int = 3, dtype=torch.float32, fqns=FQNS) -> fx.GraphModule:
-    """relu, w1 [3, 5] mm, relu, w2 [5, 4] mm, w3 [4, 2] mm, + bias [2]: four markers in a row."""
+def forward_model(
+    group_name: str, stage: int = 3, dtype=torch.float32, fqns=FQNS, compute_dtype=None
+) -> fx.GraphModule:
+    """relu, w1 [3, 5] mm, relu, w2 [5, 4] mm, w3 [4, 2] mm, + bias [2]: four markers in a row.
+
+    Shards in `dtype`, gathered (and x given) in `compute_dtype` if set (mixed precision)."""
 
     def f(s1, s2, s3, s4, x):
         h = x.relu()
-        h = h @ UNSHARD(s1, SHAPES[0], stage, group_name, fqns[0])
+        h = h @ UNSHARD(s1, SHAPES[0], stage, group_name, fqns[0], compute_dtype)
         h = h.relu()
-        h = h @ UNSHARD(s2, SHAPES[1], stage, group_name, fqns[1])
-        h = h @ UNSHARD(s3, SHAPES[2], stage, group_name, fqns[2])
-        return (h + UNSHARD(s4, SHAPES[3], stage, group_name, fqns[3]),)
+        h = h @ UNSHARD(s2, SHAPES[1], stage, group_name, fqns[1], compute_dtype)
+        h = h @ UNSHARD(s3, SHAPES[2], stage, group_name, fqns[2], compute_dtype)
+        return (h + UNSHARD(s4, SHAPES[3], stage, group_name, fqns[3], compute_dtype),)
 
-    return trace(f, *[((n,), dtype) for n in SHARDS], ((2, 3), dtype))
+    return trace(f, *[((n,), dtype) for n in SHARDS], ((2, 3), compute_dtype or dtype))
 
 
 def backward_model(group_name: str, stage: int = 2, dtype=torch.float32, fqns=FQNS) -> fx.GraphModule:
@@ -189,6 +251,17 @@ def _all_gather(inputs, world_size, group):
     return [torch.cat(inputs)] * len(inputs)
 
 
+def _all_gather_coalesced(inputs, world_size, group):
+    """inputs[r] is rank r's list of tensors; every rank gets, for each i, input i of every rank
+    concatenated in rank order."""
+    assert world_size == len(inputs)
+    count = len(inputs[0])
+    for rank_inputs in inputs:  # the same number of tensors on every rank, of the same shapes
+        assert [(t.shape, t.dtype) for t in rank_inputs] == [(t.shape, t.dtype) for t in inputs[0]]
+    outputs = [torch.cat([rank_inputs[i] for rank_inputs in inputs]) for i in range(count)]
+    return [list(outputs) for _ in inputs]
+
+
 def _reduce_scatter(inputs, op, world_size, group):
     assert world_size == len(inputs) and op in ("sum", "avg")
     total = torch.stack(inputs).sum(0)
@@ -212,6 +285,7 @@ def _all_reduce(inputs, op, group):
 
 SIMULATED = {
     funcol.all_gather_into_tensor.default: _all_gather,
+    funcol.all_gather_into_tensor_coalesced.default: _all_gather_coalesced,
     funcol.reduce_scatter_tensor.default: _reduce_scatter,
     funcol.all_to_all_single.default: _all_to_all,
     funcol.all_reduce.default: _all_reduce,
@@ -221,7 +295,8 @@ SIMULATED = {
 def run_ranks(graph: fx.Graph, inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
     """Run `graph` on every rank's inputs in lockstep; each collective sees all ranks' inputs.
 
-    Returns each rank's outputs. wait_tensor is the identity (results are ready at once)."""
+    Returns each rank's outputs. wait_tensor is the identity (results are ready at once); a
+    collective with several outputs (coalesced) gives each rank a list, read by getitem nodes."""
     envs: list[dict] = [{} for _ in inputs]
     placeholders = graph.find_nodes(op="placeholder")
     for env, rank_inputs in zip(envs, inputs):
@@ -237,7 +312,9 @@ def run_ranks(graph: fx.Graph, inputs: list[list[torch.Tensor]]) -> list[list[to
         kwargs = [fx.node.map_arg(node.kwargs, env.__getitem__) for env in envs]
         if node.target in SIMULATED:
             assert not node.kwargs
+            assert all(a[1:] == args[0][1:] for a in args)  # every rank calls it alike
             results = SIMULATED[node.target]([a[0] for a in args], *args[0][1:])
+            assert len(results) == len(envs)
         elif node.target is funcol.wait_tensor.default:
             results = [a[0] for a in args]
         else:
@@ -255,79 +332,153 @@ def shard_of(full: torch.Tensor, rank: int, world: int = WORLD) -> torch.Tensor:
 
 
 def test_run_ranks_simulates_collectives_by_rank(group_name):
-    """The simulator itself: rank order of all-gather, chunks of reduce-scatter, all-to-all routing."""
+    """The simulator itself: rank order of all-gather (plain and coalesced: per input, in rank
+    order), chunks of reduce-scatter, all-to-all routing."""
 
-    def f(a, b, c):
+    def f(a, b, c, d):
         gathered = funcol.wait_tensor(funcol.all_gather_into_tensor(a, WORLD, group_name))
         scattered = funcol.wait_tensor(funcol.reduce_scatter_tensor(b, "sum", WORLD, group_name))
         routed = funcol.wait_tensor(funcol.all_to_all_single(c, [1] * WORLD, [1] * WORLD, group_name))
-        return gathered, scattered, routed
+        first, second = funcol.all_gather_into_tensor_coalesced([d, a], WORLD, group_name)
+        return gathered, scattered, routed, funcol.wait_tensor(first), funcol.wait_tensor(second)
 
-    gm = trace(f, (2,), (4,), (4,))
-    inputs = [[torch.tensor([r, 10.0 + r]), torch.arange(4.0) * (r + 1), torch.arange(4.0) + 10 * r] for r in range(WORLD)]
+    gm = trace(f, (2,), (4,), (4,), (1,))
+    a, _, _, d = gm.graph.find_nodes(op="placeholder")
+    (coalesced,) = find(gm.graph, AG)
+    assert coalesced.args == ([d, a], WORLD, group_name)
+    assert sorted(user.args for user in coalesced.users) == [(coalesced, 0), (coalesced, 1)]
+    assert [shape(o) for o in output_args(gm.graph)] == [(8,), (1,), (4,), (4,), (8,)]
+    inputs = [
+        [torch.tensor([r, 10.0 + r]), torch.arange(4.0) * (r + 1), torch.arange(4.0) + 10 * r, torch.tensor([100.0 + r])]
+        for r in range(WORLD)
+    ]
 
     outs = run_ranks(gm.graph, inputs)
 
-    for r, (gathered, scattered, routed) in enumerate(outs):
+    for r, (gathered, scattered, routed, first, second) in enumerate(outs):
         assert gathered.tolist() == [0, 10, 1, 11, 2, 12, 3, 13]
         assert scattered.tolist() == [r * (1 + 2 + 3 + 4)]
         assert routed.tolist() == [r, 10 + r, 20 + r, 30 + r]
+        assert first.tolist() == [100, 101, 102, 103]  # output i: input i of every rank
+        assert second.tolist() == [0, 10, 1, 11, 2, 12, 3, 13]
 
 
 # ----------------------------------------------------------------------- gathers: bucket layout
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gather_bucket_is_one_all_gather_of_the_packed_shards(group_name, dtype):
+def test_gather_bucket_is_one_coalesced_all_gather_of_the_shards(group_name, dtype):
     gm = forward_model(group_name, dtype=dtype)
     s1, s2, s3, s4, x = gm.graph.find_nodes(op="placeholder")
 
     counts = lower(gm, bucket_bytes=10**9)
 
     assert counts == counts_of(gathers=4, gather_buckets=1)
-    total = sum(SHARDS)  # 12
-    (ag,) = find(gm.graph, funcol.all_gather_into_tensor.default)
-    packed = ag.args[0]
-    assert packed.target is PACK and packed.args == ([s1, s2, s3, s4], 1, list(SHARDS))
-    assert ag.args[1:] == (WORLD, group_name)
-    (wait,) = ag.users
-    assert wait.target is funcol.wait_tensor.default
-    (unpacked,) = wait.users
-    numels = [math.prod(full) for full in SHAPES]
-    assert unpacked.target is UNPACK and unpacked.args == (wait, WORLD, list(SHARDS), numels)
-    assert [shape(n) for n in (packed, ag, wait)] == [(total,), (WORLD * total,), (WORLD * total,)]
+    (ag,) = find(gm.graph, AG)
+    # No cast: the shards themselves are its inputs, nothing packed before or copied out after.
+    assert ag.args == ([s1, s2, s3, s4], WORLD, group_name)
+    assert find(gm.graph, PACK) == [] and find(gm.graph, SPLIT) == []
+    assert [(tuple(v.shape), v.dtype) for v in ag.meta["val"]] == [((WORLD * n,), dtype) for n in SHARDS]
 
-    # Per parameter: getitem (its flat, unpadded copy out of the bucket) -> view in its shape.
-    pieces = sorted(unpacked.users, key=lambda n: n.args[1])
-    assert [p.target for p in pieces] == [operator.getitem] * 4 and [p.args[1] for p in pieces] == [0, 1, 2, 3]
-    fulls = []
-    for piece, full, numel in zip(pieces, SHAPES, numels):
-        (view,) = piece.users
-        assert view.target is aten.view.default and view.args == (piece, full)
-        assert shape(piece) == (numel,) and shape(view) == tuple(full)
-        assert {n.meta["val"].dtype for n in (packed, ag, wait, piece, view)} == {dtype}
-        fulls.append(view)
+    # Per parameter: getitem (its padded full tensor) -> wait -> (slice if padded) -> view.
+    chains = gathered_chains(ag, SHAPES, dtype)
+    getitems, waits, slices, fulls = (list(column) for column in zip(*chains))
+    assert [sliced is not None for sliced in slices] == [True, False, False, True]  # 15 of 16, 2 of 4
+    assert [sliced.args[3] for sliced in slices if sliced] == [15, 2]
 
     # The compute now reads the full views, in the right places.
-    mm1, mm2, mm3 = find(gm.graph, aten.mm.default)
+    mm1, mm2, mm3 = find(gm.graph, MM)
     (add,) = find(gm.graph, aten.add.Tensor)
     assert (mm1.args[1], mm2.args[1], mm3.args[1], add.args[1]) == tuple(fulls)
-    # The bucket goes where its first marker was: after the first relu, before the first mm.
+    # The bucket goes where its first marker was: after the first relu, before the first mm; its
+    # outputs are all taken, then all waited on, then each cut and viewed.
+    relu = aten.relu.default
+    (relu1, relu2) = find(gm.graph, relu)
+    nodes = list(gm.graph.nodes)
+    index = node_index(gm.graph)
+    assert nodes[index[relu1] : index[mm1] + 1] == [
+        relu1,
+        ag,
+        *getitems,
+        *waits,
+        slices[0],
+        fulls[0],
+        fulls[1],
+        fulls[2],
+        slices[3],
+        fulls[3],
+        mm1,
+    ]
+    assert call_targets(gm.graph) == [
+        relu,
+        AG,
+        *[GI] * 4,
+        *[WAIT] * 4,
+        SLICE,
+        VIEW,
+        VIEW,
+        VIEW,
+        SLICE,
+        VIEW,
+        MM,
+        relu,
+        MM,
+        MM,
+        aten.add.Tensor,
+    ]
+
+
+def test_mixed_precision_gather_bucket_casts_once_and_sends_the_pieces(group_name):
+    """Compute dtype bf16, float32 shards: one pack casts the bucket, split into one piece per
+    shard; the pieces are the all-gather's inputs, its outputs are in bf16."""
+    bf16 = torch.bfloat16
+    gm = forward_model(group_name, dtype=torch.float32, compute_dtype=bf16)
+    s1, s2, s3, s4, x = gm.graph.find_nodes(op="placeholder")
+
+    counts = lower(gm, bucket_bytes=10**9)  # full bf16 bytes: 30 + 40 + 16 + 4
+
+    assert counts == counts_of(gathers=4, gather_buckets=1)
+    (packed,) = find(gm.graph, PACK)
+    assert packed.args == ([s1, s2, s3, s4], 1, list(SHARDS), bf16)
+    assert (shape(packed), packed.meta["val"].dtype) == ((sum(SHARDS),), bf16)
+    (split,) = packed.users
+    assert split.target is SPLIT and split.args == (packed, list(SHARDS))
+    assert [(tuple(v.shape), v.dtype) for v in split.meta["val"]] == [((n,), bf16) for n in SHARDS]
+    pieces = sorted(split.users, key=lambda n: n.args[1])
+    (ag,) = find(gm.graph, AG)
+    assert ag.args == (pieces, WORLD, group_name)
+    assert bucket_members(ag) == [s1, s2, s3, s4]
+    chains = gathered_chains(ag, SHAPES, bf16)
+    getitems, waits, slices, fulls = (list(column) for column in zip(*chains))
+    mm1, mm2, mm3 = find(gm.graph, MM)
+    (add,) = find(gm.graph, aten.add.Tensor)
+    assert (mm1.args[1], mm2.args[1], mm3.args[1], add.args[1]) == tuple(fulls)
+    assert gather_issue(ag) == [packed, split, *pieces, ag, *getitems]
     relu = aten.relu.default
     assert call_targets(gm.graph) == [
         relu,
         PACK,
-        funcol.all_gather_into_tensor.default,
-        funcol.wait_tensor.default,
-        UNPACK,
-        *[operator.getitem] * 4,
-        *[aten.view.default] * 4,
-        aten.mm.default,
+        SPLIT,
+        *[GI] * 4,
+        AG,
+        *[GI] * 4,
+        *[WAIT] * 4,
+        SLICE,
+        VIEW,
+        VIEW,
+        VIEW,
+        SLICE,
+        VIEW,
+        MM,
         relu,
-        aten.mm.default,
-        aten.mm.default,
+        MM,
+        MM,
         aten.add.Tensor,
     ]
+    # the ledger counts the bf16 bytes sent, and the float32 shard bytes each rank holds
+    (entry,) = ledger.graph_ledger(gm.graph, "forward").entries
+    assert (entry.op, entry.dtype, entry.input_bytes) == ("all_gather", "bfloat16", 2 * sum(SHARDS))
+    assert entry.params == list(FQNS) and entry.param_bytes == [4 * n for n in SHARDS]
 
 
 @pytest.mark.parametrize(
@@ -353,8 +504,10 @@ def test_gather_buckets_close_when_the_next_marker_would_exceed_bucket_bytes(gro
     assert counts == counts_of(gathers=4, gather_buckets=len(expected))
     assert gathered_shards(gm.graph) == expected
     shard_numel = dict(zip(["s1_1", "s2_1", "s3_1", "s4_1"], SHARDS))
-    for ag, names in zip(find(gm.graph, funcol.all_gather_into_tensor.default), expected):
-        assert shape(ag) == (WORLD * sum(shard_numel[n] for n in names),)
+    full_shape = dict(zip(["s1_1", "s2_1", "s3_1", "s4_1"], SHAPES))
+    for ag, names in zip(find(gm.graph, AG), expected):
+        assert [shape(out) for out in sorted(ag.users, key=lambda n: n.args[1])] == [(WORLD * shard_numel[n],) for n in names]
+        gathered_chains(ag, [full_shape[n] for n in names], dtype)
     # Every use still reads a value of the parameter's full shape.
     mm1, mm2, mm3 = find(gm.graph, aten.mm.default)
     (add,) = find(gm.graph, aten.add.Tensor)
@@ -375,20 +528,27 @@ def test_gather_buckets_never_mix_stage_group_or_dtype(group_name, subgroup_name
 
     assert counts == counts_of(gathers=4, gather_buckets=3)
     assert gathered_shards(gm.graph) == [["arg0_1"], ["arg1_1", "arg2_1"], ["arg3_1"]]
-    ags = find(gm.graph, funcol.all_gather_into_tensor.default)
+    ags = find(gm.graph, AG)
     inner_world = 2 if kind == "group" else WORLD
     assert [ag.args[1:] for ag in ags] == [
         (WORLD, group_name),
         (inner_world, kinds[1][1]),
         (WORLD, group_name),
     ]
-    assert [ag.meta["val"].dtype for ag in ags] == [outer[2], inner[2], outer[2]]
-    inner_numel = sum(math.ceil(math.prod(s) / inner_world) for s in shapes[1:3])
-    assert [shape(ag) for ag in ags] == [(16,), (inner_world * inner_numel,), (4,)]
+    assert [[v.dtype for v in ag.meta["val"]] for ag in ags] == [[outer[2]], [inner[2]] * 2, [outer[2]]]
+    inner_padded = [inner_world * math.ceil(math.prod(s) / inner_world) for s in shapes[1:3]]
+    assert [[tuple(v.shape) for v in ag.meta["val"]] for ag in ags] == [[(16,)], [(n,) for n in inner_padded], [(4,)]]
+    chains = [
+        gathered_chains(ags[0], shapes[:1], outer[2]),
+        gathered_chains(ags[1], shapes[1:3], inner[2]),
+        gathered_chains(ags[2], shapes[3:], outer[2]),
+    ]
+    views = [view for bucket in chains for (_, _, _, view) in bucket]
+    assert output_args(gm.graph) == views
     assert [shape(out) for out in output_args(gm.graph)] == shapes
     if kind == "stage":  # stages 1 and 2 gather at the start, in program order
         first = list(gm.graph.nodes)[len(shapes)]
-        assert first.target is funcol.all_gather_into_tensor.default and first is ags[0]
+        assert first.target is AG and first is ags[0]
 
 
 def test_gather_of_a_computed_shard_stays_alone(group_name):
@@ -402,9 +562,12 @@ def test_gather_of_a_computed_shard_stays_alone(group_name):
     # s1 cannot take s2 (computed), and s3 cannot join s2's bucket: [s1], [s2 * 2], [s3, s4]
     assert gathered_shards(gm.graph) == [["arg0_1"], ["mul"], ["arg2_1", "arg3_1"]]
     (mul,) = find(gm.graph, aten.mul.Tensor)
-    ags = find(gm.graph, funcol.all_gather_into_tensor.default)
+    ags = find(gm.graph, AG)
+    assert ags[1].args[0] == [mul]
     index = node_index(gm.graph)
     assert index[mul] < index[ags[1]]
+    chains = [gathered_chains(ag, SHAPES[a:b], torch.float32) for ag, (a, b) in zip(ags, [(0, 1), (1, 2), (2, 4)])]
+    assert output_args(gm.graph) == [view for bucket in chains for (_, _, _, view) in bucket]
     assert [shape(out) for out in output_args(gm.graph)] == [(3, 5), (5, 4), (4, 2), (2,)]
 
 
@@ -579,12 +742,14 @@ def test_reduction_read_by_another_node_stays_alone(group_name):
 # -------------------------------------------------------------- numbers: lockstep simulated ranks
 
 
-def _forward_inputs(dtype=torch.float64):
-    """Full parameters, each rank's inputs of `forward_model` (its shards and x), the model's output."""
+def _forward_inputs(dtype=torch.float64, compute_dtype=None):
+    """Full parameters (in the dtype they are gathered in), each rank's inputs of `forward_model`
+    (its shards in `dtype` and x), the model's output."""
     torch.manual_seed(0)
     fulls = [torch.randn(s, dtype=dtype) for s in SHAPES]
-    x = torch.randn(2, 3, dtype=dtype)
+    x = torch.randn(2, 3, dtype=compute_dtype or dtype)
     per_rank = [[*(shard_of(w, r) for w in fulls), x] for r in range(WORLD)]
+    fulls = [w.to(compute_dtype or dtype) for w in fulls]
     expected = ((x.relu() @ fulls[0]).relu() @ fulls[1] @ fulls[2]) + fulls[3]
     return fulls, per_rank, expected
 
@@ -599,12 +764,22 @@ def _with_outputs(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("compute_dtype", [None, torch.float32], ids=["same", "cast"])
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 @pytest.mark.parametrize("bucket_bytes", [0, 280, 350, 10**9])  # float64: 120, 160, 64, 16 bytes
-def test_simulated_bucketed_gathers_rebuild_each_full_parameter(group_name, bucket_bytes, prefetch):
-    fulls, per_rank, expected = _forward_inputs()
-    gm = forward_model(group_name, dtype=torch.float64)
-    lower(gm, bucket_bytes=bucket_bytes, prefetch=prefetch)
+def test_simulated_bucketed_gathers_rebuild_each_full_parameter(group_name, bucket_bytes, prefetch, compute_dtype, stage):
+    """float64 shards; with `cast`, gathered in float32 (pack, split, coalesced all-gather).
+    Stage 2 gathers at the top and, with prefetch, waits at first use; stage 3 where used."""
+    fulls, per_rank, expected = _forward_inputs(compute_dtype=compute_dtype)
+    gm = forward_model(group_name, stage=stage, dtype=torch.float64, compute_dtype=compute_dtype)
+    s = ["s1_1", "s2_1", "s3_1", "s4_1"]
+    buckets = {0: [s[:1], s[1:2], s[2:3], s[3:]], 280: [s[:2], s[2:]], 350: [s[:3], s[3:]], 10**9: [s]}[bucket_bytes]
+    # with the cast, the same buckets: bucket_bytes counts bytes of the gathered (float32) parameters
+    counts = lower(gm, bucket_bytes=bucket_bytes // 2 if compute_dtype else bucket_bytes, prefetch=prefetch)
+    assert counts == counts_of(gathers=4, gather_buckets=len(buckets))
+    assert gathered_shards(gm.graph) == buckets
+    assert len(find(gm.graph, PACK)) == (len(buckets) if compute_dtype else 0)
     _with_outputs(gm)
     gm.graph.lint()
 
@@ -612,8 +787,10 @@ def test_simulated_bucketed_gathers_rebuild_each_full_parameter(group_name, buck
 
     for rank_outs in outs:
         y, *params = rank_outs
+        assert len(params) == len(fulls) == 4
         for got, want in zip(params, fulls):
-            assert got.shape == want.shape and torch.equal(got, want)
+            assert got.shape == want.shape and got.dtype == want.dtype and torch.equal(got, want)
+        assert y.dtype == expected.dtype
         torch.testing.assert_close(y, expected)
 
 
@@ -678,49 +855,62 @@ def _three_layer_stage3(group_name: str, computed_second: bool = False) -> fx.Gr
     return trace(f, (4,), (5,), (2,), (2, 3))
 
 
-AG, WAIT = funcol.all_gather_into_tensor.default, funcol.wait_tensor.default
-SLICE, VIEW, MM = aten.slice.Tensor, aten.view.default, aten.mm.default
+def _single_gathers(gm: fx.GraphModule, shapes=([3, 5], [5, 4], [4, 2])) -> list[tuple]:
+    """Bucket k of `_three_layer_stage3` (the all-gather of shard k alone, wherever it now is):
+    (all-gather, its getitem, wait, slice or None, view), structure checked."""
+    by_shard = {}
+    for ag in find(gm.graph, AG):
+        (shard,) = bucket_members(ag)
+        by_shard[unwrap_computed(shard)] = ag
+    shards = gm.graph.find_nodes(op="placeholder")[: len(shapes)]
+    assert set(by_shard) == set(shards)
+    return [(by_shard[s], *gathered_chains(by_shard[s], [full], torch.float32)[0]) for s, full in zip(shards, shapes)]
+
+
+def unwrap_computed(shard: fx.Node) -> fx.Node:
+    """The placeholder a computed shard (`s * 2`) is computed from."""
+    return shard.args[0] if shard.target is aten.mul.Tensor else shard
 
 
 @pytest.mark.parametrize(
     "prefetch, expected",
     [
-        # w1 is padded (16 -> slice 15); w2 and w3 are not. Single-parameter buckets.
-        (0, [AG, WAIT, SLICE, VIEW, MM, AG, WAIT, VIEW, MM, AG, WAIT, VIEW, MM]),
-        (1, [AG, WAIT, AG, SLICE, VIEW, MM, WAIT, AG, VIEW, MM, WAIT, VIEW, MM]),
+        # w1 is padded (16 -> slice 15); w2 and w3 are not. Single-parameter buckets: the
+        # coalesced all-gather of one shard, its one output (getitem), that output's wait.
+        (0, [AG, GI, WAIT, SLICE, VIEW, MM, AG, GI, WAIT, VIEW, MM, AG, GI, WAIT, VIEW, MM]),
+        (1, [AG, GI, WAIT, AG, GI, SLICE, VIEW, MM, WAIT, AG, GI, VIEW, MM, WAIT, VIEW, MM]),
         # the first `prefetch` buckets are issued up front, one after another
-        (2, [AG, AG, WAIT, AG, SLICE, VIEW, MM, WAIT, VIEW, MM, WAIT, VIEW, MM]),
-        (3, [AG, AG, AG, WAIT, SLICE, VIEW, MM, WAIT, VIEW, MM, WAIT, VIEW, MM]),
+        (2, [AG, GI, AG, GI, WAIT, AG, GI, SLICE, VIEW, MM, WAIT, VIEW, MM, WAIT, VIEW, MM]),
+        (3, [AG, GI, AG, GI, AG, GI, WAIT, SLICE, VIEW, MM, WAIT, VIEW, MM, WAIT, VIEW, MM]),
     ],
 )
 def test_prefetch_issues_each_gather_after_the_wait_of_the_bucket_prefetch_ahead(group_name, prefetch, expected):
     gm = _three_layer_stage3(group_name)
-    shards = gm.graph.find_nodes(op="placeholder")[:3]
 
     counts = lower(gm, prefetch=prefetch)
 
     assert counts == counts_of(gathers=3, gather_buckets=3)
     assert call_targets(gm.graph) == expected
-    # bucket k is the all-gather of shard k, wherever it now is
-    by_shard = {ag.args[0]: ag for ag in find(gm.graph, AG)}
-    ags = [by_shard[s] for s in shards]
-    waits = [next(iter(ag.users)) for ag in ags]
+    buckets = _single_gathers(gm)
+    ags = [ag for ag, *_ in buckets]
+    outs = [out for _, out, *_ in buckets]
+    waits = [wait for _, _, wait, *_ in buckets]
     mms = find(gm.graph, MM)
     index = node_index(gm.graph)
     nodes = list(gm.graph.nodes)
-    for k, (ag, wait, mm) in enumerate(zip(ags, waits, mms)):
-        assert wait.target is WAIT and len(ag.users) == 1
+    for k, ((ag, out, wait, _sliced, view), mm) in enumerate(zip(buckets, mms)):
+        assert mm.args[1] is view  # the matmul reads this bucket's parameter
         # the wait stays before its first use, after the previous layer's matmul
         assert (index[mms[k - 1]] if k else 0) < index[wait] < index[mm]
-        assert unwrap_views(mm.args[1]) is wait  # the matmul reads this bucket's parameter
+        assert nodes[index[ag] + 1] is out  # the output moves with its all-gather
         if prefetch and k >= prefetch:  # issued right after the wait `prefetch` buckets back
             assert nodes[index[waits[k - prefetch]] + 1] is ag
         elif prefetch and k:  # one of the first `prefetch` buckets: right after the previous issue
-            assert nodes[index[ags[k - 1]] + 1] is ag
+            assert nodes[index[outs[k - 1]] + 1] is ag
         elif prefetch <= 1:  # not moved: right before its own wait
-            assert nodes[index[wait] - 1] is ag
-        else:  # bucket 0: not moved, but the next buckets' gathers now sit between it and its wait
-            assert nodes[index[wait] - min(prefetch, len(ags))] is ag
+            assert nodes[index[wait] - 2 : index[wait]] == [ag, out]
+        else:  # bucket 0: not moved, but the next buckets' issues now sit between it and its wait
+            assert nodes[index[wait] - 2 * min(prefetch, len(ags))] is ag
 
 
 def test_prefetch_two_issues_the_second_gather_no_later_than_prefetch_one(group_name):
@@ -731,51 +921,100 @@ def test_prefetch_two_issues_the_second_gather_no_later_than_prefetch_one(group_
     for gm in (one, two):
         index = node_index(gm.graph)
         s2 = gm.graph.find_nodes(op="placeholder")[1]
-        (ag2,) = [ag for ag in find(gm.graph, AG) if ag.args[0] is s2]
+        (ag2,) = [ag for ag in find(gm.graph, AG) if ag.args[0] == [s2]]
         mm1 = find(gm.graph, MM)[0]
         assert index[ag2] < index[mm1], f"w2's all-gather after the first matmul:\n{gm.graph}"
 
 
-def test_prefetch_moves_the_pack_with_its_all_gather(group_name):
-    gm = forward_model(group_name)
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["same", "cast"])
+def test_prefetch_moves_a_buckets_whole_issue_behind_the_last_wait_of_the_bucket_before(group_name, compute_dtype):
+    """Bucket 2's issue (with a cast: pack, split and the pieces too, then the all-gather and its
+    outputs) goes right after the last of bucket 1's waits; its own waits stay together just
+    before its first use."""
+    gm = forward_model(group_name, compute_dtype=compute_dtype)
     s1, s2, s3, s4, _ = gm.graph.find_nodes(op="placeholder")
+    dtype = compute_dtype or torch.float32
 
-    counts = lower(gm, bucket_bytes=140, prefetch=1)  # [w1, w2], [w3, bias]
+    # [w1, w2], [w3, bias]: float32 full bytes 60 + 80 and 32 + 8, bfloat16 half that
+    counts = lower(gm, bucket_bytes=70 if compute_dtype else 140, prefetch=1)
 
     assert counts == counts_of(gathers=4, gather_buckets=2)
-    _pack1, pack2 = find(gm.graph, PACK)
     ag1, ag2 = find(gm.graph, AG)
-    wait1, wait2 = find(gm.graph, WAIT)
-    assert pack2.args[0] == [s3, s4] and ag2.args[0] is pack2
+    assert bucket_members(ag1) == [s1, s2] and bucket_members(ag2) == [s3, s4]
+    (out1a, wait1a, slice1a, view1a), (out1b, wait1b, _, view1b) = gathered_chains(ag1, SHAPES[:2], dtype)
+    (out2a, wait2a, _, view2a), (out2b, wait2b, slice2b, view2b) = gathered_chains(ag2, SHAPES[2:], dtype)
+    issue1, issue2 = gather_issue(ag1), gather_issue(ag2)
+    assert len(issue1) == len(issue2) == (7 if compute_dtype else 3)  # (pack, split, 2 pieces,) ag, 2 outputs
+    relu1, relu2 = find(gm.graph, aten.relu.default)
+    mm1, mm2, mm3 = find(gm.graph, MM)
+    (add,) = find(gm.graph, aten.add.Tensor)
     nodes = list(gm.graph.nodes)
     index = node_index(gm.graph)
-    assert nodes[index[wait1] + 1 : index[wait1] + 3] == [pack2, ag2]
-    assert nodes[index[wait1] + 3].target is UNPACK and nodes[index[wait1] + 3].args[0] is wait1
-    # bucket 2's wait stays just before its unpacking, after bucket 1's last use (the second mm)
-    mm2 = find(gm.graph, MM)[1]
-    assert index[mm2] < index[wait2] and nodes[index[wait2] + 1].args[0] is wait2
+    assert nodes[index[relu1] :] == [
+        relu1,
+        *issue1,
+        wait1a,
+        wait1b,  # bucket 1's last wait, and right after it:
+        *issue2,
+        slice1a,
+        view1a,
+        view1b,
+        mm1,
+        relu2,
+        mm2,  # bucket 1's last use; bucket 2 in flight since its wait
+        wait2a,
+        wait2b,
+        view2a,
+        slice2b,
+        view2b,
+        mm3,
+        add,
+        gm.graph.output_node(),
+    ]
+    assert (mm1.args[1], mm2.args[1], mm3.args[1], add.args[1]) == (view1a, view1b, view2a, view2b)
 
 
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["same", "cast"])
 @pytest.mark.parametrize("stage", [1, 2])
-def test_prefetch_stage12_waits_each_gather_at_first_use_and_issues_the_next_after_it(group_name, stage):
-    gm = forward_model(group_name, stage=stage)
+def test_prefetch_stage12_waits_each_gather_at_first_use_and_issues_the_next_after_it(group_name, stage, compute_dtype):
+    gm = forward_model(group_name, stage=stage, compute_dtype=compute_dtype)
+    s1, s2, s3, s4, _ = gm.graph.find_nodes(op="placeholder")
+    dtype = compute_dtype or torch.float32
 
-    assert lower(gm, bucket_bytes=140, prefetch=1) == counts_of(gathers=4, gather_buckets=2)
+    assert lower(gm, bucket_bytes=70 if compute_dtype else 140, prefetch=1) == counts_of(gathers=4, gather_buckets=2)
 
     # buckets [w1, w2] and [w3, b3]: the first issued at the top, waited on just before w1's
-    # matmul; the second issued right after that wait, waited on just before w3's matmul
-    relu = aten.relu.default
-    pack1, pack2 = find(gm.graph, PACK)
+    # matmul; the second issued right after the last of those waits, waited on just before w3's
     ag1, ag2 = find(gm.graph, AG)
-    wait1, wait2 = find(gm.graph, WAIT)
+    assert bucket_members(ag1) == [s1, s2] and bucket_members(ag2) == [s3, s4]
+    (out1a, wait1a, slice1a, view1a), (out1b, wait1b, _, view1b) = gathered_chains(ag1, SHAPES[:2], dtype)
+    (out2a, wait2a, _, view2a), (out2b, wait2b, slice2b, view2b) = gathered_chains(ag2, SHAPES[2:], dtype)
+    relu1, relu2 = find(gm.graph, aten.relu.default)
     mm1, mm2, mm3 = find(gm.graph, MM)
-    nodes = list(gm.graph.nodes)
-    index = node_index(gm.graph)
+    (add,) = find(gm.graph, aten.add.Tensor)
     n_placeholders = len(gm.graph.find_nodes(op="placeholder"))
-    assert nodes[n_placeholders : n_placeholders + 3] == [pack1, ag1, find(gm.graph, relu)[0]]
-    assert nodes[index[wait1] : index[wait1] + 3] == [wait1, pack2, ag2]
-    assert index[ag2] < index[mm1] < index[mm2] < index[wait2] < index[mm3]
-    assert nodes[index[mm2] + 1] is wait2
+    assert list(gm.graph.nodes)[n_placeholders:] == [
+        *gather_issue(ag1),  # at the top, before any compute
+        relu1,
+        wait1a,
+        wait1b,
+        *gather_issue(ag2),
+        slice1a,
+        view1a,
+        view1b,
+        mm1,
+        relu2,
+        mm2,
+        wait2a,
+        wait2b,
+        view2a,
+        slice2b,
+        view2b,
+        mm3,
+        add,
+        gm.graph.output_node(),
+    ]
+    assert (mm1.args[1], mm2.args[1], mm3.args[1], add.args[1]) == (view1a, view1b, view2a, view2b)
     assert [shape(out) for out in output_args(gm.graph)] == [(2, 2)]
 
 
@@ -787,10 +1026,22 @@ def test_prefetch_does_not_move_a_gather_of_a_computed_shard(group_name):
 
     # bucket 2 (shard s2 * 2) stays after its mul; bucket 3 moves up behind bucket 2's wait
     mul = aten.mul.Tensor
-    assert call_targets(gm.graph) == [AG, WAIT, SLICE, VIEW, MM, mul, AG, WAIT, AG, VIEW, MM, WAIT, VIEW, MM]
+    assert call_targets(gm.graph) == [
+        *[AG, GI, WAIT, SLICE, VIEW, MM],
+        mul,
+        *[AG, GI, WAIT],
+        *[AG, GI],  # bucket 3 issued
+        *[VIEW, MM],
+        *[WAIT, VIEW, MM],
+    ]
     ag1, ag2, ag3 = find(gm.graph, AG)
-    assert ag2.args[0].target is mul and ag2.args[0].args == (s2, 2)
-    assert (ag1.args[0], ag3.args[0]) == (s1, s3)
+    (mul_node,) = find(gm.graph, mul)
+    assert ag2.args[0] == [mul_node] and mul_node.args == (s2, 2)
+    assert (ag1.args[0], ag3.args[0]) == ([s1], [s3])
+    (_, _, wait1, _, _), (_, out2, wait2, _, _), (_, out3, wait3, _, _) = _single_gathers(gm)
+    nodes = list(gm.graph.nodes)
+    index = node_index(gm.graph)
+    assert nodes[index[mul_node] : index[wait2] + 3] == [mul_node, ag2, out2, wait2, ag3, out3]
 
 
 # ----------------------------------------------------------------------------- prefetch: reductions
@@ -906,11 +1157,22 @@ def test_ledger_of_a_bucketed_forward_lists_every_member(group_name):
     assert [e.sent_bytes for e in entries] == [3 * 36, 3 * 12]
     assert [e.bucket for e in entries] == [0, 1]
     ag1, ag2 = find(gm.graph, AG)
+    (_, wait1a, _, _), (_, wait1b, _, _) = gathered_chains(ag1, SHAPES[:2], torch.float32)
+    (_, wait2a, _, _), (_, wait2b, _, _) = gathered_chains(ag2, SHAPES[2:], torch.float32)
     index = node_index(gm.graph)
     assert [e.position for e in entries] == [index[ag1], index[ag2]]
-    # bucket 2's all-gather is issued right after bucket 1's wait and is in flight over its mms
-    assert entries[1].position == entries[0].wait_position + 2  # pack, then the all-gather
-    assert "mm" in entries[1].overlaps and "mm_1" in entries[1].overlaps
+    # a bucket is done when its last wait is: that is its wait position
+    assert [e.wait_position for e in entries] == [index[wait1b], index[wait2b]]
+    assert index[wait1a] < index[wait1b] and index[wait2a] < index[wait2b]
+    # bucket 2's all-gather is issued right after bucket 1's last wait (nothing to pack: no
+    # cast) and is in flight over bucket 1's slice and views and both mms
+    assert entries[1].position == entries[0].wait_position + 1
+    assert entries[0].overlaps == []  # only its own outputs and waits in between
+    assert entries[1].overlaps == ["slice_1", "view", "view_1", "mm", "relu_1", "mm_1"]
+    # each bucket's buffers are freed after the last use of its last parameter
+    mm1, mm2, mm3 = find(gm.graph, MM)
+    (add,) = find(gm.graph, ADD)
+    assert [(e.freed_after, e.freed_position) for e in entries] == [("mm_1", index[mm2]), ("add", index[add])]
 
 
 def test_ledger_of_a_bf16_single_parameter_gather(group_name):
@@ -961,27 +1223,28 @@ def test_unreduced_gradients_of_a_bucket_each_wait_for_its_collective(group_name
 @pytest.mark.parametrize("prefetch, peak", [(0, 20), (1, 16 + 20), (2, 16 + 20 + 8)])
 def test_peak_gathered_numel_counts_a_prefetched_gather_from_its_all_gather(group_name, prefetch, peak):
     gm = _three_layer_stage3(group_name)
-    shards = gm.graph.find_nodes(op="placeholder")[:3]
     lower(gm, prefetch=prefetch)
 
     intervals = analysis.gathered_live_intervals(gm.graph)
 
     index = node_index(gm.graph)
-    by_shard = {ag.args[0]: ag for ag in find(gm.graph, AG)}
+    ags = [ag for ag, *_ in _single_gathers(gm)]
     mms = find(gm.graph, MM)
-    expected = [(index[by_shard[s]], index[mm], n) for s, mm, n in zip(shards, mms, (16, 20, 8))]
+    expected = [(index[ag], index[mm], n) for ag, mm, n in zip(ags, mms, (16, 20, 8))]
     assert intervals == sorted(expected)
     assert analysis.peak_gathered_numel(gm.graph) == peak
 
 
-def test_peak_gathered_numel_of_one_bucket_is_the_whole_gathered_buffer(group_name):
+def test_peak_gathered_numel_of_one_bucket_counts_each_buffer_from_the_all_gather(group_name):
     gm = forward_model(group_name)
     lower(gm, bucket_bytes=10**9)
 
     (ag,) = find(gm.graph, AG)
+    mm1, mm2, mm3 = find(gm.graph, MM)
     (add,) = find(gm.graph, ADD)
     index = node_index(gm.graph)
-    # alive from the all-gather until the last member's last use (the bias add)
-    assert analysis.gathered_live_intervals(gm.graph) == [(index[ag], index[add], WORLD * sum(SHARDS))]
-    assert analysis.peak_gathered_numel(gm.graph) == 48
+    # one buffer per parameter (padded), each alive from the all-gather until its last use
+    ends = [index[mm1], index[mm2], index[mm3], index[add]]
+    assert analysis.gathered_live_intervals(gm.graph) == [(index[ag], end, WORLD * n) for end, n in zip(ends, SHARDS)]
+    assert analysis.peak_gathered_numel(gm.graph) == WORLD * sum(SHARDS) == 48  # all alive when issued
     assert analysis.saved_gathered_values(gm.graph) == []

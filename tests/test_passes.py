@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 
+import operator
+
 import pytest
 import torch
 import torch.fx as fx
@@ -32,8 +34,9 @@ aten = torch.ops.aten
 funcol = torch.ops._c10d_functional
 
 # Op sequences the lowering produces (make_fx traces `reshape(-1)` of a contiguous grad as a view).
-GATHER = [funcol.all_gather_into_tensor.default, funcol.wait_tensor.default, aten.view.default]
-GATHER_PADDED = [funcol.all_gather_into_tensor.default, funcol.wait_tensor.default, aten.slice.Tensor, aten.view.default]
+GATHER_OP = funcol.all_gather_into_tensor_coalesced.default
+GATHER = [GATHER_OP, operator.getitem, funcol.wait_tensor.default, aten.view.default]
+GATHER_PADDED = [GATHER_OP, operator.getitem, funcol.wait_tensor.default, aten.slice.Tensor, aten.view.default]
 REDUCE_SCATTER = [aten.view.default, funcol.reduce_scatter_tensor.default, funcol.wait_tensor.default]
 PACK = torch.ops.zero.pack.default
 REDUCE_SCATTER_PADDED = [PACK, *REDUCE_SCATTER[1:]]
@@ -63,10 +66,13 @@ pytestmark = pytest.mark.usefixtures("group_name")
 
 
 def assert_new_nodes_have_vals(graph: fx.Graph, before: set[fx.Node]) -> list[fx.Node]:
-    """Every node a pass added carries a fake `meta["val"]`; returns the added nodes."""
+    """Every node a pass added carries a fake `meta["val"]` (a list of them for a coalesced
+    collective's several outputs); returns the added nodes."""
     added = [n for n in graph.nodes if n not in before and n.op == "call_function"]
     for node in added:
-        assert isinstance(node.meta.get("val"), FakeTensor), f"{node.format_node()} has no fake meta['val']"
+        value = node.meta.get("val")
+        values = value if isinstance(value, list) and value else [value]
+        assert all(isinstance(v, FakeTensor) for v in values), f"{node.format_node()} has no fake meta['val']"
     return added
 
 
@@ -260,11 +266,12 @@ def test_lower_markers_gathers_shapes_with_padding(group_name, stage):
 
     lower_markers(gm.graph)
 
-    gathers = gm.graph.find_nodes(op="call_function", target=funcol.all_gather_into_tensor.default)
-    assert [g.args for g in gathers] == [(s1, WORLD, group_name), (s2, WORLD, group_name)]
+    gathers = gm.graph.find_nodes(op="call_function", target=GATHER_OP)
+    assert [g.args for g in gathers] == [([s1], WORLD, group_name), ([s2], WORLD, group_name)]
     # w1: 4 x 4 = 16 gathered, sliced to 15, viewed [3, 5]; w2: 4 x 5 = 20, viewed [5, 4] directly
-    (ag1, ag2) = gathers
-    wait1, wait2 = (next(iter(ag.users)) for ag in gathers)
+    (ag1, ag2) = (next(iter(gather.users)) for gather in gathers)  # each bucket's one output
+    assert ag1.target is operator.getitem and ag1.args[1] == 0
+    wait1, wait2 = (next(iter(ag.users)) for ag in (ag1, ag2))
     slice1 = next(iter(wait1.users))
     view1, view2 = next(iter(slice1.users)), next(iter(wait2.users))
     assert slice1.target is aten.slice.Tensor and slice1.args == (wait1, 0, 0, 15)
@@ -338,7 +345,7 @@ def test_lower_markers_stage0_unshard_rewired_and_reduce_grad_all_reduces(group_
 
     (mm1, mm2) = gm.graph.find_nodes(op="call_function", target=aten.mm.default)
     assert mm1.args[1] is s1 and mm2.args[1] is s2  # the parameter itself, no copy
-    assert gm.graph.find_nodes(op="call_function", target=funcol.all_gather_into_tensor.default) == []
+    assert gm.graph.find_nodes(op="call_function", target=GATHER_OP) == []
     _, r1, r2 = output_args(gm.graph)
     for result, shape in ((r1, (3, 5)), (r2, (5, 4))):
         assert result.target is aten.div.Tensor and result.args[1] == WORLD
@@ -431,8 +438,8 @@ def test_lower_markers_stage12_keeps_program_order_of_moved_gathers(group_name, 
 
     lower_markers(gm.graph)
 
-    gathers = gm.graph.find_nodes(op="call_function", target=funcol.all_gather_into_tensor.default)
-    assert [g.args[0] for g in gathers] == [s1, s2]
+    gathers = gm.graph.find_nodes(op="call_function", target=GATHER_OP)
+    assert [g.args[0] for g in gathers] == [[s1], [s2]]
 
 
 # -------------------------------------------------------------------------------------- analysis
@@ -614,8 +621,8 @@ def test_end_to_end_stage3_forward_saves_no_gathered_parameter(group_name):
         ("reduce_scatter", 36),
         ("reduce_scatter", 44),
     ]
-    (regather,) = bw.find_nodes(op="call_function", target=funcol.all_gather_into_tensor.default)
-    assert regather.args[0].op == "placeholder"
+    (regather,) = bw.find_nodes(op="call_function", target=GATHER_OP)
+    assert [shard.op for shard in regather.args[0]] == ["placeholder"]
     assert analysis.peak_gathered_numel(bw) == 36
 
 
@@ -636,7 +643,7 @@ def test_end_to_end_stage1_keeps_gathered_weights_and_reduces_at_the_end(group_n
     assert len(analysis.saved_gathered_values(fw)) == 1  # stage 1 keeps full weights for the backward
     assert analysis.peak_gathered_numel(fw) == 44 + 36  # both gathered up front
     n_placeholders = len(fw.find_nodes(op="placeholder"))
-    first_ops = [n.target for n in list(fw.nodes)[n_placeholders : n_placeholders + 8]]
+    first_ops = [n.target for n in list(fw.nodes)[n_placeholders : n_placeholders + 2 * len(GATHER_PADDED)]]
     assert first_ops == GATHER_PADDED + GATHER_PADDED
     assert [(c.op, c.numel) for c in analysis.collectives(bw)] == [("reduce_scatter", 36), ("reduce_scatter", 44)]
     tail = [n.target for n in list(bw.nodes)[-7:-1]]
