@@ -38,11 +38,11 @@ class Collective:
         return self.numel * self.dtype.itemsize
 
 
-_GATHERS = (funcol.all_gather_into_tensor.default, funcol.all_gather_into_tensor_coalesced.default)
+GATHERS = (funcol.all_gather_into_tensor.default, funcol.all_gather_into_tensor_coalesced.default)
 
 
 def _is_gather(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in _GATHERS
+    return node.op == "call_function" and node.target in GATHERS
 
 
 def collectives(graph: fx.Graph) -> list[Collective]:
@@ -55,15 +55,14 @@ def collectives(graph: fx.Graph) -> list[Collective]:
     return found
 
 
+def outputs_of(collective: fx.Node) -> list[fx.Node]:
+    """The tensors a collective produces: itself, or each output (getitem) of a coalesced one."""
+    return [user for user in collective.users if user.target is operator.getitem] or [collective]
+
+
 def waits_of(collective: fx.Node) -> list[fx.Node]:
-    """The wait_tensor nodes of a collective: on its output, or on each output of a coalesced one."""
-    outputs = [user for user in collective.users if user.target is operator.getitem] or [collective]
-    return [user for output in outputs for user in output.users if user.target is funcol.wait_tensor.default]
-
-
-def gathered_buffers(gather: fx.Node) -> list[fx.Node]:
-    """The tensors an all-gather produces: itself, or each output of a coalesced one."""
-    return [user for user in gather.users if user.target is operator.getitem] or [gather]
+    """The wait_tensor nodes of a collective, one per output."""
+    return [user for output in outputs_of(collective) for user in output.users if user.target is funcol.wait_tensor.default]
 
 
 def gathered_values(graph: fx.Graph) -> set[fx.Node]:
@@ -107,7 +106,7 @@ def gathered_live_intervals(graph: fx.Graph, size: Callable[[torch.Tensor], int]
     for node in graph.nodes:
         if not _is_gather(node):
             continue
-        for buffer in gathered_buffers(node):
+        for buffer in outputs_of(node):
             chain = [n for n in gathered if _derives_from(n, buffer, gathered)]
             last = max(position[user] for n in chain for user in n.users)
             intervals.append((position[node], last, size(buffer.meta["val"])))

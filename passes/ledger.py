@@ -57,7 +57,7 @@ class GraphLedger:
 
 
 def _world_size(node: fx.Node) -> int:
-    if node.target in (funcol.all_gather_into_tensor.default, funcol.all_gather_into_tensor_coalesced.default):
+    if node.target in analysis.GATHERS:
         return node.args[1]
     if node.target is funcol.reduce_scatter_tensor.default:
         return node.args[2]
