@@ -1,7 +1,7 @@
 """Run a function on N gloo ranks in spawned processes and collect what each returns.
 
-Ranks rendezvous through a file (no port to race for), bind only loopback, share one Inductor
-cache directory per run, and are killed if they outlive the timeout: a test never hangs and never
+Ranks rendezvous through a file (no port to race for), bind only loopback, each get an Inductor
+cache directory of their own for the run, and are killed if they outlive the timeout: a test never hangs and never
 leaves a process behind.
 """
 
@@ -108,7 +108,9 @@ def _rank_main(
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     if launcher_env is not None:
         os.environ.update(launcher_env(rank))
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tmp, "inductor-cache"))
+    # One cache per rank: with a shared one, a rank may load the graph its peer just compiled, skip
+    # our passes and leave no record of the graph in `compiled_graphs`, which tests count.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tmp, f"inductor-cache-rank{rank}"))
     import torch
     import torch.distributed as dist
 

@@ -11,8 +11,11 @@ copies are dropped and their gradients become *pending*; the next forward with g
 each pending gradient to its parameter's marker (`pending=`), and that backward reduces its own
 gradient plus the pending one in a single collective.
 
-The markers' arguments come from this object, so Dynamo guards on its dicts and compiles one graph
-per mode (synced, inside `no_sync`, synced with pending gradients), each once.
+What a property hands out depends on the parameter's `AccumulationSlot`, which holds its local copy
+and pending gradient as tensors: Dynamo guards only on whether each is set, and compiles one graph
+per mode (synced, inside `no_sync`, synced with pending gradients), each once. Nothing per-instance
+(no FQN) is read while tracing, so same-shaped modules (the blocks of a graph-broken or regionally
+compiled model) share one compiled graph instead of each compiling its own.
 """
 
 from __future__ import annotations
@@ -29,52 +32,66 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from zerocompile.passes.markers import UNSHARD
 
 
-class GradientSync:
-    """Per `shard()` call: what its modules' properties return, by accumulation mode.
+class AccumulationSlot:
+    """One parameter's `no_sync` state, shared by every module holding it (tied parameters).
 
-    params: every distinct sharded Parameter by its FQN (tied ones once).
-    local: inside `no_sync`, each parameter's full local copy (a leaf; trainable ones require grad).
-    pending: gradients accumulated inside `no_sync`, waiting for the next synced backward.
+    local: inside `no_sync`, its full local copy (a leaf; it requires grad if the parameter does).
+    pending: its gradient accumulated inside `no_sync`, waiting for the next synced backward.
     """
+
+    def __init__(self) -> None:
+        self.local: torch.Tensor | None = None
+        self.pending: torch.Tensor | None = None
+
+
+class GradientSync:
+    """Per `shard()` call: every distinct sharded Parameter by its FQN (tied ones once) and its slot."""
 
     def __init__(self, params: dict[str, nn.Parameter]) -> None:
         self.params = params
-        self.local: dict[str, torch.Tensor] = {}
-        self.pending: dict[str, torch.Tensor] = {}
+        self.slots = {fqn: AccumulationSlot() for fqn in params}
         _ALL.add(self)
         _install_step_check()
 
-    def full_parameter(self, shard: nn.Parameter, markers: tuple) -> torch.Tensor:
+    def full_parameter(self, shard: nn.Parameter, markers: tuple, slot: AccumulationSlot) -> torch.Tensor:
         """The marker a module property returns for `shard`; `markers` are the marker's arguments
-        after the shard, in `UnshardArgs` order, so `markers[3]` is the parameter's FQN."""
-        fqn = markers[3]
-        if fqn in self.local:
-            return UNSHARD(self.local[fqn], *markers, local=True)
-        if fqn in self.pending and torch.is_grad_enabled():
-            # Popped, so exactly one backward (the next with gradients on) adds it.
-            return UNSHARD(shard, *markers, pending=self.pending.pop(fqn))
+        after the shard, in `UnshardArgs` order (the backend fills in the FQN)."""
+        if slot.local is not None:
+            return UNSHARD(slot.local, *markers, local=True)
+        if slot.pending is not None and torch.is_grad_enabled():
+            # Taken, so exactly one backward (the next with gradients on) adds it.
+            pending, slot.pending = slot.pending, None
+            return UNSHARD(shard, *markers, pending=pending)
         return UNSHARD(shard, *markers)
+
+    def holds_copies(self) -> bool:
+        return any(slot.local is not None for slot in self.slots.values())
+
+    def waiting(self) -> list[str]:
+        """FQNs whose gradients no synced backward has reduced yet."""
+        return [fqn for fqn, slot in self.slots.items() if slot.local is not None or slot.pending is not None]
 
     def enter_no_sync(self) -> None:
         """Gather a full local copy of each parameter (its accumulated gradient, if any, kept)."""
         with torch.no_grad():
             for fqn, param in self.params.items():
+                slot = self.slots[fqn]
                 info = param._zero
                 if info.stage == 0:
                     full = param.detach()  # whole already: the "copy" aliases it
                 else:  # the marker's eager kernel: a blocking all-gather of this parameter
                     full = UNSHARD(param.detach(), list(info.shape), info.stage, info.group_name)
                 local = full.requires_grad_(param.requires_grad)
-                if fqn in self.pending:
-                    local.grad = self.pending.pop(fqn)
-                self.local[fqn] = local
+                local._zero_copy_of = fqn  # how the backend names the marker that uses it
+                local.grad, slot.pending = slot.pending, None
+                slot.local = local
 
     def exit_no_sync(self) -> None:
         """Drop the local copies, keeping their gradients as pending."""
-        for fqn, local in self.local.items():
-            if local.grad is not None:
-                self.pending[fqn] = local.grad
-        self.local.clear()
+        for slot in self.slots.values():
+            if slot.local is not None and slot.local.grad is not None:
+                slot.pending = slot.local.grad
+            slot.local = None
 
 
 # Every model's GradientSync, for the optimizer step check; weak, so models can be freed.
@@ -85,12 +102,12 @@ def _check_nothing_pending(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
     """Before a step: gradients not reduced yet would be silently left out of it, and inside
     no_sync the micro-steps use copies of the parameters gathered on entry, which a step would
     leave stale."""
-    busy = [sync for sync in _ALL if sync.pending or sync.local]
+    busy = [(sync, waiting) for sync in _ALL if (waiting := sync.waiting())]
     if not busy:  # the usual case: a step costs no more than this
         return
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for sync in busy:
-        waiting = [fqn for fqn in [*sync.pending, *sync.local] if id(sync.params[fqn]) in stepped]
+    for sync, fqns in busy:
+        waiting = [fqn for fqn in fqns if id(sync.params[fqn]) in stepped]
         if waiting:
             raise RuntimeError(
                 f"parameters {waiting[:3]} have gradients accumulated under zerocompile.no_sync(model) "
@@ -125,7 +142,7 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     entered = []
     try:
         for sync in syncs.values():
-            if not sync.local:  # else an enclosing no_sync block already holds its copies
+            if not sync.holds_copies():  # else an enclosing no_sync block holds them
                 entered.append(sync)
                 sync.enter_no_sync()
         yield

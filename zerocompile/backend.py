@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import operator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -91,6 +92,7 @@ compiled_graphs: list[CompiledGraph] = []
 def zero_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None) -> Callable:
     """`torch.compile(model, backend="zero", options={...})` lands here, once per Dynamo graph."""
     _refuse_unsharded_parameters(gm, example_inputs)
+    _name_unshard_markers(gm, example_inputs)
     config = _config_of(gm.graph).with_options(options)
     directory = dump.dump_dir(config.dump_dir)
     dump.emit_graph(directory, "dynamo", "before", "merge_repeated_unshards", gm.graph)
@@ -175,6 +177,37 @@ def _refuse_unsharded_parameters(gm: fx.GraphModule, example_inputs: list[Any]) 
                 f"{dist.get_world_size()}-rank job: call zerocompile.shard(model, stage=...) before "
                 "torch.compile(model, backend='zero')"
             )
+
+
+def _name_unshard_markers(gm: fx.GraphModule, example_inputs: list[Any]) -> None:
+    """Write each `unshard` marker's parameter FQN into its `param` argument.
+
+    The module properties leave it out so that Dynamo does not guard on it (see
+    `zerocompile.sharding`); the tensors the graph was traced with still know it. A graph Dynamo
+    then reuses for another module of the same shapes (each block compiled on its own) keeps the
+    names of the module it was traced for. Markers inside subgraphs (a checkpointed region is a
+    higher-order op over one) are named through the operands the op passes in.
+    """
+    _name_markers_in(gm, dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs)))
+
+
+def _name_markers_in(gm: fx.GraphModule, values: dict[fx.Node, Any]) -> None:
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            values[node] = operator.attrgetter(node.target)(gm)
+        elif is_unshard(node) and not unshard_args(node).param:
+            value = values.get(unshard_args(node).shard)
+            info = shard_info(value) if isinstance(value, torch.Tensor) else None
+            fqn = info.fqn if info is not None else getattr(value, "_zero_copy_of", "")
+            if len(node.args) > 4:
+                node.update_arg(4, fqn)
+            else:
+                node.update_kwarg("param", fqn)
+        elif node.op == "call_function" and node.args and isinstance(values.get(node.args[0]), fx.GraphModule):
+            body = values[node.args[0]]
+            operands = [values.get(arg) if isinstance(arg, fx.Node) else arg for arg in node.args[1:]]
+            _name_markers_in(body, dict(zip(body.graph.find_nodes(op="placeholder"), operands)))
+    gm.recompile()
 
 
 def _tag_and_dump(graph: fx.Graph, directory: str | None) -> None:
