@@ -60,12 +60,14 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
+import importlib.util
 import json
 import os
 import platform
 import re
 import resource
 import statistics
+import sys
 import tempfile
 import time
 import traceback
@@ -88,6 +90,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import zerocompile as zc
 from zerocompile.distributed import free_loopback_port, loopback_rank_environment
+from zerocompile.tools import gpt as gpt_module
 from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
 
 MB = 1e6
@@ -416,12 +419,10 @@ def _spawned_rank(rank: int, name: str, settings: Settings, port: int, results_f
 def _interleaved_rank(rank: int, settings: Settings, port: int, results_file: str) -> None:
     """Time the --interleave modes side by side on this rank (see the module docstring)."""
     with _rank_session(rank, settings, port, "interleaved"):
-        # Every mode compiles the same GPT code again: past Dynamo's limit it would silently run eagerly.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(settings.interleave))
         prepared = {}
         for name in settings.interleave:
             torch.manual_seed(settings.seed)
-            prepared[name] = MODES[name].build(GPT(settings.config))
+            prepared[name] = MODES[name].build(_gpt_class_of_its_own(name)(settings.config))
         batches = {name: _RandomBatches(settings.config, settings, rank) for name in settings.interleave}
         times: dict[str, list[float]] = {name: [] for name in settings.interleave}
         for round_ in range(settings.warmup + settings.steps):
@@ -431,6 +432,23 @@ def _interleaved_rank(rank: int, settings: Settings, port: int, results_file: st
                     times[name].append(seconds)
         measured = {"step_times": times, "load": os.getloadavg()[0]}
     _gather_to_file(measured, results_file, _summarise_interleaved)
+
+
+def _gpt_class_of_its_own(name: str) -> type[GPT]:
+    """The GPT class executed anew from its source, for mode `name` alone.
+
+    Dynamo keeps state per code object: the cache entries and recompile count of each frame, and
+    whether it gave up on a frame. FSDP2+compile gives up on `GPT.forward` (a graph break inside
+    its loop over blocks), and every mode sharing that code object afterwards ran its forward
+    eagerly, block by block: zero3 looked 1.7x slower interleaved than alone. Modes that share a
+    process must not share code objects.
+    """
+    module_name = f"{gpt_module.__name__}_{re.sub(r'[^0-9a-zA-Z]', '_', name)}"
+    spec = importlib.util.spec_from_file_location(module_name, gpt_module.__file__)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses resolve the config's annotations through it
+    spec.loader.exec_module(module)
+    return module.GPT
 
 
 @contextlib.contextmanager
