@@ -104,3 +104,22 @@ def test_interleave_needs_two_different_modes() -> None:
         with pytest.raises(SystemExit):
             parser.parse_args(["--interleave", bad])
     assert parser.parse_args(["--interleave", "none"]).interleave == []
+
+
+def test_interleaved_modes_trace_gpt_code_of_their_own() -> None:
+    """Dynamo's per-code state (a frame it gave up on) must not leak between modes of one process:
+    FSDP2+compile gives up on GPT.forward, and zero3 sharing that code object ran eagerly."""
+    import torch
+
+    from zerocompile.tools.gpt import GPT, SIZES
+
+    first, second = (bench._gpt_class_of_its_own(name) for name in ("fsdp2-compile", "zero3"))
+    codes = [cls.forward.__code__ for cls in (first, second, GPT)]
+    assert len({id(code) for code in codes}) == 3
+    models = []
+    for cls in (first, GPT):
+        torch.manual_seed(0)
+        models.append(cls(SIZES["tiny"]))
+    copy, original = (model.state_dict() for model in models)
+    assert copy.keys() == original.keys()
+    assert all(torch.equal(copy[key], original[key]) for key in original)

@@ -46,7 +46,8 @@ Step times of modes run one after another move with whatever else the machine do
 (default: ddp-compile, fsdp2-compile, zero2, zero3) are built again side by side in one set of
 ranks, warmed up, and timed in rounds, one step of each mode per round: every mode sees the same
 load, and their ratios are the ones to quote. Memory is not measured there (the modes share
-processes).
+processes). Each mode there builds its GPT from its own copy of the model code (see
+`_gpt_class_of_its_own`), so what Dynamo decides for one mode's frames cannot change another's.
 
 Writes bench.json (everything, per rank too), bench.md (the table) and bench.png (step time and
 bytes sent per mode) to --out. A mode that fails on every rank is reported as failed with its
