@@ -1,8 +1,8 @@
 """Run a function on N gloo ranks in spawned processes and collect what each returns.
 
 Ranks rendezvous through a file (no port to race for), bind only loopback, each get an Inductor
-cache directory of their own for the run, and are killed if they outlive the timeout: a test never hangs and never
-leaves a process behind.
+cache directory of their own for the run, and are killed if they outlive the timeout: a test
+never hangs and never leaves a process behind.
 """
 
 from __future__ import annotations

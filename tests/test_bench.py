@@ -11,8 +11,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from zerocompile.tools import bench
+from zerocompile.tools.gpt import GPT, SIZES
 
 MODES = ("ddp", "fsdp2", "zero3")
 FIELDS = (
@@ -109,10 +111,6 @@ def test_interleave_needs_two_different_modes() -> None:
 def test_interleaved_modes_trace_gpt_code_of_their_own() -> None:
     """Dynamo's per-code state (a frame it gave up on) must not leak between modes of one process:
     FSDP2+compile gives up on GPT.forward, and zero3 sharing that code object ran eagerly."""
-    import torch
-
-    from zerocompile.tools.gpt import GPT, SIZES
-
     first, second = (bench._gpt_class_of_its_own(name) for name in ("fsdp2-compile", "zero3"))
     codes = [cls.forward.__code__ for cls in (first, second, GPT)]
     assert len({id(code) for code in codes}) == 3

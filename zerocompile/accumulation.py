@@ -43,6 +43,17 @@ class AccumulationSlot:
         self.local: torch.Tensor | None = None
         self.pending: torch.Tensor | None = None
 
+    def marker(self, shard: nn.Parameter, markers: tuple) -> torch.Tensor:
+        """The marker a module property returns for `shard`; `markers` are the marker's arguments
+        after the shard, in `UnshardArgs` order (the backend fills in the FQN)."""
+        if self.local is not None:
+            return UNSHARD(self.local, *markers, local=True)
+        if self.pending is not None and torch.is_grad_enabled():
+            # Taken, so exactly one backward (the next with gradients on) adds it.
+            pending, self.pending = self.pending, None
+            return UNSHARD(shard, *markers, pending=pending)
+        return UNSHARD(shard, *markers)
+
 
 class GradientSync:
     """Per `shard()` call: every distinct sharded Parameter by its FQN (tied ones once) and its slot."""
@@ -52,17 +63,6 @@ class GradientSync:
         self.slots = {fqn: AccumulationSlot() for fqn in params}
         _ALL.add(self)
         _install_step_check()
-
-    def full_parameter(self, shard: nn.Parameter, markers: tuple, slot: AccumulationSlot) -> torch.Tensor:
-        """The marker a module property returns for `shard`; `markers` are the marker's arguments
-        after the shard, in `UnshardArgs` order (the backend fills in the FQN)."""
-        if slot.local is not None:
-            return UNSHARD(slot.local, *markers, local=True)
-        if slot.pending is not None and torch.is_grad_enabled():
-            # Taken, so exactly one backward (the next with gradients on) adds it.
-            pending, slot.pending = slot.pending, None
-            return UNSHARD(shard, *markers, pending=pending)
-        return UNSHARD(shard, *markers)
 
     def holds_copies(self) -> bool:
         return any(slot.local is not None for slot in self.slots.values())
@@ -102,7 +102,7 @@ def _check_nothing_pending(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
     """Before a step: gradients not reduced yet would be silently left out of it, and inside
     no_sync the micro-steps use copies of the parameters gathered on entry, which a step would
     leave stale."""
-    busy = [(sync, waiting) for sync in _ALL if (waiting := sync.waiting())]
+    busy = [(sync, fqns) for sync in _ALL if (fqns := sync.waiting())]
     if not busy:  # the usual case: a step costs no more than this
         return
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}

@@ -260,7 +260,7 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
             # tracing (a changed shape fails a guard and retraces), so compiled steps pay nothing.
             if param is not self._zero_shards[name] or tuple(param.shape) != sharded_shape(param._zero):
                 _raise_changed_after_shard(self, name, param)
-            return self._zero_sync.full_parameter(param, self._zero_markers[name], self._zero_slots[name])
+            return self._zero_slots[name].marker(param, self._zero_markers[name])
 
         return property(full_parameter, doc=f"the full `{name}`, gathered from its shards")
 
@@ -271,17 +271,18 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
 
 def _make_module_unshard_on_access(module: nn.Module, config: ZeroConfig, sync: GradientSync) -> None:
     names = tuple(name for name, p in module._parameters.items() if p is not None)
-    markers = {}
+    markers, slots = {}, {}
     for name in names:
         info = shard_info(module._parameters[name])
+        slots[name] = sync.slots[info.fqn]  # shared by every module holding the parameter
         # The marker's arguments after the shard (see zerocompile.passes.markers.unshard). The FQN
         # is left out: Dynamo would guard on it, and every block of a model compiled block by block
         # (or split by graph breaks) would then compile a graph of its own. The backend fills it in.
         markers[name] = (list(info.shape), info.stage, info.group_name, "", config.param_dtype, config.reduce_dtype)
     module._zero_markers = markers
-    module._zero_slots = {name: sync.slots[shard_info(module._parameters[name]).fqn] for name in names}
+    module._zero_slots = slots
     module._zero_shards = {name: module._parameters[name] for name in names}  # what the properties expect
-    module._zero_sync = sync  # one per model: tied parameters share their no_sync state
+    module._zero_sync = sync  # one per model: what no_sync(model) enters and exits
     module.__class__ = _sharded_class(type(module), names)
 
 
