@@ -85,7 +85,8 @@ def test_model_state_and_loss_are_what_each_mode_promises(quick_run: tuple[int, 
 
 
 def test_interleaved_modes_are_timed_round_by_round(quick_run: tuple[int, Path]) -> None:
-    """Each --interleave mode gets one timed step per round, every step a real (positive) time."""
+    """Each --interleave mode gets one timed step per round, every step a real (positive) time, split
+    into forward, backward and optimizer step."""
     summary, _ = _modes(quick_run)
     interleaved = summary["interleaved"]
     steps = summary["settings"]["steps"]
@@ -95,8 +96,11 @@ def test_interleaved_modes_are_timed_round_by_round(quick_run: tuple[int, Path])
         assert all(seconds > 0 for seconds in interleaved["step_times_s"][name])
         times = interleaved["step_times_s"][name]
         assert min(times) <= interleaved["step_time_s"][name] <= max(times)
-    table = (quick_run[1] / "bench.md").read_text()
-    assert "| zero3 |" in table.split("Interleaved:")[1]
+        phases = interleaved["phase_s"][name]
+        assert list(phases) == ["forward", "backward", "optimizer"]
+        assert all(0 < seconds < max(times) for seconds in phases.values())
+    table = (quick_run[1] / "bench.md").read_text().split("Interleaved:")[1]
+    assert "| zero3 |" in table and "| forward ms | backward ms | optimizer ms |" in table
 
 
 def test_interleave_needs_two_different_modes() -> None:

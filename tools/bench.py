@@ -45,9 +45,11 @@ Step times of modes run one after another move with whatever else the machine do
 (±30 % between runs on a shared 2-core machine). So, after the modes, the --interleave modes
 (default: ddp-compile, fsdp2-compile, zero2, zero3) are built again side by side in one set of
 ranks, warmed up, and timed in rounds, one step of each mode per round: every mode sees the same
-load, and their ratios are the ones to quote. Memory is not measured there (the modes share
-processes). Each mode there builds its GPT from its own copy of the model code (see
-`_gpt_class_of_its_own`), so what Dynamo decides for one mode's frames cannot change another's.
+load, and their ratios are the ones to quote. There each step is also split into its forward,
+backward and optimizer step (the slowest rank's), which says where one mode loses time against
+another. Memory is not measured there (the modes share processes). Each mode there builds its GPT
+from its own copy of the model code (see `_gpt_class_of_its_own`), so what Dynamo decides for one
+mode's frames cannot change another's.
 
 Writes bench.json (everything, per rank too), bench.md (the table) and bench.png (step time and
 bytes sent per mode) to --out. A mode that fails on every rank is reported as failed with its
@@ -74,7 +76,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch._dynamo
@@ -97,6 +99,7 @@ from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
 MB = 1e6
 LEARNING_RATE = 3e-4
 FP32_BYTES = 4
+PHASES = ("forward", "backward", "optimizer")
 # (model size, timed steps, warm-up steps) of a normal run and of --quick.
 DEFAULTS = ("12m", 17, 3)  # 20 steps: the bf16-vs-fp32 loss check runs over 20
 DEFAULT_INTERLEAVE = ("ddp-compile", "fsdp2-compile", "zero2", "zero3")  # the acceptance ratios
@@ -363,7 +366,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "loss_vs_ddp": "largest relative difference from ddp's mean loss over all steps, warm-up included",
             "load": "the machine's 1-minute load average before the timed steps (our own ranks add about N)",
             "interleaved": "the --interleave modes in one set of ranks, one step of each per round after their "
-            "warm-up; median over rounds of the slowest rank's step",
+            "warm-up; median over rounds of the slowest rank's step, and of that rank's forward, backward and "
+            "optimizer step (medians of their own)",
         },
         "theory": _theory(phi, args.ranks),
         "modes": [measured[name] for name in args.modes],
@@ -426,12 +430,14 @@ def _interleaved_rank(rank: int, settings: Settings, port: int, results_file: st
             prepared[name] = MODES[name].build(_gpt_class_of_its_own(name)(settings.config))
         batches = {name: _RandomBatches(settings.config, settings, rank) for name in settings.interleave}
         times: dict[str, list[float]] = {name: [] for name in settings.interleave}
+        phases: dict[str, list[tuple[float, float, float]]] = {name: [] for name in settings.interleave}
         for round_ in range(settings.warmup + settings.steps):
             for name in settings.interleave:
-                seconds, _sent, _loss = _one_step(prepared[name], batches[name])
+                step = _one_step(prepared[name], batches[name])
                 if round_ >= settings.warmup:
-                    times[name].append(seconds)
-        measured = {"step_times": times, "load": os.getloadavg()[0]}
+                    times[name].append(step.seconds)
+                    phases[name].append(step.phases)
+        measured = {"step_times": times, "phases": phases, "load": os.getloadavg()[0]}
     _gather_to_file(measured, results_file, _summarise_interleaved)
 
 
@@ -521,10 +527,10 @@ def _measure_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
     return {
-        "step_times": [seconds for seconds, _sent, _loss in timed],
-        "first_step": warmup[0][0],
-        "sent": [sent for _seconds, sent, _loss in timed],
-        "losses": [loss.item() for _seconds, _sent, loss in warmup + timed],
+        "step_times": [step.seconds for step in timed],
+        "first_step": warmup[0].seconds,
+        "sent": [step.sent for step in timed],
+        "losses": [step.loss.item() for step in warmup + timed],
         "held": held,
         "peak_rss": peak,
         "rss_before": rss_before,
@@ -533,8 +539,17 @@ def _measure_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
     }
 
 
-def _one_step(prepared: Prepared, batches: _RandomBatches) -> tuple[float, int, torch.Tensor]:
-    """(seconds, bytes written, loss) of one training step; every rank starts it after a barrier.
+class Step(NamedTuple):
+    """One timed training step on this rank."""
+
+    seconds: float  # forward + backward + optimizer step
+    phases: tuple[float, float, float]  # seconds in the forward, the backward, the optimizer step
+    sent: int  # bytes written (wchar)
+    loss: torch.Tensor
+
+
+def _one_step(prepared: Prepared, batches: _RandomBatches) -> Step:
+    """One training step; every rank starts it after a barrier.
 
     Gradients are cleared at the start, not the end, so the last step's are there to be counted.
     """
@@ -544,10 +559,13 @@ def _one_step(prepared: Prepared, batches: _RandomBatches) -> tuple[float, int, 
     written = _wchar()
     start = time.perf_counter()
     loss = prepared.runner(inputs, targets)
+    forward_done = time.perf_counter()
     loss.backward()
+    backward_done = time.perf_counter()
     prepared.optimizer.step()
-    elapsed = time.perf_counter() - start
-    return elapsed, _wchar() - written, loss.detach()
+    end = time.perf_counter()
+    phases = (forward_done - start, backward_done - forward_done, end - backward_done)
+    return Step(end - start, phases, _wchar() - written, loss.detach())
 
 
 class _RandomBatches:
@@ -618,13 +636,21 @@ def _summarise(name: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _summarise_interleaved(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median over rounds of the slowest rank's step, per interleaved mode."""
+    """Median over rounds of the slowest rank's step, per interleaved mode; and of that rank's
+    forward, backward and optimizer step, each phase's median on its own (so they need not add up
+    to the step's median exactly)."""
     names = list(per_rank[0]["step_times"])
-    slowest = {name: [max(steps) for steps in zip(*(m["step_times"][name] for m in per_rank))] for name in names}
+    rounds = range(len(per_rank[0]["step_times"][names[0]]))
+    slowest_rank = {name: [max(per_rank, key=lambda m: m["step_times"][name][i]) for i in rounds] for name in names}
+    slowest = {name: [m["step_times"][name][i] for i, m in enumerate(slowest_rank[name])] for name in names}
+    phases = {name: [m["phases"][name][i] for i, m in enumerate(slowest_rank[name])] for name in names}
     return {
         "modes": names,
         "step_time_s": {name: statistics.median(times) for name, times in slowest.items()},
         "step_times_s": slowest,
+        "phase_s": {
+            name: dict(zip(PHASES, (statistics.median(phase) for phase in zip(*phases[name])))) for name in names
+        },
         "load_avg_1min": per_rank[0]["load"],
     }
 
@@ -694,16 +720,24 @@ def _interleaved_table(interleaved: dict[str, Any] | None) -> list[str]:
     if interleaved is None:
         return []
     names = interleaved["modes"]
-    step = interleaved["step_time_s"]
+    step, phase = interleaved["step_time_s"], interleaved["phase_s"]
     return [
         "",
         f"Interleaved: {', '.join(names)} side by side in one set of ranks, one step of each per round "
         f"(load {interleaved['load_avg_1min']:.1f}):",
         "",
-        "| mode | step s | " + " | ".join(f"x {name}" for name in names) + " |",
-        "|---|---|" + "---|" * len(names),
+        "| mode | step s | "
+        + " | ".join(f"x {name}" for name in names)
+        + " | "
+        + " | ".join(f"{phase_name} ms" for phase_name in PHASES)
+        + " |",
+        "|---|---|" + "---|" * (len(names) + len(PHASES)),
         *(
-            f"| {name} | {step[name]:.3f} | " + " | ".join(f"{step[name] / step[other]:.2f}" for other in names) + " |"
+            f"| {name} | {step[name]:.3f} | "
+            + " | ".join(f"{step[name] / step[other]:.2f}" for other in names)
+            + " | "
+            + " | ".join(f"{phase[name][p] * 1e3:.0f}" for p in PHASES)
+            + " |"
             for name in names
         ),
     ]
