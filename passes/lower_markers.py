@@ -176,9 +176,9 @@ def _wait_gathers_at_first_use(buckets: list[list[fx.Node]]) -> None:
     to just before the first node reading one of its parameters; `_issue_gathers_early` then
     starts each gather `prefetch` buckets ahead, so later buckets arrive while the first layers
     compute. (All gathers in flight at once would cost no memory here, full parameters live
-    through the step at these stages, but with ten of them outstanding on gloo a rank died with
-    glibc's "malloc(): unaligned tcache chunk" in 2 of 4 stage-2 bench runs; with prefetch's
-    window, 4 runs of 41 steps passed.)"""
+    through the step at these stages, but gloo corrupts its heap when two coalesced all-gathers
+    run at once: see `zerocompile.config.refuse_concurrent_gloo_gathers`. With prefetch 1 one
+    gather is in flight at a time.)"""
     if not buckets:
         return
     position = {node: i for i, node in enumerate(buckets[0][0].graph.nodes)}

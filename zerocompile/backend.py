@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch._functorch.config
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 import torch.fx as fx
 from torch import nn
 from torch._dynamo.backends.common import aot_autograd
@@ -32,7 +33,7 @@ from torch._guards import CompileContext
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from zerocompile import guard
-from zerocompile.config import ZeroConfig
+from zerocompile.config import ZeroConfig, refuse_concurrent_gloo_gathers
 from zerocompile.gathered import is_gathered
 from zerocompile import dump
 from zerocompile.passes import analysis, ledger
@@ -94,6 +95,8 @@ def zero_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[st
     _refuse_unsharded_parameters(gm, example_inputs)
     _name_unshard_markers(gm, example_inputs)
     config = _config_of(gm.graph).with_options(options)
+    for group_name in _groups_of(gm.graph):
+        refuse_concurrent_gloo_gathers(config, c10d._resolve_process_group(group_name))
     directory = dump.dump_dir(config.dump_dir)
     dump.emit_graph(directory, "dynamo", "before", "merge_repeated_unshards", gm.graph)
     merge_repeated_unshards(gm.graph)
@@ -150,10 +153,13 @@ def _explained(compiled: Callable, context: guard.GraphContext | None, kind: str
     return compiled if context is None else guard.explain_collective_failures(compiled, context, kind)
 
 
-def _config_of(graph: fx.Graph) -> ZeroConfig:
+def _groups_of(graph: fx.Graph) -> set[str]:
     groups = {unshard_args(node).group_name for node in graph.nodes if is_unshard(node)}
-    groups |= {reduce_grad_args(node).group_name for node in graph.nodes if is_reduce_grad(node)}
-    configs = {config_for_group(name) for name in groups} - {None}
+    return groups | {reduce_grad_args(node).group_name for node in graph.nodes if is_reduce_grad(node)}
+
+
+def _config_of(graph: fx.Graph) -> ZeroConfig:
+    configs = {config_for_group(name) for name in _groups_of(graph)} - {None}
     return configs.pop() if len(configs) == 1 else ZeroConfig()
 
 

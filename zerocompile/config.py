@@ -30,8 +30,9 @@ class ZeroConfig:
     bucket_bytes: parameters used one after another share one all-gather, and gradients produced
         one after another one reduce-scatter, up to this many bytes of full tensors (0: one
         collective per parameter). At stage 3 it bounds the gathered window.
-    prefetch: how many buckets ahead of their use all-gathers start (0: none); reductions then
-        also stay in flight until the next one starts.
+    prefetch: how many buckets ahead of their use all-gathers start (0: none), i.e. how many are
+        in flight at once; reductions then also stay in flight until the next one starts. At
+        most 1 on gloo (see `refuse_concurrent_gloo_gathers`).
     param_dtype: mixed precision: parameters are cast to it before the all-gather (fewer bytes)
         and the model computes in it; the shards stay in their own dtype (fp32 master weights).
     reduce_dtype: gradients are reduced in it and land in the shards' dtype (default: the
@@ -85,6 +86,25 @@ class ZeroConfig:
                 f"{list(COMPILE_TIME_FIELDS)} (the stage and group are set by zerocompile.shard())"
             )
         return dataclasses.replace(self, **options)
+
+
+def refuse_concurrent_gloo_gathers(config: ZeroConfig, group: dist.ProcessGroup) -> None:
+    """Refuse `prefetch` > 1 on a gloo group: it would keep that many all-gathers in flight.
+
+    Every gather bucket is one coalesced all-gather, and torch 2.13's gloo backend corrupts its
+    heap when two of those run at once on its two worker threads (measured, 2 ranks, 10 in
+    flight: a rank died with glibc's "malloc(): unaligned tcache chunk detected" or SIGSEGV in
+    5 of 6 runs of 2000 iterations, its allocator failing in one worker thread while the other
+    ran gloo's coalesced all-gather; one in flight next to an all-to-all: 0 of 3 runs of 4000).
+    `prefetch=1` waits each gather before the next starts, so it is safe; NCCL takes any depth.
+    """
+    if config.stage > 0 and config.prefetch > 1 and dist.get_backend(group) == "gloo":
+        raise ValueError(
+            f"prefetch={config.prefetch} keeps {config.prefetch} all-gathers in flight, and torch "
+            f"{torch.__version__}'s gloo backend corrupts memory when two coalesced all-gathers run "
+            "at once (a rank dies with 'malloc(): unaligned tcache chunk detected' or SIGSEGV); "
+            "on a gloo group use prefetch=1 (the default) or 0"
+        )
 
 
 def config_from_kwargs(config: ZeroConfig | None, stage: int | None, kwargs: dict[str, Any]) -> ZeroConfig:

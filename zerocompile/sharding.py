@@ -19,7 +19,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from zerocompile.accumulation import GradientSync
-from zerocompile.config import ZeroConfig, config_from_kwargs
+from zerocompile.config import ZeroConfig, config_from_kwargs, refuse_concurrent_gloo_gathers
 from zerocompile.passes.lowering import padded_numel
 
 # Compile-time settings of the last shard() per process group; the backend reads them.
@@ -71,6 +71,7 @@ def shard(
     config = config_from_kwargs(base, None if isinstance(stage, ZeroConfig) else stage, settings)
     _check_can_shard(model)
     group = config.group if config.group is not None else dist.group.WORLD
+    refuse_concurrent_gloo_gathers(config, group)
     group_name = group.group_name
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)

@@ -1,0 +1,115 @@
+"""How many all-gathers run at once, and the gloo limit that depends on it.
+
+torch 2.13's gloo backend corrupts its heap when two coalesced all-gathers run concurrently (see
+`refuse_concurrent_gloo_gathers`), so on gloo a sharded model must never have two in flight.
+`prefetch` alone decides that number in the lowered graph; these tests check that Inductor's
+generated code keeps it (it could reorder collectives) and that a deeper prefetch is refused on a
+gloo group, at shard() and through a compile option, before anything runs.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._inductor.utils import run_and_get_code
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import zerocompile as zc
+
+ISSUE = re.compile(r"^\s*(\w+) = torch\.ops\._c10d_functional\.all_gather_into_tensor_coalesced\.")
+OUTPUT = re.compile(r"^\s*(\w+) = (\w+)\[\d+\]")
+WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((\w+)\)")
+
+
+def most_gathers_in_flight(code: str) -> tuple[int, int]:
+    """(most coalesced all-gathers issued and not yet waited at any line, all issued) in
+    Inductor's output code. A gather is in flight from its call to the first wait on one of its
+    outputs (that wait completes the whole collective)."""
+    gather_of: dict[str, str] = {}  # an output buffer -> the all-gather call producing it
+    in_flight: set[str] = set()
+    most = issued = 0
+    for line in code.splitlines():
+        if issue := ISSUE.match(line):
+            in_flight.add(issue[1])
+            issued += 1
+            most = max(most, len(in_flight))
+        elif (output := OUTPUT.match(line)) and output[2] in in_flight:
+            gather_of[output[1]] = output[2]
+        elif (wait := WAIT.search(line)) and wait[1] in gather_of:
+            in_flight.discard(gather_of[wait[1]])
+    return most, issued
+
+
+class Layers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x).square().mean()
+
+
+@pytest.fixture
+def fake_two_ranks():
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("stage, prefetch", [(2, 1), (3, 1), (3, 2)])
+def test_inductor_code_keeps_prefetch_gathers_in_flight_at_most(fake_two_ranks, stage: int, prefetch: int) -> None:
+    torch.manual_seed(0)
+    model = zc.shard(Layers(), stage, bucket_bytes=0, prefetch=prefetch)  # a gather per parameter
+    compiled = torch.compile(model, backend="zero")
+
+    _, codes = run_and_get_code(lambda: compiled(torch.randn(4, 16)).backward())
+
+    assert most_gathers_in_flight(codes[0]) == (prefetch, 8), codes[0]
+    # Stage 3 re-gathers the three weights the backward reads (not the biases); stage 2 nothing.
+    assert most_gathers_in_flight(codes[1]) == ((prefetch, 3) if stage == 3 else (0, 0)), codes[1]
+
+
+@pytest.fixture
+def gloo_rank():
+    assert not dist.is_initialized()
+    zc.init_distributed()
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    dist.destroy_process_group()
+
+
+GLOO_REFUSAL = r"prefetch=2 keeps 2 all-gathers in flight.*gloo.*use prefetch=1 \(the default\) or 0"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_shard_refuses_prefetch_over_one_on_gloo_and_leaves_the_model_alone(gloo_rank, stage: int) -> None:
+    model = Layers()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=GLOO_REFUSAL):
+        zc.shard(model, stage, prefetch=2)
+    assert getattr(model, "_zero_config", None) is None
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_a_compile_option_of_prefetch_over_one_on_gloo_is_refused_before_running(gloo_rank) -> None:
+    model = zc.shard(Layers(), 3)
+    compiled = torch.compile(model, backend="zero", options={"compiler": "eager", "prefetch": 2})
+    with pytest.raises(Exception, match=GLOO_REFUSAL):
+        compiled(torch.randn(4, 16))
+
+
+def test_stage_0_and_prefetch_one_run_on_gloo(gloo_rank) -> None:
+    """Stage 0 gathers nothing, so any prefetch is harmless; prefetch=1 is the safe default."""
+    for stage, prefetch in [(0, 2), (3, 1)]:
+        torch._dynamo.reset()
+        model = zc.shard(Layers(), stage, prefetch=prefetch)
+        compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
+        compiled(torch.randn(4, 16)).backward()
