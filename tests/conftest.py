@@ -8,9 +8,11 @@ import tempfile
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="zc-inductor-cache-"))
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+import zerocompile as zc
 from fx_helpers import WORLD
 
 
@@ -34,3 +36,14 @@ def group_name():
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
+
+
+@pytest.fixture
+def single_rank():
+    """A one-rank gloo group in this process, as `init_distributed()` starts it without a launcher."""
+    assert not dist.is_initialized()
+    zc.init_distributed()
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    dist.destroy_process_group()

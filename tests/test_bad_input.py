@@ -27,16 +27,6 @@ from zerocompile.checkpoint_files import CheckpointError
 EAGER = {"compiler": "eager"}
 
 
-@pytest.fixture
-def single_rank():
-    """A one-rank group in this process, as `init_distributed()` starts it without a launcher."""
-    assert not dist.is_initialized()
-    zc.init_distributed()
-    torch._dynamo.reset()
-    yield
-    dist.destroy_process_group()
-
-
 # ---------------------------------------------------------------------------------------------
 # Shapes that must work: 0-d, empty, and fewer elements than ranks (every shard padding but one)
 

@@ -76,21 +76,11 @@ def test_inductor_code_keeps_prefetch_gathers_in_flight_at_most(fake_two_ranks, 
     assert most_gathers_in_flight(codes[1]) == ((prefetch, 3) if stage == 3 else (0, 0)), codes[1]
 
 
-@pytest.fixture
-def gloo_rank():
-    assert not dist.is_initialized()
-    zc.init_distributed()
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-    dist.destroy_process_group()
-
-
 GLOO_REFUSAL = r"prefetch=2 keeps 2 all-gathers in flight.*gloo.*use prefetch=1 \(the default\) or 0"
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_shard_refuses_prefetch_over_one_on_gloo_and_leaves_the_model_alone(gloo_rank, stage: int) -> None:
+def test_shard_refuses_prefetch_over_one_on_gloo_and_leaves_the_model_alone(single_rank, stage: int) -> None:
     model = Layers()
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match=GLOO_REFUSAL):
@@ -99,14 +89,14 @@ def test_shard_refuses_prefetch_over_one_on_gloo_and_leaves_the_model_alone(gloo
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
-def test_a_compile_option_of_prefetch_over_one_on_gloo_is_refused_before_running(gloo_rank) -> None:
+def test_a_compile_option_of_prefetch_over_one_on_gloo_is_refused_before_running(single_rank) -> None:
     model = zc.shard(Layers(), 3)
     compiled = torch.compile(model, backend="zero", options={"compiler": "eager", "prefetch": 2})
     with pytest.raises(Exception, match=GLOO_REFUSAL):
         compiled(torch.randn(4, 16))
 
 
-def test_stage_0_and_prefetch_one_run_on_gloo(gloo_rank) -> None:
+def test_stage_0_and_prefetch_one_run_on_gloo(single_rank) -> None:
     """Stage 0 gathers nothing, so any prefetch is harmless; prefetch=1 is the safe default."""
     for stage, prefetch in [(0, 2), (3, 1)]:
         torch._dynamo.reset()
