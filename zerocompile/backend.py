@@ -94,8 +94,9 @@ def zero_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[st
     """`torch.compile(model, backend="zero", options={...})` lands here, once per Dynamo graph."""
     _refuse_unsharded_parameters(gm, example_inputs)
     _name_unshard_markers(gm, example_inputs)
-    config = _config_of(gm.graph).with_options(options)
-    for group_name in _groups_of(gm.graph):
+    groups = _groups_of(gm.graph)
+    config = _config_of(groups).with_options(options)
+    for group_name in groups:
         refuse_concurrent_gloo_gathers(config, c10d._resolve_process_group(group_name))
     directory = dump.dump_dir(config.dump_dir)
     dump.emit_graph(directory, "dynamo", "before", "merge_repeated_unshards", gm.graph)
@@ -158,8 +159,8 @@ def _groups_of(graph: fx.Graph) -> set[str]:
     return groups | {reduce_grad_args(node).group_name for node in graph.nodes if is_reduce_grad(node)}
 
 
-def _config_of(graph: fx.Graph) -> ZeroConfig:
-    configs = {config_for_group(name) for name in _groups_of(graph)} - {None}
+def _config_of(groups: set[str]) -> ZeroConfig:
+    configs = {config_for_group(name) for name in groups} - {None}
     return configs.pop() if len(configs) == 1 else ZeroConfig()
 
 
