@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -99,8 +100,14 @@ def test_interleaved_modes_are_timed_round_by_round(quick_run: tuple[int, Path])
         phases = interleaved["phase_s"][name]
         assert list(phases) == ["forward", "backward", "optimizer"]
         assert all(0 < seconds < max(times) for seconds in phases.values())
+    ddp, zero3 = (interleaved["step_times_s"][name] for name in ("ddp", "zero3"))
+    ratios = sorted(z / d for z, d in zip(zero3, ddp))
+    quartiles = interleaved["paired_ratio"]["zero3"]["ddp"]
+    assert ratios[0] <= quartiles["p25"] <= quartiles["median"] <= quartiles["p75"] <= ratios[-1]
+    assert quartiles["median"] == pytest.approx(statistics.median(ratios))
     table = (quick_run[1] / "bench.md").read_text().split("Interleaved:")[1]
     assert "| zero3 |" in table and "| forward ms | backward ms | optimizer ms |" in table
+    assert f"| {quartiles['median']:.2f} ({quartiles['p25']:.2f}-{quartiles['p75']:.2f}) |" in table
 
 
 def test_interleave_needs_two_different_modes() -> None:

@@ -45,7 +45,8 @@ Step times of modes run one after another move with whatever else the machine do
 (±30 % between runs on a shared 2-core machine). So, after the modes, the --interleave modes
 (default: ddp-compile, fsdp2-compile, zero2, zero3) are built again side by side in one set of
 ranks, warmed up, and timed in rounds, one step of each mode per round: every mode sees the same
-load, and their ratios are the ones to quote. There each step is also split into its forward,
+load, and their ratios are the ones to quote: per round, one mode's step time divided by the
+other's, then the median and quartiles over rounds. There each step is also split into its forward,
 backward and optimizer step (the slowest rank's), which says where one mode loses time against
 another. Memory is not measured there (the modes share processes). Each mode there builds its GPT
 from its own copy of the model code (see `_gpt_class_of_its_own`), so what Dynamo decides for one
@@ -497,7 +498,7 @@ def _run_interleaved(settings: Settings) -> dict[str, Any]:
     print(
         "interleaved      "
         + " | ".join(
-            f"{name} {seconds:.3f} s ({seconds / interleaved['step_time_s'][first]:.2f}x {first})"
+            f"{name} {seconds:.3f} s ({interleaved['paired_ratio'][name][first]['median']:.2f}x {first})"
             for name, seconds in interleaved["step_time_s"].items()
         ),
         flush=True,
@@ -648,11 +649,26 @@ def _summarise_interleaved(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "modes": names,
         "step_time_s": {name: statistics.median(times) for name, times in slowest.items()},
         "step_times_s": slowest,
+        "paired_ratio": {name: {other: _paired_ratio(slowest[name], slowest[other]) for other in names} for name in names},
         "phase_s": {
             name: dict(zip(PHASES, (statistics.median(phase) for phase in zip(*phases[name])))) for name in names
         },
         "load_avg_1min": per_rank[0]["load"],
     }
+
+
+def _paired_ratio(times: list[float], others: list[float]) -> dict[str, float]:
+    """Quartiles over rounds of one mode's step time divided by another's in the same round.
+
+    A round's two steps ran back to back, so whatever else the machine did weighs on both: their
+    ratio varies much less than either time does, and its spread says how far one run's ratio
+    can be trusted.
+    """
+    ratios = [time / other for time, other in zip(times, others, strict=True)]
+    if len(ratios) < 2:
+        return {"p25": ratios[0], "median": ratios[0], "p75": ratios[0]}
+    p25, median, p75 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return {"p25": p25, "median": median, "p75": p75}
 
 
 def _progress_line(mode: dict[str, Any]) -> str:
@@ -720,11 +736,19 @@ def _interleaved_table(interleaved: dict[str, Any] | None) -> list[str]:
     if interleaved is None:
         return []
     names = interleaved["modes"]
-    step, phase = interleaved["step_time_s"], interleaved["phase_s"]
+    step, phase, paired = interleaved["step_time_s"], interleaved["phase_s"], interleaved["paired_ratio"]
+
+    def ratio(name: str, other: str) -> str:
+        if name == other:
+            return "1.00"
+        quartiles = paired[name][other]
+        return f"{quartiles['median']:.2f} ({quartiles['p25']:.2f}-{quartiles['p75']:.2f})"
+
     return [
         "",
         f"Interleaved: {', '.join(names)} side by side in one set of ranks, one step of each per round "
-        f"(load {interleaved['load_avg_1min']:.1f}):",
+        f"(load {interleaved['load_avg_1min']:.1f}); x other: the median over rounds of the step's time "
+        "divided by the other mode's in the same round (quartiles in brackets):",
         "",
         "| mode | step s | "
         + " | ".join(f"x {name}" for name in names)
@@ -734,7 +758,7 @@ def _interleaved_table(interleaved: dict[str, Any] | None) -> list[str]:
         "|---|---|" + "---|" * (len(names) + len(PHASES)),
         *(
             f"| {name} | {step[name]:.3f} | "
-            + " | ".join(f"{step[name] / step[other]:.2f}" for other in names)
+            + " | ".join(ratio(name, other) for other in names)
             + " | "
             + " | ".join(f"{phase[name][p] * 1e3:.0f}" for p in PHASES)
             + " |"
