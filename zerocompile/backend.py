@@ -30,6 +30,8 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._guards import CompileContext
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils import _pytree as pytree
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from zerocompile import guard
@@ -260,11 +262,37 @@ def _lower_and_record(graph: fx.Graph, lowering: Lowering) -> None:
     dump.emit_graph(lowering.directory, kind, "before", "lower_markers", graph)
     lower_markers(graph, lowering.bucket_bytes, lowering.prefetch, lowering.decompositions)
     dump.emit_graph(lowering.directory, kind, "after", "lower_markers", graph)
-    snapshot = fx.Graph()
-    snapshot.output(snapshot.graph_copy(graph, {}))
-    record = CompiledGraph(kind, dump.compile_id(), snapshot)
+    record = CompiledGraph(kind, dump.compile_id(), _facts_only_copy(graph))
     dump.emit_ledger(lowering.directory, kind, lambda: record.ledger.to_json())
     compiled_graphs.append(record)
+
+
+# The node metadata the recorded facts are worked out from (see `analysis` and `ledger`).
+_FACT_META = ("val", "zero_params")
+
+
+def _facts_only_copy(graph: fx.Graph) -> fx.Graph:
+    """A copy of `graph` whose nodes keep only the metadata the facts need, values as meta tensors.
+
+    The graph's own values are fake tensors, which keep their whole fake mode (with its caches)
+    alive, and its nodes carry stack traces and module stacks: kept for every graph ever compiled,
+    that was 6.6 MiB of a 12m GPT's stage-3 process (RssAnon freed by dropping the two records).
+    Values with symbolic sizes stay as they are.
+    """
+    copy = fx.Graph()
+    copy.output(copy.graph_copy(graph, {}))
+    with unset_fake_temporarily():
+        for node in copy.nodes:
+            node.meta = {key: node.meta[key] for key in _FACT_META if key in node.meta}
+            if "val" in node.meta:
+                node.meta["val"] = pytree.tree_map_only(torch.Tensor, _as_meta_tensor, node.meta["val"])
+    return copy
+
+
+def _as_meta_tensor(value: torch.Tensor) -> torch.Tensor:
+    if not all(isinstance(n, int) for n in (*value.shape, *value.stride())):
+        return value
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
 
 
 def _passes_source_hash() -> str:
