@@ -14,9 +14,11 @@ from zerocompile.distributed import init_distributed
 from zerocompile.ema import EMA
 from zerocompile.gathered import gathered
 from zerocompile.sharding import full_numel, model_state_bytes, shard
+from zerocompile.weights import LoadResult, load_weights, save_weights
 
 __all__ = [
     "EMA",
+    "LoadResult",
     "ZeroConfig",
     "clip_grad_norm_",
     "full_numel",
@@ -24,9 +26,11 @@ __all__ = [
     "gathered",
     "init_distributed",
     "load",
+    "load_weights",
     "model_state_bytes",
     "no_sync",
     "save",
+    "save_weights",
     "shard",
 ]
 __version__ = "0.1.0"
