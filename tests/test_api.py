@@ -46,11 +46,13 @@ def test_sharding_twice_is_refused(single_rank) -> None:
         zc.shard(model, stage=2)
 
 
-def test_mixed_devices_are_refused(single_rank) -> None:
+def test_meta_and_real_parameters_mixed_are_refused(single_rank) -> None:
+    """Real parameters next to meta ones were made on each rank outside shard()'s walk."""
     model = UnevenMLP()
     model.fc2.to("meta")
-    with pytest.raises(ValueError, match=r"several devices .*model.to\(device\)"):
+    with pytest.raises(ValueError, match=r"\['fc1.weight', 'fc1.bias', 'fc3.weight'\] are real tensors .*meta"):
         zc.shard(model)
+    assert not any(hasattr(p, "_zero") for p in model.parameters())
 
 
 def test_unknown_setting_and_option_list_the_valid_ones(single_rank) -> None:

@@ -199,11 +199,6 @@ def _sparse_weight() -> nn.Module:
     return model
 
 
-def _on_meta() -> nn.Module:
-    with torch.device("meta"):
-        return nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
-
-
 def _fully_sharded() -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
@@ -220,12 +215,11 @@ def _ddp_inside() -> nn.Module:
         (lambda: nn.Sequential(nn.Embedding(10, 4, sparse=True)), r"module '0' \(Embedding\) has sparse=True.*sparse=False"),
         (_sparse_weight, r"parameter '0.weight' is a torch.sparse_coo tensor.*to_dense\(\)"),
         (ComplexScale, r"parameter 'phase' is complex \(torch.complex64\).*view_as_real"),
-        (_on_meta, r"\['0.weight', '0.bias', '1.weight'\] are on the meta device.*model.to_empty\(device=...\)"),
         (_fully_sharded, r"the model is already sharded by FSDP.*without FSDP/fully_shard"),
         (_ddp_inside, r"submodule '0' is wrapped in DistributedDataParallel.*stage=0"),
         (lambda: nn.parallel.DistributedDataParallel(nn.Linear(3, 2)), r"not a DistributedDataParallel wrapper: pass model.module"),
     ],
-    ids=["sparse_embedding", "sparse_parameter", "complex", "meta", "fsdp2", "ddp_inside", "ddp"],
+    ids=["sparse_embedding", "sparse_parameter", "complex", "fsdp2", "ddp_inside", "ddp"],
 )
 def test_unshardable_parameters_are_refused_naming_the_fix(single_rank, build, expected: str) -> None:
     model = build()

@@ -141,3 +141,12 @@ def _torchrun_attempt_store(world_size: int, timeout: timedelta | None) -> dist.
     )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"zerocompile/attempt-{attempt}/", store)
+
+
+def group_device(group: dist.ProcessGroup) -> torch.device:
+    """Where `group`'s collectives take their tensors: the CPU for gloo, else this process's
+    current accelerator (`cuda:LOCAL_RANK` once `init_distributed` has set it)."""
+    if dist.get_backend(group) == "gloo" or not torch.accelerator.is_available():
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from zerocompile.accumulation import GradientSync
 from zerocompile.config import ZeroConfig, config_from_kwargs, refuse_concurrent_gloo_gathers
+from zerocompile.distributed import group_device
+from zerocompile.meta_init import built_on_meta, check_meta_model, local_slice, materialise_sharded
 from zerocompile.passes.lowering import padded_numel
 
 # Compile-time settings of the last shard() per process group; the backend reads them.
@@ -58,36 +60,54 @@ def shard(
     *,
     group: dist.ProcessGroup | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    init: Callable[[nn.Module], Any] | None = None,
     **settings: Any,
 ) -> nn.Module:
     """Shard `model` in place for ZeRO `stage` (0-3) over `group`; returns `model`.
 
     `stage` may also be a `ZeroConfig`; keyword settings override its fields. Pass `optimizer=`
     if it has already stepped, so its state is sharded too.
+
+    A model built under `with torch.device("meta"):` is materialised straight into this rank's
+    shards, on the group's device: `init` runs as `model.apply(init)` would (default: each
+    module's own `reset_parameters()`), one module's full parameters at a time, and the result
+    equals that on the unsharded model from the same random state (see `meta_init`). On a real
+    model, `init` runs as `model.apply(init)` before sharding.
     """
     base = stage if isinstance(stage, ZeroConfig) else None
     if group is not None:
         settings["group"] = group
     config = config_from_kwargs(base, None if isinstance(stage, ZeroConfig) else stage, settings)
-    _check_can_shard(model)
+    on_meta = built_on_meta(model)
+    _check_can_shard(model, on_meta)
     group = config.group if config.group is not None else dist.group.WORLD
     refuse_concurrent_gloo_gathers(config, group)
     group_name = group.group_name
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
 
-    _broadcast_from_group_rank0(model, group)
     owners = _parameter_owners(model)
+    infos = {}
     for param, places in owners.items():
         names = tuple(f"{prefix}{'.' if prefix else ''}{attr}" for prefix, _module, attr in places)
         numel = param.numel()
         shard_numel = numel if config.stage == 0 else padded_numel(numel, world_size) // world_size
-        info = ShardInfo(names[0], names, tuple(param.shape), numel, shard_numel, config.stage, group_name, rank)
+        infos[param] = ShardInfo(names[0], names, tuple(param.shape), numel, shard_numel, config.stage, group_name, rank)
+    if on_meta:
+        local, buffers = materialise_sharded(model, init, stage=config.stage, group=group, device=group_device(group))
+        _install_materialised(local, buffers, config.stage)
+    else:
+        if init is not None:
+            with torch.no_grad():
+                model.apply(init)
+        _broadcast_from_group_rank0(model, group)
         if config.stage > 0:
-            param.data = _local_slice(param.detach(), info, world_size)
+            for param, info in infos.items():
+                param.data = local_slice(param.detach().reshape(-1), info.shard_numel, rank)
+    for param, info in infos.items():
         param._zero = info
     if optimizer is not None:
-        _shard_optimizer_state(optimizer, world_size)
+        _shard_optimizer_state(optimizer)
     sync = GradientSync({shard_info(param).fqn: param for param in owners})
     for module in {id(m): m for places in owners.values() for _p, m, _a in places}.values():
         _make_module_unshard_on_access(module, config, sync)
@@ -117,7 +137,7 @@ def _cast_floating_inputs(module: nn.Module, args: tuple, kwargs: dict, *, dtype
     return torch.utils._pytree.tree_map(cast, (args, kwargs))
 
 
-def _check_can_shard(model: nn.Module) -> None:
+def _check_can_shard(model: nn.Module, on_meta: bool) -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "zerocompile.shard() needs torch.distributed to be initialised: call "
@@ -131,10 +151,12 @@ def _check_can_shard(model: nn.Module) -> None:
             f"the model is already sharded (e.g. parameter {already[:1]}): call zerocompile.shard() "
             "once per model; to change the stage, build the model again and shard it once"
         )
+    if on_meta:
+        check_meta_model(model)  # buffers may live anywhere: they move to the group's device
     devices: dict[torch.device, list[str]] = {}
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         devices.setdefault(tensor.device, []).append(name)
-    if len(devices) > 1:
+    if len(devices) > 1 and not on_meta:
         listing = "; ".join(f"{d}: {names[:3]}" for d, names in devices.items())
         raise ValueError(
             f"parameters and buffers are on several devices ({listing}): move the model to one "
@@ -179,16 +201,8 @@ def _check_not_wrapped(model: nn.Module) -> None:
 
 
 def _check_parameters_shardable(model: nn.Module) -> None:
-    """Parameters our collectives cannot carry, or that hold no values yet, fail here naming them
-    rather than deep inside a collective or, for the meta device, not at all."""
-    tensors = [*model.named_parameters(), *model.named_buffers()]
-    on_meta = [name for name, tensor in tensors if tensor.is_meta]
-    if on_meta:
-        raise ValueError(
-            f"parameters/buffers {on_meta[:3]} are on the meta device and hold no values: materialise "
-            "the model with model.to_empty(device=...) and initialise it (e.g. reset_parameters() or "
-            "load_state_dict) before zerocompile.shard()"
-        )
+    """Parameters our collectives cannot carry fail here naming them rather than deep inside a
+    collective."""
     for name, param in model.named_parameters():
         if param.layout != torch.strided:
             raise TypeError(
@@ -228,15 +242,20 @@ def _parameter_owners(model: nn.Module) -> dict[nn.Parameter, list[tuple[str, nn
     return owners
 
 
-def _local_slice(full: torch.Tensor, info: ShardInfo, world_size: int) -> torch.Tensor:
-    flat = full.reshape(-1)
-    padding = info.shard_numel * world_size - info.numel
-    if padding:
-        flat = torch.cat([flat, flat.new_zeros(padding)])
-    return flat[info.shard_offset : info.shard_offset + info.shard_numel].clone()
+def _install_materialised(
+    local: dict[nn.Parameter, torch.Tensor], buffers: dict[tuple[nn.Module, str], torch.Tensor], stage: int
+) -> None:
+    """Give each meta Parameter its materialised data, keeping the Parameter object (tied names,
+    user references) by swapping its contents: a meta tensor's data cannot be set to a real one."""
+    for param, data in local.items():
+        fresh = nn.Parameter(data.view(param.shape) if stage == 0 else data, requires_grad=param.requires_grad)
+        fresh.__dict__.update(param.__dict__)  # swap_tensors exchanges the attribute dicts too
+        torch.utils.swap_tensors(param, fresh)
+    for (module, name), value in buffers.items():
+        module._buffers[name] = value
 
 
-def _shard_optimizer_state(optimizer: torch.optim.Optimizer, world_size: int) -> None:
+def _shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Slice per-parameter optimizer state (exp_avg, ...) shaped like the full parameter."""
     for param, state in optimizer.state.items():
         info = shard_info(param)
@@ -244,7 +263,7 @@ def _shard_optimizer_state(optimizer: torch.optim.Optimizer, world_size: int) ->
             continue
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and tuple(value.shape) == info.shape and value.dim() > 0:
-                state[key] = _local_slice(value, info, world_size)
+                state[key] = local_slice(value.reshape(-1), info.shard_numel, info.group_rank)
 
 
 def sharded_shape(info: ShardInfo) -> tuple[int, ...]:
