@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from zerocompile.tools.cli import build_parser
 from zerocompile.tools.train import train
@@ -34,7 +35,7 @@ def test_train_runs_on_two_ranks_and_the_loss_falls(tmp_path) -> None:
     assert first_loss > last_loss + 0.5, result.stdout
     assert "Φ = " in result.stdout and "16Φ/N" in result.stdout
     assert re.search(r"first loss \d+\.\d+ -> last loss \d+\.\d+", result.stdout)
-    assert re.search(r"^sample: 'The ", result.stdout, re.MULTILINE), result.stdout
+    assert re.search(r"^sample: ['\"]The ", result.stdout, re.MULTILINE), result.stdout  # repr's quotes
 
 
 def test_loss_curve_does_not_depend_on_the_number_of_ranks(tmp_path) -> None:
@@ -72,3 +73,26 @@ def test_resume_at_another_stage_continues_the_uninterrupted_run(tmp_path) -> No
     resumed = _train("--steps", "6", "--stage", "2", "--resume", checkpoint, "--out", str(tmp_path / "c"))
     assert resumed == pytest.approx(uninterrupted, rel=1e-6, abs=1e-6)
     assert (tmp_path / "c" / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_meta_and_whole_builds_start_from_the_same_weights(tmp_path) -> None:
+    """`--build meta` (the default) materialises only each rank's shards; the values, and so the
+    loss curve, are those of the model built whole on every rank."""
+    meta = _train("--steps", "2", "--out", str(tmp_path))
+    assert _train("--steps", "2", "--build", "whole", "--out", str(tmp_path)) == meta
+
+
+def test_saved_weights_load_into_another_stage(tmp_path) -> None:
+    """--save-weights writes the trained model; --load-weights starts another job (another stage)
+    from it: with lr 0 that job saves exactly what it loaded, and its first loss is the trained
+    model's, far below a fresh start's."""
+    from safetensors.torch import load_file
+
+    trained = _train("--steps", "6", "--save-weights", str(tmp_path / "a"), "--out", str(tmp_path))
+    loaded = _train(
+        "--steps", "1", "--stage", "2", "--lr", "0", "--load-weights", str(tmp_path / "a"),
+        "--save-weights", str(tmp_path / "b.safetensors"), "--out", str(tmp_path),
+    )  # fmt: skip
+    first, second = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b.safetensors")
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    assert loaded[0] < trained[0] - 0.3

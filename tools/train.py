@@ -36,7 +36,7 @@ import torch.multiprocessing
 import zerocompile as zc
 from zerocompile import checkpoint_files
 from zerocompile.distributed import _launcher_environment, free_loopback_port, loopback_rank_environment
-from zerocompile.tools.gpt import GPT, SIZES
+from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
 
 MB = 1e6
 BYTES_PER_PARAMETER = 16  # fp32 parameter 4 + gradient 4 + AdamW's exp_avg and exp_avg_sq 8
@@ -67,6 +67,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batches")
+    parser.add_argument(
+        "--build",
+        choices=("meta", "whole"),
+        default="meta",
+        help="meta: build the model on the meta device and let zc.shard(init=...) materialise only "
+        "this rank's shards, one module at a time (default); whole: build the whole model on every "
+        "rank, then shard it. Both give the same initial weights for a --seed",
+    )
+    parser.add_argument(
+        "--load-weights",
+        type=Path,
+        default=None,
+        help="start from these weights (a .safetensors file or a Hugging Face directory, e.g. one "
+        "--save-weights wrote); each rank reads only its shards' bytes",
+    )
+    parser.add_argument(
+        "--save-weights",
+        type=Path,
+        default=None,
+        help="at the end, write the full weights here (Hugging Face safetensors layout; a directory, "
+        "or a file ending in .safetensors), streamed one tensor at a time",
+    )
     parser.add_argument(
         "--compiler",
         choices=("inductor", "eager"),
@@ -102,7 +124,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="continue from this checkpoint; if it does not exist yet, start afresh (for restarts)",
     )
     parser.add_argument("--out", type=Path, default=Path("train-out"), help="where loss.png goes (default ./train-out)")
-    parser.add_argument("--sample-bytes", type=int, default=300, help="bytes of text to generate at the end (0: none)")
+    parser.add_argument(
+        "--sample-bytes",
+        type=int,
+        default=300,
+        help="bytes of text to generate at the end (0: none; sampling gathers the whole model on every rank)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -164,10 +191,12 @@ def _train_loop(args: argparse.Namespace, rank: int, world_size: int) -> list[fl
         raise ValueError("--no-sync only changes gradient accumulation: give --grad-accum 2 or more")
     config = SIZES[args.model_size]
     text = load_text()
-    torch.manual_seed(args.seed)
-    model = GPT(config)
+    model = _build(config, args.build)
+    torch.manual_seed(args.seed)  # the initial weights: GPT._init_weights applied from this state
+    zc.shard(model, stage=args.stage, param_dtype=PARAM_DTYPES[args.param_dtype], init=GPT._init_weights)
+    if args.load_weights is not None:
+        zc.load_weights(model, args.load_weights)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    zc.shard(model, stage=args.stage, param_dtype=PARAM_DTYPES[args.param_dtype])
     compiled = torch.compile(model, backend="zero", options={"compiler": args.compiler})
     batches = GlobalBatches(text, args.batch_size, config.block_size, args.seed)
     losses, first_step = _resume(args, model, optimizer, batches, rank)
@@ -201,11 +230,37 @@ def _train_loop(args: argparse.Namespace, rank: int, world_size: int) -> list[fl
             flush=True,
         )
         _plot_losses(losses, args.out / "loss.png")
+    if args.save_weights is not None:
+        zc.save_weights(model, args.save_weights)
+        if rank == 0:
+            print(f"weights: {args.save_weights}", flush=True)
     if args.sample_bytes > 0:
         sample = generate(model, args.sample_bytes, args.seed)
         if rank == 0:
             print(f"sample: {sample!r}", flush=True)
+    peaks = _peak_rss_per_rank(world_size)
+    if rank == 0:
+        listed = ", ".join(f"{peak / MB:,.0f}" for peak in peaks)
+        print(f"peak RSS per rank: {listed} MB (sum {sum(peaks) / MB:,.0f} MB)", flush=True)
     return losses
+
+
+def _build(config: GPTConfig, how: str) -> GPT:
+    """The unsharded model: on the meta device (no memory; shard() materialises it) or whole."""
+    if how == "whole":
+        return GPT(config)
+    with torch.device("meta"):
+        return GPT(config)
+
+
+def _peak_rss_per_rank(world_size: int) -> list[int]:
+    """Every rank's peak resident memory so far (VmHWM), in bytes."""
+    with open("/proc/self/status") as status:
+        kilobytes = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    mine = torch.tensor([kilobytes * 1024], dtype=torch.int64)
+    every = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(every, mine)
+    return [int(peak) for peak in every]
 
 
 def _accumulate(
