@@ -10,8 +10,9 @@
 
 Needs `pip install -e ".[hf]"` (transformers). Nothing is downloaded: the model is a tiny GPT-2 with
 random weights and the text is the prose shipped with zerocompile, read as bytes (vocabulary 256),
-so no tokenizer is needed either. `--save DIR` writes the trained model with `save_pretrained`:
-`GPT2LMHeadModel.from_pretrained(DIR)` loads it with no zerocompile installed.
+so no tokenizer is needed either. `--save DIR` writes the trained model in Hugging Face's layout
+(`zc.save_weights` beside `config.save_pretrained`): `GPT2LMHeadModel.from_pretrained(DIR)` loads
+it with no zerocompile installed, and `--load DIR` starts from such a directory.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--compiler", default="inductor", choices=("inductor", "eager"))
-    parser.add_argument("--save", metavar="DIR", help="write the trained model here (save_pretrained)")
+    parser.add_argument("--save", metavar="DIR", help="write the trained model here (from_pretrained reads it)")
+    parser.add_argument("--load", metavar="DIR", help="start from these weights (what save_pretrained wrote)")
     return parser.parse_args()
 
 
@@ -46,22 +48,27 @@ def main() -> None:
         raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the {world_size} ranks")
     rows = slice(rank * args.batch_size // world_size, (rank + 1) * args.batch_size // world_size)
 
-    # 1.2 Create the model and optimizer as usual. Every rank builds the same model; shard()
-    # broadcasts rank 0's weights anyway, as DDP does.
-    torch.manual_seed(0)
+    # 1.2 Create the model on the meta device: shapes only, no memory, however large the model.
     config = GPT2Config(
         vocab_size=256, n_positions=args.seq_len, n_embd=64, n_layer=2, n_head=4,
         bos_token_id=0, eos_token_id=0, attn_implementation="sdpa",
     )  # fmt: skip
-    model = GPT2LMHeadModel(config)  # its input and output embeddings are one tied Parameter
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(config)  # its input and output embeddings are one tied Parameter
     # HF chooses the loss by class name and "GPT2LMHeadModel" matches none, so every forward would
     # log a warning, which is a graph break under torch.compile. Name the loss instead.
     model.loss_type = "ForCausalLM"
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
-    # 1.3 Shard it: each rank keeps 1/world_size of every parameter (and so of the gradients and
-    # the AdamW state); the compiled graphs gather each layer just before use and free it after.
-    zc.shard(model, stage=args.stage)
+    # 1.3 Shard it: each rank allocates only its 1/world_size of every parameter and fills it with
+    # HF's own initialisation (the same seed on every rank, so they agree without communicating),
+    # then optionally with pretrained weights, reading only its own bytes of the files. The
+    # compiled graphs gather each layer just before use and free it after; gradients and the
+    # AdamW state are 1/world_size too.
+    torch.manual_seed(0)
+    zc.shard(model, stage=args.stage, init=model._init_weights)
+    if args.load:
+        zc.load_weights(model, args.load)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     compiled = torch.compile(model, backend="zero", options={"compiler": args.compiler})
 
     # 1.4 Data: each rank reads its rows of the same global batch (a DistributedSampler's job).
@@ -80,13 +87,12 @@ def main() -> None:
         held = zc.model_state_bytes(model, optimizer)
         print(f"model state on this rank: {sum(held.values()) / 2**20:.2f} MiB ({held})", flush=True)
 
-    # 1.6 Save: gather the full weights on rank 0 and write an ordinary HF checkpoint.
+    # 1.6 Save an ordinary HF checkpoint: every rank takes part, rank 0 writes one tensor at a time.
     if args.save:
-        full = zc.full_state_dict(model)  # every rank takes part; only rank 0 gets the tensors
         if rank == 0:
-            plain = GPT2LMHeadModel(config)
-            plain.load_state_dict(full)
-            plain.save_pretrained(args.save)
+            config.save_pretrained(args.save)
+        zc.save_weights(model, args.save)
+        if rank == 0:
             print(f"saved to {args.save}", flush=True)
     torch.distributed.barrier()  # no rank tears the group down while another still uses it
     torch.distributed.destroy_process_group()
