@@ -11,7 +11,7 @@ import argparse
 import sys
 from types import ModuleType
 
-from zerocompile.tools import bench, convert, dump, plan, soak, train
+from zerocompile.tools import bench, capacity, convert, dump, plan, soak, train
 
 SUBCOMMANDS: dict[str, ModuleType] = {
     "train": train,
@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, ModuleType] = {
     "bench": bench,
     "convert": convert,
     "soak": soak,
+    "capacity": capacity,
 }
 
 

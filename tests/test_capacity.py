@@ -1,0 +1,134 @@
+"""`zerocompile capacity`: one real configuration in spawned ranks (tiny GPT, eager compiler), the
+skip that protects the machine, the fit, and the tables, checked for structure and consistency.
+
+Nothing here asserts a time or an RSS value: they depend on the machine and on what else runs on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from zerocompile.tools import capacity, cli
+from zerocompile.tools.gpt import SIZES
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    capacity.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("capacity") / "capacity.json"
+    report = capacity.capacity(_args("--sizes", "tiny", "--ranks", "2", "--modes", "zero3", "--json", str(out)))
+    return report, out
+
+
+def test_capacity_is_a_subcommand() -> None:
+    assert cli.SUBCOMMANDS["capacity"] is capacity
+    args = cli.build_parser().parse_args(["capacity", "--sizes", "tiny", "--ranks", "2,4", "--modes", "ddp,zero3"])
+    assert (args.sizes, args.ranks, args.modes, args.compiler) == (["tiny"], [2, 4], ["ddp", "zero3"], "eager")
+    assert args.run is capacity.run
+
+
+def test_one_configuration_runs_in_its_ranks_and_reports_every_phase(tiny_run: tuple[dict, Path]) -> None:
+    report, out = tiny_run
+    assert json.loads(out.read_text()) == report
+    assert report["date"] and report["machine"]["cores"] >= 1 and report["machine"]["ram_bytes"] > 0
+    (row,) = report["runs"]
+    assert row["status"] == "ok", row.get("reason")
+    assert (row["mode"], row["size"], row["ranks"]) == ("zero3", "tiny", 2)
+    assert sorted(m["rank"] for m in row["per_rank"]) == [0, 1]
+    assert len(row["losses"]) == 3 and all(math.isfinite(loss) for loss in row["losses"])
+    for measured in row["per_rank"]:
+        phases = [mark["phase"] for mark in measured["marks"]]
+        assert phases == ["started", "built", "sharded/initialised", "step 1 (compiles)", "step 2", "step 3"]
+        # VmHWM never falls, bounds every RSS seen, and the rank's peak is the last one read.
+        hwms = [mark["hwm"] for mark in measured["marks"]]
+        assert hwms == sorted(hwms) and all(mark["rss"] <= mark["hwm"] for mark in measured["marks"])
+        assert measured["peak_rss"] >= hwms[-1]
+        assert measured["peak_phase"] in phases
+    assert row["peak_rss_bytes"] == max(m["peak_rss"] for m in row["per_rank"])
+    assert row["bytes_per_param"] == pytest.approx(row["peak_rss_bytes"] / row["phi"])
+    table = capacity.capacity_table(report)
+    assert report["machine"]["node"] in table and "| zero3 | 2 |" in table and "- (1 point)" in table
+
+
+def test_a_configuration_that_cannot_fit_is_skipped_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*_args: object) -> None:
+        raise AssertionError("a configuration predicted not to fit was spawned")
+
+    monkeypatch.setattr(capacity, "mem_available", lambda: 10**6)
+    monkeypatch.setattr(capacity, "spawn_ranks", refuse)
+    report = capacity.capacity(_args("--sizes", "tiny,small", "--ranks", "2", "--modes", "ddp,fsdp2"))
+    assert [row["status"] for row in report["runs"]] == ["skipped"] * 4
+    assert all(row["reason"].startswith("skipped: needs ~") for row in report["runs"])
+    assert all(fit["a_bytes"] is None and fit["points"] == 0 for fit in report["fits"])
+    assert capacity.capacity_table(report).count("skipped: needs ~") == 4
+    assert capacity.run(_args("--sizes", "tiny", "--ranks", "2", "--modes", "ddp")) == 0  # a skip is no failure
+
+
+def test_predictions_follow_what_each_mode_holds() -> None:
+    facts = capacity.model_facts(SIZES["400m"])
+    assert facts.phi == 20 * (12 * 1280**2 + 13 * 1280) + (256 + 128) * 1280 + 2 * 1280  # blocks, wte, wpe, ln_f
+    need = {mode: capacity.predicted_peak(mode, facts, 4) for mode in capacity.MODES}
+    assert need["zero3"] < need["zero2"] < need["zero1"] < need["ddp"]
+    # The sharded modes hold 16Φ/N: more ranks, less per rank; DDP holds everything on each.
+    assert capacity.predicted_peak("zero3", facts, 8) < need["zero3"]
+    assert capacity.predicted_peak("ddp", facts, 8) == need["ddp"]
+
+
+def test_measured_runs_calibrate_the_prediction_of_larger_ones() -> None:
+    """Start-up RSS plus, per parameter, the state at the new N and what the largest measured size
+    needed beyond its own state."""
+    facts = capacity.model_facts(SIZES["1b"])
+    start = 300e6
+
+    def run(ranks: int, phi: int, beyond_state: float) -> dict:
+        peak = start + (16 / ranks + beyond_state) * phi
+        return {"mode": "zero3", "ranks": ranks, "phi": phi, "status": "ok", "peak_rss_bytes": peak,
+                "per_rank": [{"marks": [{"phase": "started", "rss": start}]}]}
+
+    measured = [run(2, 50_000_000, 9.0), run(2, 400_000_000, 2.0), run(4, 400_000_000, 3.0)]
+    expected = start + (16 / 8 + 3.0) * facts.phi + 4 * facts.largest_module_bytes
+    assert capacity.calibrated_peak("zero3", facts, 8, measured) == pytest.approx(expected)
+    assert capacity.calibrated_peak("fsdp2", facts, 8, measured) is None
+
+
+def test_fit_and_largest_model_in_the_budget() -> None:
+    a, b = capacity.linear_fit([(1e8, 1e9 + 8e8), (2e8, 1e9 + 16e8), (4e8, 1e9 + 32e8)])
+    assert (a, b) == (pytest.approx(1e9), pytest.approx(8.0))
+    assert capacity.linear_fit([(1e8, 5e8)]) is None
+    rows = [
+        {"mode": "zero3", "ranks": 2, "phi": phi, "status": "ok", "peak_rss_bytes": 5e8 + 8 * phi}
+        for phi in (5e7, 2e8)
+    ]
+    rows.append({"mode": "zero3", "ranks": 2, "phi": 4e8, "status": "skipped"})
+    (fit,) = capacity.fits_per_mode(rows)
+    assert fit["points"] == 2 and fit["b_bytes_per_param"] == pytest.approx(8.0)
+    assert fit["largest_phi_in_budget"] == pytest.approx((8 * 2**30 - 5e8) / 8)
+
+
+def test_load_check_table_marks_a_broken_bound() -> None:
+    per_rank = {
+        "rise": 3e8, "rise_by_shard": 1e8, "rise_by_load": 3e8, "save_rise": 1e7,
+        "load_peaks": {"RssAnon": 4e8, "RssFile": 2e8}, "save_peaks": {"RssAnon": 4e8, "RssFile": 0},
+    }
+    check = {
+        "status": "ok", "size": "200m", "phi": 201_916_416, "ranks": 2, "malloc": capacity._malloc_text(),
+        "largest_module_bytes": 16_793_600, "largest_tensor_bytes": 16_777_216,
+        "bounds": {"meta": 2e8, "plain": 8e8, "save": 8e7},
+        "meta": [per_rank, per_rank], "plain": [{**per_rank, "rise": 9e8}] * 2,
+        "meta_rise": 3e8, "plain_rise": 9e8, "save_rise": 1e7,
+        "met": {"meta": False, "plain": True, "save": True},
+    }
+    table = capacity.load_check_table(check)
+    assert "MALLOC_MMAP_THRESHOLD_=65536" in table
+    assert table.count("| yes |") == 2 and table.count("**NO**") == 1
+    assert "400 + 200" in table  # the anonymous and file-backed peaks, apart
