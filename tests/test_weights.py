@@ -287,6 +287,20 @@ def _hugging_face(root: Path, name: str, rank: int) -> dict[str, Any]:
     return {"logits_error": error, "dir": str(out)}
 
 
+def _write_failure(root: Path) -> dict[str, Any]:
+    """Group rank 0 fails only at the rename (a directory holds the name), after every shard was sent."""
+    path = root / "taken.safetensors"
+    if dist.get_rank() == 0:
+        path.mkdir()
+    dist.barrier()
+    try:
+        zc.save_weights(zc.shard(_built("tied_gpt", 0), stage=3), path)
+        message = "nothing raised"
+    except Exception as error:
+        message = f"{type(error).__name__}: {error}"
+    return {"message": message, "left": sorted(p.name for p in root.iterdir() if p.name.startswith(".taken"))}
+
+
 def _status_bytes(field: str) -> int:
     return 1024 * int(re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)[1])
 
@@ -318,6 +332,7 @@ def two_rank_report(rank: int, world_size: int, root: str) -> dict:
         ("cast", lambda: _cast(root)),
         ("not_strict", lambda: _not_strict(root)),
         ("save_peak", lambda: _save_peak(root)),
+        ("write_failure", lambda: _write_failure(root)),
     ]
     cases += [(("error", case), lambda case=case: _error(root, case)) for case in ERRORS]
     cases += [(("hf", name), lambda name=name: _hugging_face(root, name, rank)) for name in HF_MODELS]
@@ -463,6 +478,13 @@ def test_hugging_face_models_load_and_save(reports: list[dict], root: Path, name
     original = AutoModelForCausalLM.from_pretrained(root / name).state_dict()
     saved = AutoModelForCausalLM.from_pretrained(_facts(reports, ("hf", name))["dir"]).state_dict()
     assert _equal(saved, original)
+
+
+def test_a_failed_write_raises_on_every_rank_and_leaves_nothing(reports: list[dict]) -> None:
+    writer, sender = _facts(reports, "write_failure", 0), _facts(reports, "write_failure", 1)
+    assert writer["message"].startswith("IsADirectoryError"), writer["message"]
+    assert sender["message"].startswith("RuntimeError: group rank 0 failed to write the weights to"), sender["message"]
+    assert writer["left"] == [], "a partial file was left behind"
 
 
 def test_saving_streams_one_shard_at_a_time(reports: list[dict]) -> None:
