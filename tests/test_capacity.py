@@ -85,20 +85,23 @@ def test_predictions_follow_what_each_mode_holds() -> None:
 
 
 def test_measured_runs_calibrate_the_prediction_of_larger_ones() -> None:
-    """Start-up RSS plus, per parameter, the state at the new N and what the largest measured size
-    needed beyond its own state."""
+    """With one size measured: start-up RSS plus, per parameter, the state at the new N and what
+    that size needed beyond its own state. With a line through two sizes: its intercept plus the
+    state at the new N and the slope beyond the state, per parameter."""
     facts = capacity.model_facts(SIZES["1b"])
-    start = 300e6
+    start, modules = 300e6, 4 * facts.largest_module_bytes
 
-    def run(ranks: int, phi: int, beyond_state: float) -> dict:
-        peak = start + (16 / ranks + beyond_state) * phi
+    def run(ranks: int, phi: int, beyond_state: float, fixed: float = 0.0) -> dict:
+        peak = start + fixed + (16 / ranks + beyond_state) * phi
         return {"mode": "zero3", "ranks": ranks, "phi": phi, "status": "ok", "peak_rss_bytes": peak,
                 "per_rank": [{"marks": [{"phase": "started", "rss": start}]}]}
 
-    measured = [run(2, 50_000_000, 9.0), run(2, 400_000_000, 2.0), run(4, 400_000_000, 3.0)]
-    expected = start + (16 / 8 + 3.0) * facts.phi + 4 * facts.largest_module_bytes
-    assert capacity.calibrated_peak("zero3", facts, 8, measured) == pytest.approx(expected)
-    assert capacity.calibrated_peak("fsdp2", facts, 8, measured) is None
+    one_size = [run(2, 400_000_000, 2.0), run(4, 400_000_000, 3.0)]
+    assert capacity.calibrated_peak("zero3", facts, 8, one_size) == pytest.approx(start + 5.0 * facts.phi + modules)
+    two_sizes = [run(2, 50_000_000, 1.5, fixed=2e8), run(2, 400_000_000, 1.5, fixed=2e8), run(4, 400_000_000, 9.0)]
+    expected = start + 2e8 + (16 / 8 + 1.5) * facts.phi + modules
+    assert capacity.calibrated_peak("zero3", facts, 8, two_sizes) == pytest.approx(expected)
+    assert capacity.calibrated_peak("fsdp2", facts, 8, two_sizes) is None
 
 
 def test_fit_and_largest_model_in_the_budget() -> None:
@@ -116,19 +119,18 @@ def test_fit_and_largest_model_in_the_budget() -> None:
 
 
 def test_load_check_table_marks_a_broken_bound() -> None:
-    per_rank = {
-        "rise": 3e8, "rise_by_shard": 1e8, "rise_by_load": 3e8, "save_rise": 1e7,
-        "load_peaks": {"RssAnon": 4e8, "RssFile": 2e8}, "save_peaks": {"RssAnon": 4e8, "RssFile": 0},
-    }
+    per_rank = {"rise": 3e8, "rise_by_shard": 1e8, "rise_by_load": 3e8, "rise_anon": 1.2e8, "rise_file": 1.8e8,
+                "save_rise": 1e7}
     check = {
-        "status": "ok", "size": "200m", "phi": 201_916_416, "ranks": 2, "malloc": capacity._malloc_text(),
-        "largest_module_bytes": 16_793_600, "largest_tensor_bytes": 16_777_216,
+        "status": "ok", "size": "200m", "phi": 201_934_848, "ranks": 2, "malloc": capacity._malloc_text(),
+        "largest_module_bytes": 16_793_600, "largest_tensor_bytes": 16_777_216, "file_bytes": 807_757_504,
         "bounds": {"meta": 2e8, "plain": 8e8, "save": 8e7},
         "meta": [per_rank, per_rank], "plain": [{**per_rank, "rise": 9e8}] * 2,
-        "meta_rise": 3e8, "plain_rise": 9e8, "save_rise": 1e7,
+        "meta_rise": 3e8, "plain_rise": 9e8, "save_rise": 1e7, "meta_rise_anon": 1.2e8, "meta_rise_file": 1.8e8,
         "met": {"meta": False, "plain": True, "save": True},
     }
     table = capacity.load_check_table(check)
     assert "MALLOC_MMAP_THRESHOLD_=65536" in table
     assert table.count("| yes |") == 2 and table.count("**NO**") == 1
-    assert "400 + 200" in table  # the anonymous and file-backed peaks, apart
+    assert "| 120 ; 180 / 120 ; 180 |" in table  # anonymous and file-backed rises, apart, per rank
+    assert "Anonymous memory alone, meta route: 120 MB" in table and ": yes;" in table

@@ -51,8 +51,10 @@ A sampling thread also records the peaks of RssAnon and RssFile (file pages mapp
 process, such as the safetensors file's mmap) separately, so a broken bound says where it broke.
 
 --big is one real run: --big-ranks (8) ranks training the "1b" GPT at stage 3 from meta
-initialisation for --steps steps, printing the loss of every step and the peak RSS of every rank
-and their total; FSDP2 beside it only if its prediction fits the machine.
+initialisation for --steps steps on the same batch every step (so the loss must fall: the model
+is learning it), printing the loss of every step and the peak RSS of every rank and their total;
+FSDP2 beside it only if its prediction fits the machine. Its predictions come from this run's
+measured configurations, or from a previous report's (--calibrate capacity.json).
 
 Prints markdown tables and writes JSON (--json) with the date, the machine (cores, RAM) and every
 rank's measurements.
@@ -185,21 +187,32 @@ def _state_per_param(mode: str, ranks: int) -> float:
 
 
 def calibrated_peak(mode: str, facts: ModelFacts, ranks: int, measured: list[dict[str, Any]]) -> float | None:
-    """The peak predicted from this mode's measured runs (None if none ran): start-up RSS plus, per
-    parameter, the state (`_state_per_param` at `ranks`) and the rest the largest measured size
-    needed beyond its own state (the most at any N). Fixed costs (compile state) counted per
-    parameter make it err high for a larger model, which is the safe side."""
+    """The peak predicted from this mode's measured runs (None if none ran).
+
+    Where some N has two or more sizes measured, from their lines peak = a + b·Φ: the slope less
+    the state (`_state_per_param`) is what a step needs beyond it per parameter; the prediction
+    is the largest a plus, per parameter, the state at `ranks` and the largest such rest. With one
+    size only, start-up RSS plus, per parameter, the state at `ranks` and the rest the largest
+    measured size needed beyond its own state: fixed costs (compile state) then count per
+    parameter, which errs high for a larger model, the safe side.
+    """
     runs = [row for row in measured if row["mode"] == mode and row["status"] == "ok"]
     if not runs:
         return None
-    largest = max(row["phi"] for row in runs)
-    start = max(m["marks"][0]["rss"] for row in runs for m in row["per_rank"])
-    rest = max(
-        (row["peak_rss_bytes"] - start) / row["phi"] - _state_per_param(mode, row["ranks"])
-        for row in runs
-        if row["phi"] == largest
-    )
-    return start + (_state_per_param(mode, ranks) + max(rest, 0.0)) * facts.phi + 4 * facts.largest_module_bytes
+    lines = [(entry, entry["b_bytes_per_param"] - _state_per_param(mode, entry["ranks"]))
+             for entry in fits_per_mode(runs) if entry["a_bytes"] is not None]
+    if lines:
+        fixed = max(entry["a_bytes"] for entry, _ in lines)
+        rest = max(rest for _, rest in lines)
+    else:
+        largest = max(row["phi"] for row in runs)
+        fixed = max(m["marks"][0]["rss"] for row in runs for m in row["per_rank"])
+        rest = max(
+            (row["peak_rss_bytes"] - fixed) / row["phi"] - _state_per_param(mode, row["ranks"])
+            for row in runs
+            if row["phi"] == largest
+        )
+    return fixed + (_state_per_param(mode, ranks) + max(rest, 0.0)) * facts.phi + 4 * facts.largest_module_bytes
 
 
 def fits(needed_total: float, available: int) -> bool:
@@ -289,6 +302,7 @@ class Job:
     tokens: int
     compiler: str
     seed: int = 0
+    repeat_batch: bool = False  # train on the first batch every step (--big: the loss must fall)
 
     @property
     def config(self) -> GPTConfig:
@@ -340,8 +354,10 @@ def _train(job: Job, marks: Marks) -> dict[str, Any]:
     # Windows of the bundled prose (bytes as tokens), so the loss can fall; each rank its own row.
     batches = GlobalBatches(load_text(), job.ranks, job.sequence, seed=job.seed)
     losses = []
+    inputs, targets = batches.next(slice(rank, rank + 1))
     for step in range(1, job.steps + 1):
-        inputs, targets = batches.next(slice(rank, rank + 1))
+        if step > 1 and not job.repeat_batch:
+            inputs, targets = batches.next(slice(rank, rank + 1))
         optimizer.zero_grad(set_to_none=True)
         loss = runner(inputs, targets)
         loss.backward()
@@ -622,7 +638,7 @@ def _load_rank(
         if route == "meta":
             with torch.device("meta"):
                 model = GPT(SIZES[size])
-            before = reset_peak()
+            before, kinds_before = reset_peak(), _status()
             with Sampler() as during_shard:
                 zc.shard(model, stage=3, init=GPT._init_weights)
             shard_peak = _status()["VmHWM"]
@@ -630,7 +646,7 @@ def _load_rank(
             with Sampler() as during_load:
                 zc.load_weights(model, path)
         else:
-            before = reset_peak()
+            before, kinds_before = reset_peak(), _status()
             with Sampler() as during_shard:
                 model = GPT(SIZES[size])  # whole on the CPU
                 zc.shard(model, stage=3)
@@ -640,8 +656,14 @@ def _load_rank(
                 zc.load_weights(model, path)
         load_peak = _status()["VmHWM"]
         after = _status()
+        anon = max(during_shard.peaks["RssAnon"], during_load.peaks["RssAnon"])
+        file = max(during_shard.peaks["RssFile"], during_load.peaks["RssFile"])
         measured.update(
             rss_before=before,
+            anon_before=kinds_before["RssAnon"],
+            file_before=kinds_before["RssFile"],
+            rise_anon=anon - kinds_before["RssAnon"],
+            rise_file=file - kinds_before["RssFile"],
             rise=max(shard_peak, load_peak) - before,
             rise_by_shard=shard_peak - before,
             rise_by_load=load_peak - before,
@@ -718,6 +740,11 @@ def load_check(size: str, ranks: int, seed: int, wait_seconds: float) -> dict[st
         save_rise=save_rise,
         met={"meta": meta_rise <= bounds["meta"], "plain": plain_rise >= bounds["plain"], "save": save_rise <= bounds["save"]},
     )
+    if all("rise_anon" in m for m in result["meta"]):
+        result.update(
+            meta_rise_anon=max(m["rise_anon"] for m in result["meta"]),
+            meta_rise_file=max(m["rise_file"] for m in result["meta"]),
+        )
     return result
 
 
@@ -731,35 +758,42 @@ def load_check_table(check: dict[str, Any]) -> str:
         f"{check['malloc']} in the ranks (RSS follows live tensors); rise = peak RSS (VmHWM, reset through "
         "/proc/self/clear_refs) above the RSS just before, the largest rank (plain route: the smallest); "
         f"largest module's own parameters {check['largest_module_bytes'] / MB:.1f} MB, largest tensor "
-        f"{check['largest_tensor_bytes'] / MB:.1f} MB, 64 MB = 64·10^6 bytes."
+        f"{check['largest_tensor_bytes'] / MB:.1f} MB, 64 MB = 64·10^6 bytes. The rise split into anonymous "
+        "memory and file-backed pages (RssAnon, RssFile; peaks of a thread sampling every 2 ms): the "
+        "safetensors file's mmap counts in the latter."
     )
     if check["status"] != "ok":
         return f"{head}\n\n{check['status']}: {check.get('reason', '')}\n"
     bounds, met = check["bounds"], check["met"]
 
-    def parts(route: str, key: str) -> str:
-        return " / ".join(f"{m[key] / MB:.0f}" for m in check[route])
-
-    def peaks(route: str, key: str) -> str:
-        return " / ".join(f"{m[key]['RssAnon'] / MB:.0f} + {m[key]['RssFile'] / MB:.0f}" for m in check[route])
+    def per_rank(route: str, *keys: str) -> str:
+        return " / ".join(" ; ".join(f"{m[key] / MB:.0f}" for key in keys) for m in check[route])
 
     yes = {True: "yes", False: "**NO**"}
     lines = [
         head,
         "",
-        "| measured | rise MB | bound MB | met | per rank: rise by shard / by load MB | peak RssAnon + RssFile MB during load, per rank |",
+        "| measured | rise MB | bound MB | met | per rank: rise by shard ; by load MB | per rank: anonymous ; file-backed MB |",
         "|---|---|---|---|---|---|",
         f"| meta build → shard(init) → load_weights | {check['meta_rise'] / MB:.0f} | ≤ {bounds['meta'] / MB:.0f} "
-        f"(4Φ/N + largest module + 64 MB) | {yes[met['meta']]} | {parts('meta', 'rise_by_shard')} ; "
-        f"{parts('meta', 'rise_by_load')} | {peaks('meta', 'load_peaks')} |",
+        f"(4Φ/N + largest module + 64 MB) | {yes[met['meta']]} | {per_rank('meta', 'rise_by_shard', 'rise_by_load')} "
+        f"| {per_rank('meta', 'rise_anon', 'rise_file')} |",
         f"| CPU build → shard → load_weights | {check['plain_rise'] / MB:.0f} | ≥ {bounds['plain'] / MB:.0f} (4Φ) | "
-        f"{yes[met['plain']]} | {parts('plain', 'rise_by_shard')} ; {parts('plain', 'rise_by_load')} | "
-        f"{peaks('plain', 'load_peaks')} |",
+        f"{yes[met['plain']]} | {per_rank('plain', 'rise_by_shard', 'rise_by_load')} "
+        f"| {per_rank('plain', 'rise_anon', 'rise_file')} |",
         f"| save_weights, writing rank | {check['save_rise'] / MB:.0f} | ≤ {bounds['save'] / MB:.0f} (largest tensor + "
         f"64 MB) | {yes[met['save']]} | other ranks: "
         + " / ".join(f"{m['save_rise'] / MB:.0f}" for m in check["meta"][1:])
-        + f" | during save: {peaks('meta', 'save_peaks')} |",
+        + " | |",
     ]
+    if "meta_rise_anon" in check:
+        lines += [
+            "",
+            f"Anonymous memory alone, meta route: {check['meta_rise_anon'] / MB:.0f} MB (largest rank), against the "
+            f"same bound {bounds['meta'] / MB:.0f} MB: {yes[check['meta_rise_anon'] <= bounds['meta']]}; file-backed "
+            f"pages mapped while load_weights read: up to {check['meta_rise_file'] / MB:.0f} MB per rank, this rank's "
+            f"share of the {check['file_bytes'] / MB:.0f} MB file being {check['file_bytes'] / check['ranks'] / MB:.0f} MB.",
+        ]
     if check.get("saved_file_differs"):
         lines.append("\nThe saved file differs from the one loaded.")
     return "\n".join(lines) + "\n"
@@ -777,9 +811,14 @@ def big_run(args: argparse.Namespace, measured: list[dict[str, Any]]) -> dict[st
     result: dict[str, Any] = {"size": size, "phi": facts.phi, "ranks": ranks, "runs": []}
     with tempfile.TemporaryDirectory(prefix="zerocompile-capacity-big-") as tmp:
         for mode in ("zero3", "fsdp2"):
-            job = Job(mode, size, ranks, args.steps, args.tokens, args.compiler, args.seed)
+            job = Job(mode, size, ranks, args.steps, args.tokens, args.compiler, args.seed, repeat_batch=True)
             wait = args.big_wait if mode == "zero3" else 0  # FSDP2 only if it fits right away
             row = run_job(job, facts, wait, Path(tmp), measured)
+            if row["status"] == "ok":
+                losses = row["losses"]
+                row["finite_and_falling"] = all(map(math.isfinite, losses)) and all(
+                    later < earlier for earlier, later in zip(losses, losses[1:])
+                )
             result["runs"].append(row)
             print(_big_line(row), flush=True)
     return result
@@ -805,8 +844,10 @@ def big_table(big: dict[str, Any]) -> str:
         per_rank = sorted(row["per_rank"], key=lambda m: m["rank"])
         total = sum(m["peak_rss"] for m in per_rank)
         lines += [
-            f"- {row['mode']} ({row['compiler']} compiler, 1 x {row['tokens']} tokens per rank, {row['seconds']:.0f} s; {predicted}): "
-            "loss per step " + ", ".join(f"{x:.4f}" for x in row["losses"])
+            f"- {row['mode']} ({row['compiler']} compiler, 1 x {row['tokens']} tokens per rank, the same batch every "
+            f"step, {row['seconds']:.0f} s; {predicted}): loss per step "
+            + ", ".join(f"{x:.4f}" for x in row["losses"])
+            + (" (finite and falling)" if row["finite_and_falling"] else " (**not finite and falling**)")
             + "; peak RSS per rank " + ", ".join(f"{m['peak_rss'] / GB:.2f}" for m in per_rank) + " GB; "
             f"max {row['peak_rss_bytes'] / GB:.2f} GB, total {total / GB:.2f} GB; min MemAvailable during the run "
             f"{row['min_mem_available'] / GB:.1f} GB",
