@@ -20,7 +20,8 @@ and --steps training steps of fp32 AdamW (lr 3e-4) on one sequence of --tokens t
 takes seconds instead of minutes on a 2-core machine, and the compile's own memory stays small;
 Inductor (--compiler inductor) compiles with one worker thread in the rank itself
 (compile_threads = 1), so its memory is counted in the rank's peak too. The ranks run with
-glibc's default malloc: the table is what a user's job costs, allocator caching included.
+glibc's default malloc: the table is what a user's job costs, allocator caching included
+(--exact-rss: MALLOC_MMAP_THRESHOLD_=65536, so RSS follows live tensors instead).
 
 Before a configuration starts, its need is predicted (`predicted_peak`: a start-up baseline plus
 bytes per parameter by mode, plus the full tensors a step keeps alive) and multiplied by the N
@@ -477,7 +478,12 @@ def _kill(context: Any) -> None:
 
 
 def run_job(
-    job: Job, facts: ModelFacts, wait_seconds: float, tmp: Path, measured: list[dict[str, Any]] = ()
+    job: Job,
+    facts: ModelFacts,
+    wait_seconds: float,
+    tmp: Path,
+    measured: list[dict[str, Any]] = (),
+    environment: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """One configuration: predicted (from `measured` runs of its mode when there are any), then
     run or skipped, summarised over its ranks."""
@@ -500,7 +506,7 @@ def run_job(
         )
         return row
     results_file = tmp / f"{job.mode}-{job.size}-{job.ranks}.json"
-    outcome = spawn_ranks(_capacity_rank, job.ranks, (job, free_loopback_port(), str(results_file)))
+    outcome = spawn_ranks(_capacity_rank, job.ranks, (job, free_loopback_port(), str(results_file)), environment)
     row.update(min_mem_available=outcome["min_mem_available"], seconds=round(outcome["seconds"], 1))
     if outcome["status"] != "ok":
         row.update(status=outcome["status"], reason=outcome["error"])
@@ -576,7 +582,7 @@ def capacity_table(report: dict[str, Any]) -> str:
         f"torch {machine_['torch']}), {report['date']}: peak RSS (VmHWM) per rank over the whole job (start-up, "
         f"build, shard/init, compile, {settings['steps']} steps of fp32 AdamW on 1 x {settings['tokens']} tokens "
         f"per rank), the largest rank; compiler {settings['compiler']} (ddp: {settings['ddp_backend']}; fsdp2 "
-        f"eager); glibc's default malloc. Largest GPT in 8 GiB per rank: Φ = (8 GiB − a) / b from the least-squares "
+        f"eager); malloc: {settings['malloc']}. Largest GPT in 8 GiB per rank: Φ = (8 GiB − a) / b from the least-squares "
         "line peak = a + b·Φ through the measured sizes (an extrapolation).",
         "",
         "| mode | N | " + " | ".join(f"{size} (Φ = {_params(phis[size])})" for size in sizes)
@@ -808,12 +814,13 @@ def big_run(args: argparse.Namespace, measured: list[dict[str, Any]]) -> dict[st
     fits. Predicted from `measured` (this report's runs, or --calibrate's) when they hold the mode."""
     size, ranks = args.big_size, args.big_ranks
     facts = model_facts(SIZES[size])
-    result: dict[str, Any] = {"size": size, "phi": facts.phi, "ranks": ranks, "runs": []}
+    malloc = _malloc_text() if args.exact_rss else "default"
+    result: dict[str, Any] = {"size": size, "phi": facts.phi, "ranks": ranks, "malloc": malloc, "runs": []}
     with tempfile.TemporaryDirectory(prefix="zerocompile-capacity-big-") as tmp:
         for mode in ("zero3", "fsdp2"):
             job = Job(mode, size, ranks, args.steps, args.tokens, args.compiler, args.seed, repeat_batch=True)
             wait = args.big_wait if mode == "zero3" else 0  # FSDP2 only if it fits right away
-            row = run_job(job, facts, wait, Path(tmp), measured)
+            row = run_job(job, facts, wait, Path(tmp), measured, _job_environment(args))
             if row["status"] == "ok":
                 losses = row["losses"]
                 row["finite_and_falling"] = all(map(math.isfinite, losses)) and all(
@@ -833,11 +840,15 @@ def _big_line(row: dict[str, Any]) -> str:
 def big_table(big: dict[str, Any]) -> str:
     lines = [
         f"--big: GPT {big['size']} (Φ = {big['phi']:,}; fp32 parameters alone {4 * big['phi'] / GB:.1f} GB, "
-        f"with AdamW 16Φ = {16 * big['phi'] / GB:.1f} GB per replica), {big['ranks']} ranks on this machine:",
+        f"with AdamW 16Φ = {16 * big['phi'] / GB:.1f} GB per replica), {big['ranks']} ranks on this machine, "
+        f"malloc {big.get('malloc', 'default')}:",
         "",
     ]
     for row in big["runs"]:
-        predicted = f"predicted {row['predicted_total_bytes'] / GB:.1f} GB total ({row['predicted_peak_per_rank_bytes'] / GB:.2f} GB/rank)"
+        predicted = (
+            f"predicted {row['predicted_total_bytes'] / GB:.1f} GB total ({row['predicted_peak_per_rank_bytes'] / GB:.2f} "
+            f"GB/rank, from {row['predicted_from']})"
+        )
         if row["status"] != "ok":
             lines.append(f"- {row['mode']}: {row.get('reason', row['status'])} ({predicted})")
             continue
@@ -904,6 +915,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--big-ranks", type=_positive_int, default=8, help="ranks of --big (default 8)")
     parser.add_argument("--big-wait", type=float, default=1800.0,
                         help="seconds --big waits for enough MemAvailable before giving up (default 1800)")
+    parser.add_argument("--exact-rss", action="store_true",
+                        help="capacity and --big ranks unmap freed tensors at once (MALLOC_MMAP_THRESHOLD_=65536): "
+                        "RSS follows live tensors instead of including glibc's retained heap")
     parser.add_argument("--calibrate", type=Path, default=None,
                         help="a previous capacity JSON whose runs predict --big's need (default: this run's)")
     parser.add_argument("--json", type=Path, default=None, help="write the whole report as JSON here")
@@ -921,7 +935,7 @@ def capacity(args: argparse.Namespace) -> dict[str, Any]:
             "optimizer": f"torch.optim.AdamW(lr={LEARNING_RATE}), fp32",
             "compiler": args.compiler,
             "ddp_backend": "aot_eager" if args.compiler == "eager" else "inductor",
-            "malloc": "default",
+            "malloc": _malloc_text() if args.exact_rss else "default",
             "budget_bytes": BUDGET_BYTES,
             "prediction": {"baseline_bytes": BASELINE_BYTES, "safety": SAFETY, "reserve_bytes": RESERVE_BYTES},
         },
@@ -938,7 +952,7 @@ def capacity(args: argparse.Namespace) -> dict[str, Any]:
                 for ranks in args.ranks:
                     for mode in args.modes:
                         job = Job(mode, size, ranks, args.steps, args.tokens, args.compiler, args.seed)
-                        row = run_job(job, facts, args.wait, Path(tmp), report["runs"])
+                        row = run_job(job, facts, args.wait, Path(tmp), report["runs"], _job_environment(args))
                         report["runs"].append(row)
                         print(_progress(row), flush=True)
         report["fits"] = fits_per_mode(report["runs"])
@@ -955,6 +969,11 @@ def capacity(args: argparse.Namespace) -> dict[str, Any]:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}", flush=True)
     return report
+
+
+def _job_environment(args: argparse.Namespace) -> dict[str, str]:
+    """What the capacity and --big ranks add to the environment: nothing, unless --exact-rss."""
+    return dict(EXACT_RSS_ENVIRONMENT) if args.exact_rss else {}
 
 
 def _progress(row: dict[str, Any]) -> str:
