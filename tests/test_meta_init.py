@@ -231,3 +231,22 @@ def test_init_on_a_real_model_runs_apply_first(single_rank):
     reference.apply(GPT._init_weights)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
     assert dist.get_world_size() == 1
+
+
+def test_one_modules_parameters_exist_in_full_at_a_time(single_rank, monkeypatch):
+    """The walk's memory bound, counted rather than measured: at no point are more full tensors
+    alive than the largest module's own parameters (a module's call only touches its own here)."""
+    from zerocompile import meta_init
+
+    alive: list[int] = []
+    materialise = meta_init._ShardedWalk._materialise
+
+    def counting(walk, entry, *, overwritten):
+        materialise(walk, entry, overwritten=overwritten)
+        alive.append(sum(e.full.numel() * e.full.element_size() for e in walk.in_use))
+
+    monkeypatch.setattr(meta_init._ShardedWalk, "_materialise", counting)
+    model = _meta(lambda: GPT(SIZES["tiny"]))
+    largest = max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in model.modules())
+    zc.shard(model, stage=3, init=GPT._init_weights)
+    assert alive and max(alive) == largest
