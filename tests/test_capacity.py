@@ -102,6 +102,10 @@ def test_measured_runs_calibrate_the_prediction_of_larger_ones() -> None:
     expected = start + 2e8 + (16 / 8 + 1.5) * facts.phi + modules
     assert capacity.calibrated_peak("zero3", facts, 8, two_sizes) == pytest.approx(expected)
     assert capacity.calibrated_peak("fsdp2", facts, 8, two_sizes) is None
+    # Lines at N = 2 and 4 whose rests (1.5 and 1.0 B/param) are 0.5 + 2/N: at N = 8, 0.75.
+    two_n = two_sizes[:2] + [run(4, 50_000_000, 1.0, fixed=1e8), run(4, 400_000_000, 1.0, fixed=1e8)]
+    expected = start + 2e8 + (16 / 8 + 0.75) * facts.phi + modules
+    assert capacity.calibrated_peak("zero3", facts, 8, two_n) == pytest.approx(expected)
 
 
 def test_fit_and_largest_model_in_the_budget() -> None:

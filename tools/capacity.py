@@ -191,11 +191,13 @@ def calibrated_peak(mode: str, facts: ModelFacts, ranks: int, measured: list[dic
     """The peak predicted from this mode's measured runs (None if none ran).
 
     Where some N has two or more sizes measured, from their lines peak = a + b·Φ: the slope less
-    the state (`_state_per_param`) is what a step needs beyond it per parameter; the prediction
-    is the largest a plus, per parameter, the state at `ranks` and the largest such rest. With one
-    size only, start-up RSS plus, per parameter, the state at `ranks` and the rest the largest
-    measured size needed beyond its own state: fixed costs (compile state) then count per
-    parameter, which errs high for a larger model, the safe side.
+    the state (`_state_per_param`) is what a step needs beyond it per parameter (the rest). The
+    prediction is the largest a plus, per parameter, the state at `ranks` and the rest at `ranks`:
+    with lines at two or more N, the rest is fitted as r0 + r1/N (a part that scales with the whole
+    model and one that scales with a rank's shard), else it is the one line's. With one size
+    only, start-up RSS plus, per parameter, the state at `ranks` and the rest the largest measured
+    size needed beyond its own state: fixed costs (compile state) then count per parameter, which
+    errs high for a larger model, the safe side.
     """
     runs = [row for row in measured if row["mode"] == mode and row["status"] == "ok"]
     if not runs:
@@ -204,7 +206,8 @@ def calibrated_peak(mode: str, facts: ModelFacts, ranks: int, measured: list[dic
              for entry in fits_per_mode(runs) if entry["a_bytes"] is not None]
     if lines:
         fixed = max(entry["a_bytes"] for entry, _ in lines)
-        rest = max(rest for _, rest in lines)
+        over_n = linear_fit([(1.0 / entry["ranks"], rest) for entry, rest in lines])
+        rest = over_n[0] + over_n[1] / ranks if over_n is not None else max(rest for _, rest in lines)
     else:
         largest = max(row["phi"] for row in runs)
         fixed = max(m["marks"][0]["rss"] for row in runs for m in row["per_rank"])
