@@ -315,13 +315,15 @@ def test_the_property_catches_a_wrong_shard(stage: int, monkeypatch) -> None:
     run = RunSpec(stage, 1, None, False, 2, 7, reload_stage=0)
     from zerocompile import sharding
 
-    real_slice = sharding._local_slice
+    real_slice = sharding.local_slice
+    sliced: list[int] = []
 
-    def shifted_slice(full: torch.Tensor, info: sharding.ShardInfo, world_size: int) -> torch.Tensor:
-        local = real_slice(full, info, world_size)
-        return local.roll(1) if info.fqn == "layers.0.weight" else local
+    def shifted_slice(flat: torch.Tensor, shard_numel: int, rank: int) -> torch.Tensor:
+        local = real_slice(flat, shard_numel, rank)
+        sliced.append(flat.numel())
+        return local.roll(1) if len(sliced) == 1 else local  # the first parameter, layers.0.weight
 
-    monkeypatch.setattr(sharding, "_local_slice", shifted_slice)
+    monkeypatch.setattr(sharding, "local_slice", shifted_slice)
     zc.init_distributed()
     try:
         with pytest.raises(AssertionError, match="differs from the plain model.s by"):
