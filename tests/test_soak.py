@@ -39,3 +39,30 @@ def test_short_soak_writes_its_json_and_never_recompiles_after_step_2(tmp_path: 
         growth = 100 * (rank["rss_last_bytes"] / rank["rss_from_bytes"] - 1)
         assert abs(rank["rss_growth_percent"] - growth) < 1e-9
     assert results["rss_growth_percent"] == max(r["rss_growth_percent"] for r in results["per_rank"])
+
+
+def test_compare_ddp_table_lists_both_modes_per_rank() -> None:
+    """--compare-ddp's table: one row per rank and mode, from the JSON's RSS samples (no run here:
+    the comparison trains DDP+compile with Inductor, too long for the suite)."""
+    from zerocompile.tools import soak
+
+    def rank(index: int, mode: str, first: int, last: int) -> dict:
+        return {
+            "rank": index, "mode": mode, "recompiles_after_step_2": 0, "steps_per_second": 1.0,
+            "rss_from_bytes": first, "rss_last_bytes": last, "rss_growth_percent": 100.0 * (last / first - 1),
+        }  # fmt: skip
+
+    ours = [rank(0, "zero", 600_000_000, 630_000_000), rank(1, "zero", 610_000_000, 620_000_000)]
+    theirs = [rank(0, "ddp-compile", 700_000_000, 707_000_000), rank(1, "ddp-compile", 700_000_000, 700_000_000)]
+    results = {
+        "settings": {"stage": 3, "ranks": 2, "model_size": "12m", "steps": 300, "compiler": "inductor",
+                     "rss_from": 20, "max_rss_growth_percent": 2.0},
+        "per_rank": ours, "recompiles_after_step_2": 0, "rss_growth_percent": 5.0, "passed": False,
+        "compare": {"mode": "ddp-compile", "per_rank": theirs, "rss_growth_percent": 1.0, "steps_per_second": 1.0},
+    }  # fmt: skip
+    table = soak.format_table(results)
+    assert "| rank | mode | RSS step 20 MB | RSS step 300 MB | growth MB | growth % |" in table
+    assert "| 0 | stage 3 | 600.0 | 630.0 | +30.0 | +5.00 |" in table
+    assert "| 0 | ddp-compile | 700.0 | 707.0 | +7.0 | +1.00 |" in table
+    assert "| 1 | stage 3 | 610.0 | 620.0 | +10.0 | +1.64 |" in table
+    assert "| 1 | ddp-compile | 700.0 | 700.0 | +0.0 | +0.00 |" in table

@@ -13,8 +13,14 @@ as the rank torchrun/srun started, for --steps optimizer steps, and reports for 
                here.
   steps/s      optimizer steps per second after step 2 (compiling excluded).
 
+With --compare-ddp the same run (model, seed, batches, steps) is then trained again with
+DDP+compile (`torch.compile(DistributedDataParallel(model))`, default Inductor) in freshly spawned
+ranks, and the table shows both modes per rank: under glibc's default allocator RSS also grows
+from heap fragmentation, and DDP+compile is the reference for how much of that is torch's own.
+
 Prints a table and writes JSON (--out). The exit status is 1 when any rank recompiled after
-step 2 or grew more than --max-rss-growth percent, so the command can gate a CI job.
+step 2 or grew more than --max-rss-growth percent, so the command can gate a CI job (the
+comparison run is reported, not judged).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch._dynamo.utils
 import torch._inductor.config
 import torch.distributed as dist
 import torch.multiprocessing
+from torch.nn.parallel import DistributedDataParallel
 
 import zerocompile as zc
 from zerocompile import backend
@@ -85,6 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rss-every", type=_positive_int, default=50, help="also record RSS every this many steps, for the JSON"
     )
+    parser.add_argument(
+        "--compare-ddp",
+        action="store_true",
+        help="then run DDP+compile the same way in fresh ranks and report both modes' RSS per rank "
+        "(spawned ranks only)",
+    )
     parser.add_argument("--out", type=Path, default=Path("soak.json"), help="JSON results (default ./soak.json)")
 
 
@@ -109,31 +122,45 @@ def soak(args: argparse.Namespace) -> dict[str, Any] | None:
     processes and waits for them.
     """
     if _launcher_environment() is not None:
-        return _soak_this_rank(args)
+        if args.compare_ddp:
+            raise SystemExit("zerocompile soak: --compare-ddp spawns its own ranks; run it without torchrun/srun")
+        return _soak_this_rank(args, ZERO)
+    results = _spawn(args, ZERO)
+    if args.compare_ddp:
+        compared = _spawn(args, DDP_COMPILE)
+        results["compare"] = {
+            "mode": DDP_COMPILE,
+            **{key: compared[key] for key in ("rss_growth_percent", "steps_per_second", "per_rank")},
+        }
+    return results
+
+
+def _spawn(args: argparse.Namespace, mode: str) -> dict[str, Any]:
+    """Run `mode` in --ranks freshly spawned processes; the summarised results."""
     with tempfile.TemporaryDirectory(prefix="zerocompile-soak-") as tmp:
         # A file rather than a queue: spawn() joins before we could drain a pipe that filled up.
         results_file = Path(tmp) / "results.json"
         torch.multiprocessing.spawn(
-            _spawned_rank, args=(args, free_loopback_port(), str(results_file)), nprocs=args.ranks
+            _spawned_rank, args=(args, mode, free_loopback_port(), str(results_file)), nprocs=args.ranks
         )
         return json.loads(results_file.read_text())
 
 
-def _spawned_rank(rank: int, args: argparse.Namespace, port: int, results_file: str) -> None:
+def _spawned_rank(rank: int, args: argparse.Namespace, mode: str, port: int, results_file: str) -> None:
     os.environ.update(loopback_rank_environment(rank, args.ranks, port))
     # The ranks share this machine's cores; more threads than cores makes every rank slower.
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // args.ranks))
-    results = _soak_this_rank(args)
+    results = _soak_this_rank(args, mode)
     if results is not None:
         Path(results_file).write_text(json.dumps(results))
 
 
-def _soak_this_rank(args: argparse.Namespace) -> dict[str, Any] | None:
+def _soak_this_rank(args: argparse.Namespace, mode: str) -> dict[str, Any] | None:
     """The soak loop of one rank, its process group started and ended here; rank 0 gets the results."""
     # One compile worker per rank: the ranks already keep every core busy.
     torch._inductor.config.compile_threads = 1
     rank, world_size = zc.init_distributed()
-    measured = _measure(args, rank, world_size)
+    measured = _measure(args, rank, world_size, mode)
     per_rank: list[dict[str, Any]] = [{}] * world_size
     dist.all_gather_object(per_rank, measured)
     dist.barrier()  # no rank tears gloo down while another is still in a collective
@@ -141,16 +168,25 @@ def _soak_this_rank(args: argparse.Namespace) -> dict[str, Any] | None:
     return summarise(args, world_size, per_rank) if rank == 0 else None
 
 
-def _measure(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
-    """Train --steps steps on this rank; its compile counts, RSS samples and timings."""
+# The modes a soak trains: ours (--stage, --compiler), and DDP+compile for --compare-ddp.
+ZERO, DDP_COMPILE = "zero", "ddp-compile"
+
+
+def _measure(args: argparse.Namespace, rank: int, world_size: int, mode: str = ZERO) -> dict[str, Any]:
+    """Train --steps steps of `mode` on this rank; its compile counts, RSS samples and timings."""
     if args.batch_size % world_size:
         raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the {world_size} ranks")
     config = SIZES[args.model_size]
     torch.manual_seed(0)
     model = GPT(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    zc.shard(model, stage=args.stage)
-    compiled = torch.compile(model, backend="zero", options={"compiler": args.compiler})
+    if mode == DDP_COMPILE:
+        wrapped = DistributedDataParallel(model)
+        optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+        compiled = torch.compile(wrapped)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        zc.shard(model, stage=args.stage)
+        compiled = torch.compile(model, backend="zero", options={"compiler": args.compiler})
     batches = GlobalBatches(load_text(), args.batch_size, config.block_size, seed=0)
     rows = args.batch_size // world_size
     mine = slice(rank * rows, (rank + 1) * rows)
@@ -175,6 +211,7 @@ def _measure(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, 
     steady_steps = args.steps - COMPILING_STEPS
     return {
         "rank": rank,
+        "mode": mode,
         "frames_compiled": frames["total"],
         "recompiles_after_step_2": frames["total"] - frames_after_compiling,
         "zero_graphs_lowered": len(backend.compiled_graphs),
@@ -233,6 +270,22 @@ def format_table(results: dict[str, Any]) -> str:
             f"| {r['rank']} | {r['recompiles_after_step_2']} | {r['rss_from_bytes'] / MB:.1f} | "
             f"{r['rss_last_bytes'] / MB:.1f} | {r['rss_growth_percent']:+.2f} | {speed} |"
         )
+    compare = results.get("compare")
+    if compare is not None:
+        ours_name, theirs_name = f"stage {settings['stage']}", compare["mode"]
+        lines += [
+            "",
+            f"RSS per rank, {ours_name} and then {theirs_name} (same model, batches and steps, fresh ranks):",
+            f"| rank | mode | RSS step {rss_from} MB | RSS step {last} MB | growth MB | growth % |",
+            "|---|---|---|---|---|---|",
+        ]
+        for ours, theirs in zip(results["per_rank"], compare["per_rank"]):
+            for name, rank in ((ours_name, ours), (theirs_name, theirs)):
+                lines.append(
+                    f"| {rank['rank']} | {name} | {rank['rss_from_bytes'] / MB:.1f} | {rank['rss_last_bytes'] / MB:.1f} | "
+                    f"{(rank['rss_last_bytes'] - rank['rss_from_bytes']) / MB:+.1f} | {rank['rss_growth_percent']:+.2f} |"
+                )
+        lines.append("")
     verdict = "PASSED" if results["passed"] else "FAILED"
     lines.append(
         f"{verdict}: {results['recompiles_after_step_2']} recompiles after step 2 (limit 0), RSS growth "
