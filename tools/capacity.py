@@ -53,7 +53,7 @@ process, such as the safetensors file's mmap) separately, so a broken bound says
 
 --big is one real run: --big-ranks (8) ranks training the "1b" GPT at stage 3 from meta
 initialisation for --steps steps on the same batch every step (so the loss must fall: the model
-is learning it), printing the loss of every step and the peak RSS of every rank and their total;
+is learning it; AdamW lr --big-lr, smaller than the table's as a larger model needs), printing the loss of every step and the peak RSS of every rank and their total;
 FSDP2 beside it only if its prediction fits the machine. Its predictions come from this run's
 measured configurations, or from a previous report's (--calibrate capacity.json).
 
@@ -307,6 +307,7 @@ class Job:
     compiler: str
     seed: int = 0
     repeat_batch: bool = False  # train on the first batch every step (--big: the loss must fall)
+    lr: float = LEARNING_RATE
 
     @property
     def config(self) -> GPTConfig:
@@ -326,7 +327,7 @@ def _build(job: Job, marks: Marks) -> tuple[Callable[..., torch.Tensor], torch.o
         marks("built")
         wrapped = nn.parallel.DistributedDataParallel(model)
         marks("wrapped")
-        optimizer = torch.optim.AdamW(wrapped.parameters(), lr=LEARNING_RATE)
+        optimizer = torch.optim.AdamW(wrapped.parameters(), lr=job.lr)
         backend = "aot_eager" if job.compiler == "eager" else "inductor"
         return torch.compile(wrapped, backend=backend), optimizer
     with torch.device("meta"):
@@ -344,11 +345,11 @@ def _build(job: Job, marks: Marks) -> tuple[Callable[..., torch.Tensor], torch.o
         with torch.no_grad():
             model.apply(GPT._init_weights)
         marks("sharded/initialised")
-        return model, torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+        return model, torch.optim.AdamW(model.parameters(), lr=job.lr)
     stage = int(job.mode.removeprefix("zero"))
     zc.shard(model, stage=stage, init=GPT._init_weights)
     marks("sharded/initialised")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=job.lr)
     return torch.compile(model, backend="zero", options={"compiler": job.compiler}), optimizer
 
 
@@ -821,7 +822,7 @@ def big_run(args: argparse.Namespace, measured: list[dict[str, Any]]) -> dict[st
     result: dict[str, Any] = {"size": size, "phi": facts.phi, "ranks": ranks, "malloc": malloc, "runs": []}
     with tempfile.TemporaryDirectory(prefix="zerocompile-capacity-big-") as tmp:
         for mode in ("zero3", "fsdp2"):
-            job = Job(mode, size, ranks, args.steps, args.tokens, args.compiler, args.seed, repeat_batch=True)
+            job = Job(mode, size, ranks, args.steps, args.tokens, args.compiler, args.seed, repeat_batch=True, lr=args.big_lr)
             wait = args.big_wait if mode == "zero3" else 0  # FSDP2 only if it fits right away
             row = run_job(job, facts, wait, Path(tmp), measured, _job_environment(args))
             if row["status"] == "ok":
@@ -859,7 +860,7 @@ def big_table(big: dict[str, Any]) -> str:
         total = sum(m["peak_rss"] for m in per_rank)
         lines += [
             f"- {row['mode']} ({row['compiler']} compiler, 1 x {row['tokens']} tokens per rank, the same batch every "
-            f"step, {row['seconds']:.0f} s; {predicted}): loss per step "
+            f"step, AdamW lr {row.get('lr', LEARNING_RATE):g}, {row['seconds']:.0f} s; {predicted}): loss per step "
             + ", ".join(f"{x:.4f}" for x in row["losses"])
             + (" (finite and falling)" if row["finite_and_falling"] else " (**not finite and falling**)")
             + "; peak RSS per rank " + ", ".join(f"{m['peak_rss'] / GB:.2f}" for m in per_rank) + " GB; "
@@ -916,6 +917,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--big", action="store_true", help="also the one big run (stage 3; FSDP2 if it fits)")
     parser.add_argument("--big-size", choices=sorted(SIZES), default="1b", help="GPT of --big (default 1b)")
     parser.add_argument("--big-ranks", type=_positive_int, default=8, help="ranks of --big (default 8)")
+    parser.add_argument("--big-lr", type=float, default=5e-5,
+                        help="AdamW learning rate of --big (default 5e-5: the table's 3e-4 overshoots by the third "
+                        "step from 200m up, e.g. 400m's loss 5.6 -> 8.5)")
     parser.add_argument("--big-wait", type=float, default=1800.0,
                         help="seconds --big waits for enough MemAvailable before giving up (default 1800)")
     parser.add_argument("--exact-rss", action="store_true",
