@@ -205,9 +205,11 @@ def calibrated_peak(mode: str, facts: ModelFacts, ranks: int, measured: list[dic
     lines = [(entry, entry["b_bytes_per_param"] - _state_per_param(mode, entry["ranks"]))
              for entry in fits_per_mode(runs) if entry["a_bytes"] is not None]
     if lines:
+        # The lines' rests already hold the gathered window of the sizes measured, scaled by Φ.
         fixed = max(entry["a_bytes"] for entry, _ in lines)
         over_n = linear_fit([(1.0 / entry["ranks"], rest) for entry, rest in lines])
         rest = over_n[0] + over_n[1] / ranks if over_n is not None else max(rest for _, rest in lines)
+        return fixed + (_state_per_param(mode, ranks) + max(rest, 0.0)) * facts.phi
     else:
         largest = max(row["phi"] for row in runs)
         fixed = max(m["marks"][0]["rss"] for row in runs for m in row["per_rank"])
@@ -378,6 +380,10 @@ def _rank_setup(rank: int, ranks: int, port: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
     # Inductor compiles in this process (no worker pool whose memory the rank's RSS would miss).
     torch._inductor.config.compile_threads = 1
+    # Should the machine run out of memory after all, the kernel's OOM killer takes our ranks first,
+    # not the processes of the machine's other users.
+    with contextlib.suppress(OSError):
+        Path("/proc/self/oom_score_adj").write_text("1000")
     zc.init_distributed()
 
 
@@ -427,6 +433,16 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
+def _wait_for_free(min_free: float, wait_seconds: float) -> tuple[bool, int]:
+    """Whether MemAvailable reaches `min_free` bytes, polling up to `wait_seconds`."""
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        available = mem_available()
+        if available >= min_free or time.monotonic() >= deadline:
+            return available >= min_free, available
+        time.sleep(min(30.0, max(1.0, deadline - time.monotonic())))
+
+
 def _wait_for_memory(needed_total: float, wait_seconds: float) -> tuple[bool, int]:
     """Whether `needed_total` bytes fit now, polling MemAvailable up to `wait_seconds`."""
     deadline = time.monotonic() + wait_seconds
@@ -450,27 +466,46 @@ def spawn_ranks(
     lowest = mem_available()
     with _environment(environment or {}):
         context = torch.multiprocessing.start_processes(function, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    watched = {"max_total_rss": 0, "hwm_per_rank": [0] * nprocs}
+
+    def outcome(status: str, **extra: Any) -> dict[str, Any]:
+        return {"status": status, "min_mem_available": lowest, "seconds": time.perf_counter() - start, **watched, **extra}
+
     try:
         while True:
             try:
                 if context.join(timeout=0.5):
                     break
             except Exception as error:  # a rank failed: join() has terminated the others
-                return {"status": "failed", "error": f"{type(error).__name__}: {error}", "min_mem_available": lowest,
-                        "seconds": time.perf_counter() - start}
+                return outcome("failed", error=f"{type(error).__name__}: {error}")
             lowest = min(lowest, mem_available())
+            _watch(context, watched)
             if lowest < RESERVE_BYTES:
                 _kill(context)
-                return {
-                    "status": "aborted",
-                    "error": f"MemAvailable fell to {lowest / GB:.2f} GB: the ranks were killed to protect the machine",
-                    "min_mem_available": lowest,
-                    "seconds": time.perf_counter() - start,
-                }
+                return outcome(
+                    "aborted",
+                    error=f"MemAvailable fell to {lowest / GB:.2f} GB: the ranks were killed to protect the machine "
+                    f"(their RSS then: {watched['max_total_rss'] / GB:.2f} GB in total at most, peaks per rank "
+                    + ", ".join(f"{hwm / GB:.2f}" for hwm in watched["hwm_per_rank"]) + " GB)",
+                )
     except BaseException:
         _kill(context)
         raise
-    return {"status": "ok", "min_mem_available": lowest, "seconds": time.perf_counter() - start}
+    return outcome("ok")
+
+
+def _watch(context: Any, watched: dict[str, Any]) -> None:
+    """The ranks' RSS as the parent sees it (/proc/PID/status): the largest total, each rank's VmHWM."""
+    total = 0
+    for rank, process in enumerate(context.processes):
+        try:
+            text = Path(f"/proc/{process.pid}/status").read_text()
+        except OSError:
+            continue
+        fields = dict(re.findall(r"^(VmRSS|VmHWM):\s+(\d+) kB", text, re.MULTILINE))
+        total += int(fields.get("VmRSS", 0)) * 1024
+        watched["hwm_per_rank"][rank] = max(watched["hwm_per_rank"][rank], int(fields.get("VmHWM", 0)) * 1024)
+    watched["max_total_rss"] = max(watched["max_total_rss"], total)
 
 
 def _kill(context: Any) -> None:
@@ -488,6 +523,7 @@ def run_job(
     tmp: Path,
     measured: list[dict[str, Any]] = (),
     environment: dict[str, str] | None = None,
+    min_free: float | None = None,
 ) -> dict[str, Any]:
     """One configuration: predicted (from `measured` runs of its mode when there are any), then
     run or skipped, summarised over its ranks."""
@@ -500,18 +536,27 @@ def run_job(
         "predicted_from": "measured runs" if calibrated is not None else "formula",
         "predicted_total_bytes": predicted * job.ranks,
     }
-    ok, available = _wait_for_memory(predicted * job.ranks, wait_seconds)
+    if min_free is None:
+        ok, available = _wait_for_memory(predicted * job.ranks, wait_seconds)
+    else:  # --big-force: only MemAvailable >= min_free; the watchdog and the OOM score guard the rest
+        ok, available = _wait_for_free(min_free, wait_seconds)
     row["mem_available_before"] = available
     if not ok:
-        row.update(
-            status="skipped",
-            reason=f"skipped: needs ~{predicted * job.ranks / GB:.1f} GB ({job.ranks} x {predicted / GB:.2f} GB, "
-            f"x{SAFETY} margin + {RESERVE_BYTES / GiB:.1f} GiB reserve), MemAvailable {available / GB:.1f} GB",
+        needs = (
+            f"needs ~{predicted * job.ranks / GB:.1f} GB ({job.ranks} x {predicted / GB:.2f} GB, x{SAFETY} margin + "
+            f"{RESERVE_BYTES / GiB:.1f} GiB reserve)"
+            if min_free is None
+            else f"waits for {min_free / GB:.0f} GB free"
         )
+        row.update(status="skipped", reason=f"skipped: {needs}, MemAvailable {available / GB:.1f} GB")
         return row
     results_file = tmp / f"{job.mode}-{job.size}-{job.ranks}.json"
     outcome = spawn_ranks(_capacity_rank, job.ranks, (job, free_loopback_port(), str(results_file)), environment)
-    row.update(min_mem_available=outcome["min_mem_available"], seconds=round(outcome["seconds"], 1))
+    row.update(
+        min_mem_available=outcome["min_mem_available"],
+        seconds=round(outcome["seconds"], 1),
+        watched_max_total_rss=outcome["max_total_rss"],
+    )
     if outcome["status"] != "ok":
         row.update(status=outcome["status"], reason=outcome["error"])
         return row
@@ -824,7 +869,8 @@ def big_run(args: argparse.Namespace, measured: list[dict[str, Any]]) -> dict[st
         for mode in ("zero3", "fsdp2"):
             job = Job(mode, size, ranks, args.steps, args.tokens, args.compiler, args.seed, repeat_batch=True, lr=args.big_lr)
             wait = args.big_wait if mode == "zero3" else 0  # FSDP2 only if it fits right away
-            row = run_job(job, facts, wait, Path(tmp), measured, _job_environment(args))
+            min_free = args.big_min_free * GB if args.big_force and mode == "zero3" else None
+            row = run_job(job, facts, wait, Path(tmp), measured, _job_environment(args), min_free)
             if row["status"] == "ok":
                 losses = row["losses"]
                 row["finite_and_falling"] = all(map(math.isfinite, losses)) and all(
@@ -920,6 +966,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--big-lr", type=float, default=5e-5,
                         help="AdamW learning rate of --big (default 5e-5: the table's 3e-4 overshoots by the third "
                         "step from 200m up, e.g. 400m's loss 5.6 -> 8.5)")
+    parser.add_argument("--big-force", action="store_true",
+                        help="run --big's stage 3 when MemAvailable >= --big-min-free even if its prediction does not "
+                        "fit (the watchdog still kills the ranks if MemAvailable runs low; FSDP2 stays gated)")
+    parser.add_argument("--big-min-free", type=float, default=20.0, help="GB free that --big-force waits for (default 20)")
     parser.add_argument("--big-wait", type=float, default=1800.0,
                         help="seconds --big waits for enough MemAvailable before giving up (default 1800)")
     parser.add_argument("--exact-rss", action="store_true",
