@@ -133,14 +133,16 @@ def _write_hf_models(root: Path) -> None:
 
 
 class _CountingSlice:
-    """A safetensors slice that counts the elements each read returns."""
+    """A safetensors slice that counts the elements each read returns, and which tensors its
+    file mapping has read."""
 
-    def __init__(self, inner: Any, reads: list[int]) -> None:
-        self.inner, self.reads = inner, reads
+    def __init__(self, inner: Any, reads: list[int], name: str, mapping: set[str]) -> None:
+        self.inner, self.reads, self.name, self.mapping = inner, reads, name, mapping
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         values = self.inner[index]
         self.reads.append(values.numel())
+        self.mapping.add(self.name)
         return values
 
     def get_shape(self) -> list[int]:
@@ -151,9 +153,12 @@ class _CountingOpen:
     """`safe_open` whose reads are counted: slices' reads and whole tensors alike."""
 
     reads: list[int] = []
+    mappings: list[set[str]] = []  # per opened file: the tensors read through that one mapping
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.inner = _REAL_SAFE_OPEN(*args, **kwargs)
+        self.read_here: set[str] = set()
+        self.mappings.append(self.read_here)
 
     def __enter__(self) -> _CountingOpen:
         self.inner.__enter__()
@@ -166,11 +171,12 @@ class _CountingOpen:
         return self.inner.keys()
 
     def get_slice(self, name: str) -> _CountingSlice:
-        return _CountingSlice(self.inner.get_slice(name), self.reads)
+        return _CountingSlice(self.inner.get_slice(name), self.reads, name, self.read_here)
 
     def get_tensor(self, name: str) -> torch.Tensor:
         values = self.inner.get_tensor(name)
         self.reads.append(values.numel())
+        self.read_here.add(name)
         return values
 
 
@@ -209,7 +215,7 @@ def _replacing_saves(root: Path) -> dict[str, list[str]]:
 def _bytes_read(root: Path, rank: int) -> dict[str, int]:
     """Elements this rank reads loading TiedGPT at stage 3, and the ones it holds."""
     model = zc.shard(_built("tied_gpt", 1), stage=3)
-    _CountingOpen.reads = []
+    _CountingOpen.reads, _CountingOpen.mappings = [], []
     weights.safe_open = _CountingOpen
     try:
         zc.load_weights(model, root / "tied_gpt-stage0.safetensors")
@@ -219,6 +225,7 @@ def _bytes_read(root: Path, rank: int) -> dict[str, int]:
     return {
         "read": sum(_CountingOpen.reads),
         "largest_read": max(_CountingOpen.reads),
+        "most_tensors_per_mapping": max(len(names) for names in _CountingOpen.mappings),
         "held": sum(_valid_numel(shard_info(p)) for p in params) + sum(b.numel() for b in model.buffers()),
         "full": sum(shard_info(p).numel for p in params),
         "largest_full": max(shard_info(p).numel for p in params),
@@ -445,6 +452,8 @@ def test_each_rank_reads_only_its_own_elements(reports: list[dict]) -> None:
         assert facts["read"] == facts["held"], f"rank {rank} read {facts['read']} elements, holds {facts['held']}"
         assert facts["held"] < 0.6 * facts["full"]
         assert facts["largest_read"] < facts["largest_full"]
+        # Pages read through a mapping stay resident while it lives: one tensor per mapping.
+        assert facts["most_tensors_per_mapping"] == 1
 
 
 def test_bf16_file_into_fp32_shards(reports: list[dict]) -> None:
