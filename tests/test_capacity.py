@@ -138,3 +138,16 @@ def test_load_check_table_marks_a_broken_bound() -> None:
     assert table.count("| yes |") == 2 and table.count("**NO**") == 1
     assert "| 120 ; 180 / 120 ; 180 |" in table  # anonymous and file-backed rises, apart, per rank
     assert "Anonymous memory alone, meta route: 120 MB" in table and ": yes;" in table
+
+
+def test_big_table_says_whether_the_loss_fell() -> None:
+    row = {"mode": "zero3", "status": "ok", "compiler": "eager", "tokens": 64, "lr": 5e-6, "seconds": 400.0,
+           "predicted_total_bytes": 24e9, "predicted_peak_per_rank_bytes": 3e9, "predicted_from": "measured runs",
+           "losses": [5.5, 5.2, 4.9], "peak_rss_bytes": 2.7e9, "min_mem_available": 3e9,
+           "per_rank": [{"rank": r, "peak_rss": 2.7e9} for r in range(8)]}
+    big = {"size": "1b", "phi": 926_094_848, "ranks": 8, "malloc": "default", "runs": [row]}
+    assert "(finite and falling)" in capacity.big_table(big) and "total 21.60 GB" in capacity.big_table(big)
+    row["losses"] = [5.56, 8.95, 5.75]
+    assert "(finite, **not falling**)" in capacity.big_table(big)
+    row["losses"] = [5.56, float("nan"), 5.75]
+    assert "(**not finite**)" in capacity.big_table(big)

@@ -887,6 +887,13 @@ def _big_line(row: dict[str, Any]) -> str:
     return f"--big {row['mode']}: losses {', '.join(f'{x:.4f}' for x in row['losses'])}; peak {row['peak_rss_bytes'] / GB:.2f} GB/rank"
 
 
+def _loss_verdict(losses: list[float]) -> str:
+    if not all(map(math.isfinite, losses)):
+        return " (**not finite**)"
+    falling = all(later < earlier for earlier, later in zip(losses, losses[1:]))
+    return " (finite and falling)" if falling else " (finite, **not falling**)"
+
+
 def big_table(big: dict[str, Any]) -> str:
     lines = [
         f"--big: GPT {big['size']} (Φ = {big['phi']:,}; fp32 parameters alone {4 * big['phi'] / GB:.1f} GB, "
@@ -908,7 +915,7 @@ def big_table(big: dict[str, Any]) -> str:
             f"- {row['mode']} ({row['compiler']} compiler, 1 x {row['tokens']} tokens per rank, the same batch every "
             f"step, AdamW lr {row.get('lr', LEARNING_RATE):g}, {row['seconds']:.0f} s; {predicted}): loss per step "
             + ", ".join(f"{x:.4f}" for x in row["losses"])
-            + (" (finite and falling)" if row["finite_and_falling"] else " (**not finite and falling**)")
+            + _loss_verdict(row["losses"])
             + "; peak RSS per rank " + ", ".join(f"{m['peak_rss'] / GB:.2f}" for m in per_rank) + " GB; "
             f"max {row['peak_rss_bytes'] / GB:.2f} GB, total {total / GB:.2f} GB; min MemAvailable during the run "
             f"{row['min_mem_available'] / GB:.1f} GB",
@@ -963,9 +970,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--big", action="store_true", help="also the one big run (stage 3; FSDP2 if it fits)")
     parser.add_argument("--big-size", choices=sorted(SIZES), default="1b", help="GPT of --big (default 1b)")
     parser.add_argument("--big-ranks", type=_positive_int, default=8, help="ranks of --big (default 8)")
-    parser.add_argument("--big-lr", type=float, default=5e-5,
-                        help="AdamW learning rate of --big (default 5e-5: the table's 3e-4 overshoots by the third "
-                        "step from 200m up, e.g. 400m's loss 5.6 -> 8.5)")
+    parser.add_argument("--big-lr", type=float, default=5e-6,
+                        help="AdamW learning rate of --big (default 5e-6). Adam's first steps move every parameter by "
+                        "about lr whatever its gradient, so the loss moves by about lr times the gradient's L1 norm, "
+                        "which grows with Φ: the table's 3e-4 overshot by the third step from 200m up (400m: 5.6 -> "
+                        "8.5), and on the 1b GPT 5e-5 overshot at once (5.56 -> 8.95 -> 5.75 on one batch)")
     parser.add_argument("--big-force", action="store_true",
                         help="run --big's stage 3 when MemAvailable >= --big-min-free even if its prediction does not "
                         "fit (the watchdog still kills the ranks if MemAvailable runs low; FSDP2 stays gated)")
