@@ -169,12 +169,14 @@ def predicted_peak(mode: str, facts: ModelFacts, ranks: int) -> float:
     step keeps alive in full (stage 1 all parameters and gradients, stage 2 all parameters) and
     what the allocator keeps: calibrated on the 50m GPT (2 cores, glibc malloc, 2026-11-25), where
     the peaks above start-up were 23 B/param (DDP), 16/N + 15 (FSDP2), 16/N + 10.5 (stage 1),
-    16/N + 8.5 (stage 2) and 16/N + 5 (stage 3) at N = 2 and 4; and a few modules in full.
+    16/N + 8.5 (stage 2) and 16/N + 5 (stage 3) at N = 2 and 4; and a few modules in full. FSDP2's
+    15 was mostly glibc's retained heap at that size (0.85 instead of 1.49 GB with RSS following
+    live tensors) and fell to 16/N + 2.6 at 400m, so 8 stands for it here.
     """
     phi, n = facts.phi, ranks
     per_param = {
         "ddp": 25.0,
-        "fsdp2": 16.0 / n + 18.0,
+        "fsdp2": 16.0 / n + 8.0,
         "zero1": 16.0 / n + 12.0,
         "zero2": 16.0 / n + 10.0,
         "zero3": 16.0 / n + 6.0,
