@@ -93,7 +93,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import zerocompile as zc
-from zerocompile.distributed import free_loopback_port, loopback_rank_environment
+from zerocompile.distributed import free_loopback_port, inherited_environment, loopback_rank_environment
 from zerocompile.tools import gpt as gpt_module
 from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
 
@@ -336,7 +336,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             cache_root=tmp,
         )
         measured = {}
-        with _environment(EXACT_RSS_ENVIRONMENT if args.exact_rss else {}):
+        with inherited_environment(EXACT_RSS_ENVIRONMENT if args.exact_rss else {}):
             for name in settings.modes:
                 results_file = Path(tmp) / f"{name}.json"
                 torch.multiprocessing.spawn(
@@ -398,21 +398,6 @@ def _theory(phi: int, ranks: int) -> dict[str, float]:
         "state_16phi": 16 * phi,
         "state_16phi_over_n": 16 * phi / ranks,
     }
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """`values` in the environment the processes spawned inside inherit; restored afterwards."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                del os.environ[key]
-            else:
-                os.environ[key] = value
 
 
 def _spawned_rank(rank: int, name: str, settings: Settings, port: int, results_file: str) -> None:

@@ -77,7 +77,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +88,7 @@ import torch.multiprocessing
 from torch import nn
 
 import zerocompile as zc
-from zerocompile.distributed import free_loopback_port, loopback_rank_environment
+from zerocompile.distributed import free_loopback_port, inherited_environment, loopback_rank_environment
 from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
 from zerocompile.tools.train import GlobalBatches, load_text
 
@@ -420,21 +420,6 @@ def _capacity_rank(rank: int, job: Job, port: int, results_file: str) -> None:
 # The parent: predict, wait or skip, spawn, watch
 
 
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """`values` in the environment that processes spawned inside inherit; restored afterwards."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                del os.environ[key]
-            else:
-                os.environ[key] = value
-
-
 def _wait_for_free(min_free: float, wait_seconds: float) -> tuple[bool, int]:
     """Whether MemAvailable reaches `min_free` bytes, polling up to `wait_seconds`."""
     deadline = time.monotonic() + wait_seconds
@@ -466,7 +451,7 @@ def spawn_ranks(
     """
     start = time.perf_counter()
     lowest = mem_available()
-    with _environment(environment or {}):
+    with inherited_environment(environment or {}):
         context = torch.multiprocessing.start_processes(function, args=args, nprocs=nprocs, join=False, start_method="spawn")
     watched = {"max_total_rss": 0, "hwm_per_rank": [0] * nprocs}
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -150,3 +152,18 @@ def group_device(group: dist.ProcessGroup) -> torch.device:
         return torch.device("cpu")
     accelerator = torch.accelerator.current_accelerator()
     return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+@contextlib.contextmanager
+def inherited_environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` in the environment that ranks spawned inside inherit; restored afterwards."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value
