@@ -31,7 +31,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from zerocompile.passes.lowering import padded_numel
 
 aten = torch.ops.aten
 
@@ -91,11 +90,14 @@ def materialise_sharded(
     model: nn.Module,
     init: Callable[[nn.Module], Any] | None,
     *,
-    stage: int,
+    shard_numels: dict[nn.Parameter, int | None],
     group: dist.ProcessGroup,
     device: torch.device,
 ) -> tuple[dict[nn.Parameter, torch.Tensor], dict[tuple[nn.Module, str], torch.Tensor]]:
     """Run `model.apply(init)` (or each module's `reset_parameters()`) on the meta `model`.
+
+    `shard_numels` is each distinct parameter's shard size as `shard()` decided it (None: kept
+    whole, as at stage 0).
 
     Returns what this rank keeps of each distinct parameter (its padded flat slice at stages 1-3,
     the whole tensor at stage 0) and each buffer's value by (module, name). The model is not
@@ -112,7 +114,7 @@ def materialise_sharded(
             )
         entry = tracked.setdefault(
             StorageWeakRef(param.untyped_storage()),
-            _Tracked([], param, None if stage == 0 else padded_numel(param.numel(), world_size) // world_size),
+            _Tracked([], param, shard_numels[param]),
         )
         entry.names.append(name)
     for name, buffer in model.named_buffers(remove_duplicate=False):

@@ -94,7 +94,8 @@ def shard(
         shard_numel = numel if config.stage == 0 else padded_numel(numel, world_size) // world_size
         infos[param] = ShardInfo(names[0], names, tuple(param.shape), numel, shard_numel, config.stage, group_name, rank)
     if on_meta:
-        local, buffers = materialise_sharded(model, init, stage=config.stage, group=group, device=group_device(group))
+        shard_numels = {param: None if config.stage == 0 else info.shard_numel for param, info in infos.items()}
+        local, buffers = materialise_sharded(model, init, shard_numels=shard_numels, group=group, device=group_device(group))
         _install_materialised(local, buffers, config.stage)
     else:
         if init is not None:
