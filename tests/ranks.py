@@ -114,6 +114,8 @@ def _rank_main(
     import torch
     import torch.distributed as dist
 
+    from zerocompile.distributed import exit_spawned_rank
+
     torch.set_num_threads(1)
     torch._inductor.config.compile_threads = 1
     if launcher_env is None:
@@ -127,5 +129,4 @@ def _rank_main(
         Path(tmp, f"rank{rank}.failed").touch()
     Path(tmp, f"rank{rank}.pkl").write_bytes(pickle.dumps(outcome))
     if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+        exit_spawned_rank()  # tearing gloo down can deadlock; see its docstring

@@ -93,7 +93,12 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import zerocompile as zc
-from zerocompile.distributed import free_loopback_port, inherited_environment, loopback_rank_environment
+from zerocompile.distributed import (
+    exit_spawned_rank,
+    free_loopback_port,
+    inherited_environment,
+    loopback_rank_environment,
+)
 from zerocompile.tools import gpt as gpt_module
 from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
 
@@ -461,15 +466,12 @@ def _rank_session(rank: int, settings: Settings, port: int, cache_name: str) -> 
 
 
 def _gather_to_file(measured: dict[str, Any], results_file: str, summarise: Callable[[list[dict]], dict]) -> None:
-    """Rank 0 writes `summarise` of every rank's `measured` to `results_file`; the group ends."""
+    """Rank 0 writes `summarise` of every rank's `measured` to `results_file`; the process ends."""
     per_rank: list[dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(per_rank, measured)
     if dist.get_rank() == 0:
         Path(results_file).write_text(json.dumps(summarise(per_rank)))
-    # Without the barrier a rank may tear gloo down while another is still in a collective, and
-    # the process sometimes dies with SIGABRT.
-    dist.barrier()
-    dist.destroy_process_group()
+    exit_spawned_rank()
 
 
 def _run_interleaved(settings: Settings) -> dict[str, Any]:

@@ -88,7 +88,12 @@ import torch.multiprocessing
 from torch import nn
 
 import zerocompile as zc
-from zerocompile.distributed import free_loopback_port, inherited_environment, loopback_rank_environment
+from zerocompile.distributed import (
+    exit_spawned_rank,
+    free_loopback_port,
+    inherited_environment,
+    loopback_rank_environment,
+)
 from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
 from zerocompile.tools.train import GlobalBatches, load_text
 
@@ -390,13 +395,12 @@ def _rank_setup(rank: int, ranks: int, port: int) -> None:
 
 
 def _finish(measured: dict[str, Any], results_file: str) -> None:
-    """Rank 0 writes every rank's measurements to `results_file`; the group ends."""
+    """Rank 0 writes every rank's measurements to `results_file`; the process ends."""
     per_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, measured)
     if dist.get_rank() == 0:
         Path(results_file).write_text(json.dumps(per_rank))
-    dist.barrier()  # no rank tears gloo down while another is still in a collective
-    dist.destroy_process_group()
+    exit_spawned_rank()
 
 
 def _capacity_rank(rank: int, job: Job, port: int, results_file: str) -> None:
@@ -666,7 +670,7 @@ def _prepare_weights_rank(rank: int, size: str, seed: int, path: str) -> None:
     torch.manual_seed(seed)
     zc.shard(model, stage=3, init=GPT._init_weights)
     zc.save_weights(model, path)
-    dist.destroy_process_group()
+    exit_spawned_rank()
 
 
 def _load_rank(

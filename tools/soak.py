@@ -43,7 +43,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 import zerocompile as zc
 from zerocompile import backend
-from zerocompile.distributed import _launcher_environment, free_loopback_port, loopback_rank_environment
+from zerocompile.distributed import (
+    _launcher_environment,
+    exit_spawned_rank,
+    free_loopback_port,
+    loopback_rank_environment,
+)
 from zerocompile.tools.gpt import GPT, SIZES
 from zerocompile.tools.train import GlobalBatches, load_text
 
@@ -124,7 +129,11 @@ def soak(args: argparse.Namespace) -> dict[str, Any] | None:
     if _launcher_environment() is not None:
         if args.compare_ddp:
             raise SystemExit("zerocompile soak: --compare-ddp spawns its own ranks; run it without torchrun/srun")
-        return _soak_this_rank(args, ZERO)
+        results = _soak_this_rank(args, ZERO)
+        # Without the barrier a rank may tear gloo down while another is still in a collective.
+        dist.barrier()
+        dist.destroy_process_group()
+        return results
     results = _spawn(args, ZERO)
     if args.compare_ddp:
         compared = _spawn(args, DDP_COMPILE)
@@ -153,18 +162,17 @@ def _spawned_rank(rank: int, args: argparse.Namespace, mode: str, port: int, res
     results = _soak_this_rank(args, mode)
     if results is not None:
         Path(results_file).write_text(json.dumps(results))
+    exit_spawned_rank()
 
 
 def _soak_this_rank(args: argparse.Namespace, mode: str) -> dict[str, Any] | None:
-    """The soak loop of one rank, its process group started and ended here; rank 0 gets the results."""
+    """The soak loop of one rank, its process group started here; rank 0 gets the results."""
     # One compile worker per rank: the ranks already keep every core busy.
     torch._inductor.config.compile_threads = 1
     rank, world_size = zc.init_distributed()
     measured = _measure(args, rank, world_size, mode)
     per_rank: list[dict[str, Any]] = [{}] * world_size
     dist.all_gather_object(per_rank, measured)
-    dist.barrier()  # no rank tears gloo down while another is still in a collective
-    dist.destroy_process_group()
     return summarise(args, world_size, per_rank) if rank == 0 else None
 
 

@@ -35,7 +35,12 @@ import torch.multiprocessing
 
 import zerocompile as zc
 from zerocompile import checkpoint_files
-from zerocompile.distributed import _launcher_environment, free_loopback_port, loopback_rank_environment
+from zerocompile.distributed import (
+    _launcher_environment,
+    exit_spawned_rank,
+    free_loopback_port,
+    loopback_rank_environment,
+)
 from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
 
 MB = 1e6
@@ -145,7 +150,12 @@ def train(args: argparse.Namespace) -> list[float]:
     processes and waits for them, so tests can call it in-process.
     """
     if _launched_by_torchrun_or_slurm():
-        return train_this_rank(args)
+        losses = train_this_rank(args)
+        # Without the barrier a rank may tear gloo down while another is still in a collective, and
+        # the job sometimes dies with SIGABRT. Only on success: a rank that raised must exit, not wait.
+        dist.barrier()
+        dist.destroy_process_group()
+        return losses
     with tempfile.TemporaryDirectory(prefix="zerocompile-train-") as tmp:
         # A file rather than a queue: spawn() joins before we could drain a pipe that filled up.
         losses_file = Path(tmp) / "losses.json"
@@ -166,19 +176,15 @@ def _spawned_rank(rank: int, args: argparse.Namespace, port: int, losses_file: s
     losses = train_this_rank(args)
     if rank == 0:
         Path(losses_file).write_text(json.dumps(losses))
+    exit_spawned_rank()
 
 
 def train_this_rank(args: argparse.Namespace) -> list[float]:
-    """The training loop of one rank; starts and ends its process group."""
+    """The training loop of one rank; starts its process group (the caller ends it)."""
     # One compile worker per rank: the ranks already keep every core busy.
     torch._inductor.config.compile_threads = 1
     rank, world_size = zc.init_distributed()
-    losses = _train_loop(args, rank, world_size)
-    # Without the barrier a rank may tear gloo down while another is still in a collective, and
-    # the job sometimes dies with SIGABRT. Only on success: a rank that raised must exit, not wait.
-    dist.barrier()
-    dist.destroy_process_group()
-    return losses
+    return _train_loop(args, rank, world_size)
 
 
 def _train_loop(args: argparse.Namespace, rank: int, world_size: int) -> list[float]:

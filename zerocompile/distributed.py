@@ -6,8 +6,10 @@ import contextlib
 import os
 import re
 import socket
+import sys
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -167,3 +169,21 @@ def inherited_environment(values: dict[str, str]) -> Iterator[None]:
                 del os.environ[key]
             else:
                 os.environ[key] = value
+
+
+def exit_spawned_rank() -> NoReturn:
+    """End a rank process that we spawned, once every rank is done with the group's collectives.
+
+    Tearing gloo down can deadlock: the last reference to its backend may be dropped while this
+    thread holds the GIL and joins gloo's worker threads, and a worker still releasing a finished
+    collective's tensors needs the GIL to drop their Python objects (pytorch/pytorch#56297,
+    pytorch/pytorch#75097; seen here as a `zerocompile bench` rank stuck for good in
+    `destroy_process_group()` after `all_gather_object`). A rank we spawned has written its
+    results and has nothing left to release, so it leaves without the teardown. The barrier comes
+    first: a rank that exits while a peer is still inside a collective would break that peer's
+    connection mid-message.
+    """
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
