@@ -47,9 +47,12 @@ def test_compare_ddp_table_lists_both_modes_per_rank() -> None:
     from zerocompile.tools import soak
 
     def rank(index: int, mode: str, first: int, last: int) -> dict:
+        peak_first, peak_last = first + 50_000_000, last + 60_000_000  # a step's peak is above what stays after it
         return {
             "rank": index, "mode": mode, "recompiles_after_step_2": 0, "steps_per_second": 1.0,
             "rss_from_bytes": first, "rss_last_bytes": last, "rss_growth_percent": 100.0 * (last / first - 1),
+            "step_peak_from_bytes": peak_first, "step_peak_last_bytes": peak_last,
+            "step_peak_growth_percent": 100.0 * (peak_last / peak_first - 1),
         }  # fmt: skip
 
     ours = [rank(0, "zero", 600_000_000, 630_000_000), rank(1, "zero", 610_000_000, 620_000_000)]
@@ -61,8 +64,11 @@ def test_compare_ddp_table_lists_both_modes_per_rank() -> None:
         "compare": {"mode": "ddp-compile", "per_rank": theirs, "rss_growth_percent": 1.0, "steps_per_second": 1.0},
     }  # fmt: skip
     table = soak.format_table(results)
-    assert "| rank | mode | RSS step 20 MB | RSS step 300 MB | growth MB | growth % |" in table
-    assert "| 0 | stage 3 | 600.0 | 630.0 | +30.0 | +5.00 |" in table
-    assert "| 0 | ddp-compile | 700.0 | 707.0 | +7.0 | +1.00 |" in table
-    assert "| 1 | stage 3 | 610.0 | 620.0 | +10.0 | +1.64 |" in table
-    assert "| 1 | ddp-compile | 700.0 | 700.0 | +0.0 | +0.00 |" in table
+    assert (
+        "| rank | mode | RSS step 20 MB | RSS step 300 MB | growth MB | growth % "
+        "| peak of step 20 MB | peak of step 300 MB | peak growth % |"
+    ) in table
+    assert "| 0 | stage 3 | 600.0 | 630.0 | +30.0 | +5.00 | 650.0 | 690.0 | +6.15 |" in table
+    assert "| 0 | ddp-compile | 700.0 | 707.0 | +7.0 | +1.00 | 750.0 | 767.0 | +2.27 |" in table
+    assert "| 1 | stage 3 | 610.0 | 620.0 | +10.0 | +1.64 | 660.0 | 680.0 | +3.03 |" in table
+    assert "| 1 | ddp-compile | 700.0 | 700.0 | +0.0 | +0.00 | 750.0 | 760.0 | +1.33 |" in table

@@ -201,10 +201,13 @@ def _measure(args: argparse.Namespace, rank: int, world_size: int, mode: str = Z
 
     frames = torch._dynamo.utils.counters["frames"]
     rss_samples: dict[int, int] = {}
+    step_peaks: dict[int, int] = {}
     frames_after_compiling = graphs_after_compiling = 0
     start = steady_start = time.perf_counter()
     for step in range(1, args.steps + 1):
         inputs, targets = batches.next(mine)
+        if step in (args.rss_from, args.steps):
+            _reset_peak_rss()
         loss = compiled(inputs, targets)
         loss.backward()
         optimizer.step()
@@ -213,8 +216,10 @@ def _measure(args: argparse.Namespace, rank: int, world_size: int, mode: str = Z
         if step == COMPILING_STEPS:
             frames_after_compiling, graphs_after_compiling = frames["total"], len(backend.compiled_graphs)
             steady_start = time.perf_counter()
+        if step in (args.rss_from, args.steps):
+            step_peaks[step] = _status_bytes("VmHWM")
         if step in (args.rss_from, args.steps) or step % args.rss_every == 0:
-            rss_samples[step] = _rss_bytes()
+            rss_samples[step] = _status_bytes("VmRSS")
     end = time.perf_counter()
     steady_steps = args.steps - COMPILING_STEPS
     return {
@@ -228,6 +233,9 @@ def _measure(args: argparse.Namespace, rank: int, world_size: int, mode: str = Z
         "rss_from_bytes": rss_samples[args.rss_from],
         "rss_last_bytes": rss_samples[args.steps],
         "rss_growth_percent": 100.0 * (rss_samples[args.steps] / rss_samples[args.rss_from] - 1.0),
+        "step_peak_from_bytes": step_peaks[args.rss_from],
+        "step_peak_last_bytes": step_peaks[args.steps],
+        "step_peak_growth_percent": 100.0 * (step_peaks[args.steps] / step_peaks[args.rss_from] - 1.0),
         "seconds": end - start,
         "steps_per_second": steady_steps / (end - steady_start) if steady_steps > 0 else None,
         "last_loss": loss_value,
@@ -284,14 +292,17 @@ def format_table(results: dict[str, Any]) -> str:
         lines += [
             "",
             f"RSS per rank, {ours_name} and then {theirs_name} (same model, batches and steps, fresh ranks):",
-            f"| rank | mode | RSS step {rss_from} MB | RSS step {last} MB | growth MB | growth % |",
-            "|---|---|---|---|---|---|",
+            f"| rank | mode | RSS step {rss_from} MB | RSS step {last} MB | growth MB | growth % "
+            f"| peak of step {rss_from} MB | peak of step {last} MB | peak growth % |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for ours, theirs in zip(results["per_rank"], compare["per_rank"]):
             for name, rank in ((ours_name, ours), (theirs_name, theirs)):
                 lines.append(
                     f"| {rank['rank']} | {name} | {rank['rss_from_bytes'] / MB:.1f} | {rank['rss_last_bytes'] / MB:.1f} | "
-                    f"{(rank['rss_last_bytes'] - rank['rss_from_bytes']) / MB:+.1f} | {rank['rss_growth_percent']:+.2f} |"
+                    f"{(rank['rss_last_bytes'] - rank['rss_from_bytes']) / MB:+.1f} | {rank['rss_growth_percent']:+.2f} | "
+                    f"{rank['step_peak_from_bytes'] / MB:.1f} | {rank['step_peak_last_bytes'] / MB:.1f} | "
+                    f"{rank['step_peak_growth_percent']:+.2f} |"
                 )
         lines.append("")
     verdict = "PASSED" if results["passed"] else "FAILED"
@@ -302,9 +313,15 @@ def format_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _rss_bytes() -> int:
-    """This process's resident set (VmRSS): what the kernel holds for it, allocator caches included."""
-    match = re.search(r"^VmRSS:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
+def _status_bytes(field: str) -> int:
+    """VmRSS (what the kernel holds for this process now, allocator caches included) or VmHWM
+    (its peak since the last `_reset_peak_rss`)."""
+    match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
     if match is None:
-        raise RuntimeError("no VmRSS in /proc/self/status: the soak measures memory on Linux only")
+        raise RuntimeError(f"no {field} in /proc/self/status: the soak measures memory on Linux only")
     return int(match.group(1)) * 1024
+
+
+def _reset_peak_rss() -> None:
+    """VmHWM starts again from the current RSS, so the next reading is the peak of one step."""
+    Path("/proc/self/clear_refs").write_text("5")

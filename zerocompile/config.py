@@ -41,6 +41,9 @@ class ZeroConfig:
         schedules (through the process group's store) and all raise on a mismatch instead of
         hanging. Off only for code whose ranks legitimately compile different graphs with the
         same collectives (e.g. rank-local input shapes recompiling on one rank).
+    trim_heap: on a CPU group, give the heap's free pages back to the kernel every few optimizer
+        steps (glibc `malloc_trim`), so fragmentation does not creep into RSS; see
+        `zerocompile.heap`. No effect on accelerators.
     """
 
     stage: int = 3
@@ -55,6 +58,7 @@ class ZeroConfig:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     check_ranks: bool = True
+    trim_heap: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -68,8 +72,9 @@ class ZeroConfig:
             dtype = getattr(self, name)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise ValueError(f"{name} must be a floating-point torch.dtype such as torch.bfloat16, got {dtype!r}")
-        if not isinstance(self.check_ranks, bool):
-            raise ValueError(f"check_ranks must be True or False, got {self.check_ranks!r}")
+        for name in ("check_ranks", "trim_heap"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.bucket_bytes < 0 or self.prefetch < 0:
             raise ValueError(
                 f"bucket_bytes and prefetch must be >= 0, got {self.bucket_bytes} and {self.prefetch}"

@@ -21,6 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from zerocompile.accumulation import GradientSync
 from zerocompile.config import ZeroConfig, config_from_kwargs, refuse_concurrent_gloo_gathers
 from zerocompile.distributed import group_device
+from zerocompile.heap import trim_heap_while_alive
 from zerocompile.meta_init import built_on_meta, check_meta_model, local_slice, materialise_sharded
 from zerocompile.passes.lowering import padded_numel
 
@@ -122,6 +123,8 @@ def shard(
         module._zero_prefix = prefix  # what the registration guard names; its mark of a sharded model
     _install_optimizer_check()
     _install_registration_guard()
+    if config.trim_heap and group_device(group).type == "cpu":
+        trim_heap_while_alive(model)
     return model
 
 
