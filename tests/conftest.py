@@ -3,8 +3,9 @@
 import os
 import tempfile
 
-# One Inductor cache for the whole session, inherited by every spawned rank: kernels compiled for
-# one stage or world size are reused by the others instead of going through the C++ compiler again.
+# One Inductor cache for the in-process tests of the session: kernels compiled for one stage or
+# world size are reused by the others instead of going through the C++ compiler again. Ranks spawned
+# by ranks.py each use a directory of their rank inside it.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="zc-inductor-cache-"))
 
 import pytest
@@ -14,6 +15,19 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import zerocompile as zc
 from fx_helpers import WORLD
+
+# New examples every run, yet any run repeatable: property tests that spawn ranks pass this seed to
+# every rank (hypothesis' own --hypothesis-seed does not reach spawned processes).
+HYPOTHESIS_SEED = int(os.environ.get("ZC_HYPOTHESIS_SEED") or int.from_bytes(os.urandom(4), "big"))
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"hypothesis seed {HYPOTHESIS_SEED}: rerun with ZC_HYPOTHESIS_SEED={HYPOTHESIS_SEED} to draw the same examples"
+
+
+@pytest.fixture(scope="session")
+def hypothesis_seed() -> int:
+    return HYPOTHESIS_SEED
 
 
 @pytest.fixture(scope="module")

@@ -109,8 +109,14 @@ def _rank_main(
     if launcher_env is not None:
         os.environ.update(launcher_env(rank))
     # One cache per rank: with a shared one, a rank may load the graph its peer just compiled, skip
-    # our passes and leave no record of the graph in `compiled_graphs`, which tests count.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tmp, f"inductor-cache-rank{rank}"))
+    # our passes and leave no record of the graph in `compiled_graphs`, which tests count. Assigned,
+    # not defaulted: the parent's cache (the conftest's, or CI's) is in the inherited environment.
+    # Inside the parent's cache, one directory per rank index: rank 0 of the next test reuses the
+    # C++ kernels rank 0 compiled before (as the in-process tests share the session's cache), but
+    # never a peer's. Triton reads its own variable before falling back to one inside Inductor's.
+    cache = os.path.join(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or tmp, f"rank{rank}")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
     import torch
     import torch.distributed as dist
 

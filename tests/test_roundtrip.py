@@ -5,11 +5,17 @@ trained as DDP would; at world size 2 that state also survives save and load at 
 Hypothesis draws the models (Embedding, Linear and LayerNorm layers of random, often tiny and
 uneven widths; a tied head, a frozen layer, a 0-d and an empty parameter, float and integer
 buffers, each optional) and the settings. Spawning ranks per example would take seconds each, so
-two ranks are spawned once and each runs the same `@given` test: `derandomize=True`, no example
+two ranks are spawned once and each runs the same `@given` test: the same `@seed`, no example
 database and no time-based health checks make both draw the same examples in the same order. Every
 example's collectives run on a group with a short timeout, and the ranks agree on each example's
 outcome (and that they drew the same one) before the next, so a failure on one rank fails both
 instead of leaving the other waiting, and hypothesis shrinks the same way on both.
+
+The seed is new each run (conftest.py draws it), so every CI run tries other examples. It is in
+the header of pytest's output ("hypothesis seed N") and in the failure message; to draw a failed
+run's examples again, in the same order, run
+
+    ZC_HYPOTHESIS_SEED=N pytest tests/test_roundtrip.py
 """
 
 from __future__ import annotations
@@ -20,12 +26,13 @@ import sys
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -252,7 +259,26 @@ def _agree(group: dist.ProcessGroup, example: str, failure: str | None) -> None:
         raise AssertionError(f"{example}\n" + "\n".join(failed))
 
 
-def sharded_equals_plain_on_every_example(rank: int, world_size: int, checkpoint: str) -> int:
+def _property(hypothesis_seed: int) -> Callable[[Callable], Callable]:
+    """`@given` ModelSpec and RunSpec examples, drawn in an order fixed by `hypothesis_seed` alone."""
+
+    def decorate(test: Callable) -> Callable:
+        return seed(hypothesis_seed)(
+            settings(
+                max_examples=EXAMPLES,
+                database=None,  # nothing carried over from earlier runs: each one stands alone
+                deadline=None,
+                # Time-based checks could stop one rank's search and not the other's.
+                suppress_health_check=list(HealthCheck),
+                phases=[Phase.explicit, Phase.generate, Phase.shrink],
+                print_blob=False,
+            )(given(spec=model_specs(), run=run_specs)(test))
+        )
+
+    return decorate
+
+
+def sharded_equals_plain_on_every_example(rank: int, world_size: int, checkpoint: str, hypothesis_seed: int) -> int:
     """Runs the hypothesis test on this rank; returns the number of examples it ran."""
     # A stuck collective errors out here in a minute instead of the run's whole timeout.
     both = dist.new_group(timeout=timedelta(seconds=60))
@@ -263,17 +289,7 @@ def sharded_equals_plain_on_every_example(rank: int, world_size: int, checkpoint
     first_failure: list[str] = []
     communication_broken = False
 
-    @settings(
-        max_examples=EXAMPLES,
-        derandomize=True,
-        database=None,
-        deadline=None,
-        # Time-based checks could stop one rank's search and not the other's.
-        suppress_health_check=list(HealthCheck),
-        phases=[Phase.explicit, Phase.generate, Phase.shrink],
-        print_blob=False,
-    )
-    @given(spec=model_specs(), run=run_specs)
+    @_property(hypothesis_seed)
     def sharded_equals_plain(spec: ModelSpec, run: RunSpec) -> None:
         nonlocal communication_broken
         example = f"{spec}\n{run}"
@@ -298,14 +314,35 @@ def sharded_equals_plain_on_every_example(rank: int, world_size: int, checkpoint
         sharded_equals_plain()
     except Exception as error:
         report = first_failure[0] if first_failure else "(none on this rank)"
-        print(f"rank {rank}: first failing example:\n{report}", file=sys.stderr, flush=True)
-        raise AssertionError(f"rank {rank}: first failing example:\n{report}") from error
+        report = f"rank {rank}: first failing example (rerun with ZC_HYPOTHESIS_SEED={hypothesis_seed}):\n{report}"
+        print(report, file=sys.stderr, flush=True)
+        raise AssertionError(report) from error
     return len(ran)
 
 
-def test_sharded_training_equals_the_plain_model_on_generated_models(tmp_path: Path) -> None:
-    ran = run_on_ranks(2, sharded_equals_plain_on_every_example, str(tmp_path / "ckpt"), timeout=600)
+def test_sharded_training_equals_the_plain_model_on_generated_models(tmp_path: Path, hypothesis_seed: int) -> None:
+    """Examples drawn from this run's seed; see the module docstring to draw them again."""
+    ran = run_on_ranks(2, sharded_equals_plain_on_every_example, str(tmp_path / "ckpt"), hypothesis_seed, timeout=600)
     assert ran[0] == ran[1] >= EXAMPLES, ran
+
+
+def _drawn(hypothesis_seed: int) -> list[str]:
+    examples: list[str] = []
+
+    @_property(hypothesis_seed)
+    def record(spec: ModelSpec, run: RunSpec) -> None:
+        examples.append(f"{spec}\n{run}")
+
+    record()
+    return examples
+
+
+def test_the_seed_alone_decides_the_examples() -> None:
+    """Two ranks given one seed draw the same examples; another run's seed draws others."""
+    first = _drawn(1)
+    assert len(first) == EXAMPLES
+    assert _drawn(1) == first
+    assert _drawn(2) != first, "another seed drew the same examples"
 
 
 @pytest.mark.parametrize("stage", (1, 3))

@@ -216,11 +216,9 @@ def _bytes_read(root: Path, rank: int) -> dict[str, int]:
     """Elements this rank reads loading TiedGPT at stage 3, and the ones it holds."""
     model = zc.shard(_built("tied_gpt", 1), stage=3)
     _CountingOpen.reads, _CountingOpen.mappings = [], []
-    weights.safe_open = _CountingOpen
-    try:
+    with pytest.MonkeyPatch.context() as patch:  # in a spawned rank: no fixture, the same restoring patch
+        patch.setattr(weights, "safe_open", _CountingOpen)
         zc.load_weights(model, root / "tied_gpt-stage0.safetensors")
-    finally:
-        weights.safe_open = _REAL_SAFE_OPEN
     params = {id(p): p for p in model.parameters()}.values()
     return {
         "read": sum(_CountingOpen.reads),
