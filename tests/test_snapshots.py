@@ -215,7 +215,6 @@ class FakeGroupTestCase(expecttest.TestCase):
                 f"snapshot tests create and destroy their own fake group of {WORLD} and will not "
                 "touch an existing one"
             )
-        cls._configs_before = dict(sharding._CONFIG_BY_GROUP)
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
 
     @classmethod
@@ -223,8 +222,6 @@ class FakeGroupTestCase(expecttest.TestCase):
         try:
             if dist.is_initialized():
                 dist.destroy_process_group()
-            sharding._CONFIG_BY_GROUP.clear()
-            sharding._CONFIG_BY_GROUP.update(cls._configs_before)
             torch._dynamo.reset()
         finally:
             super().tearDownClass()

@@ -35,7 +35,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils import _pytree as pytree
 
 from zerocompile import guard
-from zerocompile.config import ZeroConfig, refuse_concurrent_gloo_gathers
+from zerocompile.config import COMPILE_TIME_FIELDS, ZeroConfig, refuse_concurrent_gloo_gathers
 from zerocompile.gathered import is_gathered
 from zerocompile import dump
 from zerocompile.passes import analysis, ledger
@@ -44,7 +44,7 @@ from zerocompile.passes.lower_markers import lower_markers
 from zerocompile.passes.markers import is_reduce_grad, is_unshard, reduce_grad_args, unshard_args
 from zerocompile.passes.merge_unshards import merge_repeated_unshards
 from zerocompile.passes.recompute_gathers import tag_gathers_for_recompute
-from zerocompile.sharding import config_for_group, shard_info
+from zerocompile.sharding import ShardInfo, shard_info
 
 
 class CompiledGraph:
@@ -97,7 +97,7 @@ def zero_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[st
     _refuse_unsharded_parameters(gm, example_inputs)
     _name_unshard_markers(gm, example_inputs)
     groups = _groups_of(gm.graph)
-    config = _config_of(groups).with_options(options)
+    config = _config_of(example_inputs).with_options(options)
     for group_name in groups:
         refuse_concurrent_gloo_gathers(config, c10d._resolve_process_group(group_name))
     directory = dump.dump_dir(config.dump_dir)
@@ -161,9 +161,34 @@ def _groups_of(graph: fx.Graph) -> set[str]:
     return groups | {reduce_grad_args(node).group_name for node in graph.nodes if is_reduce_grad(node)}
 
 
-def _config_of(groups: set[str]) -> ZeroConfig:
-    configs = {config_for_group(name) for name in groups} - {None}
-    return configs.pop() if len(configs) == 1 else ZeroConfig()
+def _config_of(example_inputs: list[Any]) -> ZeroConfig:
+    """The compile-time settings of the model(s) whose parameters the graph takes.
+
+    Each parameter carries its model's settings (`ShardInfo.config`); a graph holding parameters
+    of models sharded with different ones (a wrapper calling both inside one compiled region)
+    could follow only one of them, so it is refused.
+    """
+    by_settings: dict[tuple, list[ShardInfo]] = {}
+    for value in example_inputs:
+        info = shard_info(value) if isinstance(value, torch.Tensor) else None
+        if info is not None:
+            by_settings.setdefault(_compile_time_settings(info.config), []).append(info)
+    if len(by_settings) > 1:
+        described = "; ".join(
+            f"{', '.join(repr(info.fqn) for info in infos[:3])}{' ...' if len(infos) > 3 else ''} with "
+            + ", ".join(f"{name}={value!r}" for name, value in zip(COMPILE_TIME_FIELDS, settings))
+            for settings, infos in by_settings.items()
+        )
+        raise ValueError(
+            f"one compiled graph holds parameters of models sharded with different compile-time settings "
+            f"({described}): compile each model on its own (torch.compile(model, backend='zero') per "
+            "model), or shard them with the same settings"
+        )
+    return next(iter(by_settings.values()))[0].config if by_settings else ZeroConfig()
+
+
+def _compile_time_settings(config: ZeroConfig) -> tuple:
+    return tuple(getattr(config, name) for name in COMPILE_TIME_FIELDS)
 
 
 def _refuse_unsharded_parameters(gm: fx.GraphModule, example_inputs: list[Any]) -> None:

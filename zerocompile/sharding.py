@@ -25,10 +25,6 @@ from zerocompile.heap import trim_heap_while_alive
 from zerocompile.meta_init import built_on_meta, check_meta_model, local_slice, materialise_sharded
 from zerocompile.passes.lowering import padded_numel
 
-# Compile-time settings of the last shard() per process group; the backend reads them.
-_CONFIG_BY_GROUP: dict[str, ZeroConfig] = {}
-
-
 @dataclasses.dataclass(frozen=True)
 class ShardInfo:
     """What a sharded Parameter is, attached to it as `param._zero`."""
@@ -41,6 +37,9 @@ class ShardInfo:
     stage: int
     group_name: str
     group_rank: int
+    # The settings of the shard() call that made it: the backend compiles a graph with those of
+    # the parameters it holds, so two models on one group keep their own.
+    config: ZeroConfig
 
     @property
     def shard_offset(self) -> int:
@@ -49,10 +48,6 @@ class ShardInfo:
 
 def shard_info(param: torch.Tensor) -> ShardInfo | None:
     return getattr(param, "_zero", None)
-
-
-def config_for_group(group_name: str) -> ZeroConfig | None:
-    return _CONFIG_BY_GROUP.get(group_name)
 
 
 def shard(
@@ -93,7 +88,9 @@ def shard(
         names = tuple(f"{prefix}{'.' if prefix else ''}{attr}" for prefix, _module, attr in places)
         numel = param.numel()
         shard_numel = numel if config.stage == 0 else padded_numel(numel, world_size) // world_size
-        infos[param] = ShardInfo(names[0], names, tuple(param.shape), numel, shard_numel, config.stage, group_name, rank)
+        infos[param] = ShardInfo(
+            names[0], names, tuple(param.shape), numel, shard_numel, config.stage, group_name, rank, config
+        )
     if on_meta:
         shard_numels = {param: None if config.stage == 0 else info.shard_numel for param, info in infos.items()}
         local, buffers = materialise_sharded(model, init, shard_numels=shard_numels, group=group, device=group_device(group))
@@ -117,7 +114,6 @@ def shard(
         model.register_forward_pre_hook(
             functools.partial(_cast_floating_inputs, dtype=config.param_dtype), with_kwargs=True
         )
-    _CONFIG_BY_GROUP[group_name] = config
     model._zero_config = config
     for prefix, module in model.named_modules():
         module._zero_prefix = prefix  # what the registration guard names; its mark of a sharded model
