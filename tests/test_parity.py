@@ -20,7 +20,13 @@ from ranks import run_on_ranks
 STAGES = (0, 1, 2, 3)
 STEPS = 5
 EAGER_TOLERANCE = 1e-5
-INDUCTOR_TOLERANCE = 1e-4
+# Inductor's fused kernels round differently from DDP's eager ops, and AdamW divides each update
+# by the root of its second moment, which magnifies ulp-level gradient differences where the
+# gradient is tiny: measured (2026-11-25) on the tied GPT after 5 steps at lr 1e-3, parameters
+# differ by 4.7e-6 to 5.0e-6 at every stage including 0 (no sharding, plain all-reduce), so that
+# is the compiler's share, not ours; the MLP by at most 3e-8. 1e-5 is the tightest round bound
+# above it. Scale bugs AdamW hides are caught by test_sgd_parity.py.
+INDUCTOR_TOLERANCE = 1e-5
 
 
 def _train(model: nn.Module, forward, name: str, rank: int, world_size: int) -> tuple[list[float], dict]:
