@@ -13,7 +13,7 @@ from zerocompile.config import ZeroConfig
 from zerocompile.distributed import init_distributed
 from zerocompile.ema import EMA
 from zerocompile.gathered import gathered
-from zerocompile.sharding import full_numel, model_state_bytes, shard
+from zerocompile.sharding import full_numel, full_shape, model_state_bytes, shard
 from zerocompile.weights import LoadResult, load_weights, save_weights
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "ZeroConfig",
     "clip_grad_norm_",
     "full_numel",
+    "full_shape",
     "full_state_dict",
     "gathered",
     "init_distributed",

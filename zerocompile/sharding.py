@@ -266,6 +266,14 @@ def _shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 state[key] = local_slice(value.reshape(-1), info.shard_numel, info.group_rank)
 
 
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """The shape `param` has in the model as written, sharded or not: what optimizer groups that
+    look at shapes (weight decay only where `dim() >= 2`, as nanoGPT's `configure_optimizers`) must
+    ask once `shard()` has made every parameter a flat 1-D shard."""
+    info = shard_info(param)
+    return param.shape if info is None else torch.Size(info.shape)
+
+
 def sharded_shape(info: ShardInfo) -> tuple[int, ...]:
     """The shape a sharded Parameter's data has on every rank: whole at stage 0, else its shard."""
     return info.shape if info.stage == 0 else (info.shard_numel,)
