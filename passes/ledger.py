@@ -23,7 +23,7 @@ funcol = torch.ops._c10d_functional
 
 @dataclasses.dataclass(frozen=True)
 class LedgerEntry:
-    op: str
+    op: str  # what the collective does for ZeRO: all_gather, reduce_scatter or all_reduce
     params: list[str]  # FQNs of the parameters this collective serves
     param_bytes: list[int]  # bytes of each that this rank holds (shard, or whole at stage 0)
     dtype: str
@@ -35,6 +35,7 @@ class LedgerEntry:
     overlaps: list[str]  # compute nodes running while the collective is in flight
     freed_after: str | None  # gathers: the last node using the gathered buffer
     freed_position: int | None
+    detail: str = ""  # how it is sent when that is not the op itself
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +92,13 @@ def graph_ledger(graph: fx.Graph, kind: str) -> GraphLedger:
         in_flight = nodes[position[node] + 1 : position[wait]]
         depends = nx.descendants(dag, node) if node in dag else set()
         last_use = gather_ends.get(collective.position)
+        # On gloo a gradient bucket's reduce-scatter is an all_to_all whose receiver sums the
+        # chunks (lowering.reduce_scatter_bucket): a reduce-scatter to the reader, same bytes.
+        is_reduction = collective.op == "all_to_all" and node.meta.get("zero_params")
         entries.append(
             LedgerEntry(
-                op=collective.op,
+                op="reduce_scatter" if is_reduction else collective.op,
+                detail="all_to_all + sum on gloo" if is_reduction else "",
                 params=[name for name, _ in node.meta.get("zero_params", [])],
                 param_bytes=[held for _, held in node.meta.get("zero_params", [])],
                 dtype=str(collective.dtype).removeprefix("torch."),

@@ -1195,8 +1195,10 @@ def test_ledger_of_a_bucketed_backward(group_name, monkeypatch, stage, textbook)
 
     book = ledger.graph_ledger(gm.graph, "backward")
 
-    op = "all_reduce" if stage == 0 else ("reduce_scatter" if textbook else "all_to_all")
+    op = "all_reduce" if stage == 0 else "reduce_scatter"
     assert [e.op for e in book.entries] == [op, op]
+    detail = "" if textbook else "all_to_all + sum on gloo"
+    assert [e.detail for e in book.entries] == [detail, detail]
     assert [e.params for e in book.entries] == [list(FQNS[:2]), list(FQNS[2:])]
     if stage == 0:  # the whole gradient is this rank's
         assert [e.param_bytes for e in book.entries] == [[60, 80], [32, 8]]

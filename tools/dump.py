@@ -104,6 +104,8 @@ def graph_lines(name: str, ledger: dict) -> list[str]:
     for e in ledger["entries"]:
         where = f"freed after {e['freed_after']} (pos {e['freed_position']})" if e["freed_after"] else ""
         overlaps = f"overlaps {', '.join(e['overlaps'])}" if e["overlaps"] else "overlaps nothing"
+        if e.get("detail"):
+            overlaps += f" ({e['detail']})"
         lines.append(
             f"    {e['position']:>4} {e['op']:<14} {e['bucket']:>3} {','.join(e['params']):<28} "
             f"{_mb(e['input_bytes']):>12} {_mb(e['sent_bytes']):>12} {e['dtype']:<9} {where or overlaps}"
