@@ -312,6 +312,30 @@ def _make_module_unshard_on_access(module: nn.Module, config: ZeroConfig, sync: 
     module._zero_shards = {name: module._parameters[name] for name in names}  # what the properties expect
     module._zero_sync = sync  # one per model: what no_sync(model) enters and exits
     module.__class__ = _sharded_class(type(module), names)
+    module.register_load_state_dict_pre_hook(_keep_this_ranks_slice_of_full_tensors)
+
+
+def _keep_this_ranks_slice_of_full_tensors(
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: dict,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """`load_state_dict` of a full state dict (as every rank of a DDP job holds one): a tensor of a
+    sharded parameter's full shape is replaced by this rank's slice of it, so the load needs no
+    communication. The model's own shards (from `state_dict()`) pass unchanged, and any other
+    shape meets torch's usual size-mismatch error."""
+    for name, shard in module._zero_shards.items():
+        info = shard_info(shard)
+        value = state_dict.get(prefix + name)
+        held = module._parameters.get(name)  # full inside `gathered()`: then a full tensor fits as it is
+        full_to_shard = held is not None and tuple(held.shape) != info.shape
+        if full_to_shard and isinstance(value, torch.Tensor) and tuple(value.shape) == info.shape:
+            state_dict[prefix + name] = local_slice(value.detach().reshape(-1), info.shard_numel, info.group_rank)
 
 
 _FIX_BEFORE_SHARD = (
