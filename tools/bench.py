@@ -101,6 +101,7 @@ from zerocompile.distributed import (
 )
 from zerocompile.tools import gpt as gpt_module
 from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
+from zerocompile.tools.rss import reset_peak_rss, status_bytes
 
 MB = 1e6
 LEARNING_RATE = 3e-4
@@ -505,13 +506,13 @@ def _measure_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
     prepared = mode.build(GPT(settings.config))
     batches = _RandomBatches(settings.config, settings, rank)
     warmup = [_one_step(prepared, batches) for _ in range(settings.warmup)]
-    rss_source = _reset_peak_rss()
-    rss_before = _status_bytes("VmRSS")
+    rss_source = "VmHWM" if reset_peak_rss() else "ru_maxrss"
+    rss_before = status_bytes("VmRSS")
     load = os.getloadavg()[0]
     timed = [_one_step(prepared, batches) for _ in range(settings.steps)]
     held = prepared.state_bytes()  # the last step's gradients are still there
     if rss_source == "VmHWM":
-        peak = _status_bytes("VmHWM")
+        peak = status_bytes("VmHWM")
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
     return {
@@ -577,22 +578,6 @@ def _wchar() -> int:
     if match is None:
         raise RuntimeError("no wchar in /proc/self/io: bytes sent are measured on Linux only")
     return int(match.group(1))
-
-
-def _status_bytes(field: str) -> int:
-    match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
-    if match is None:
-        raise RuntimeError(f"no {field} in /proc/self/status")
-    return int(match.group(1)) * 1024
-
-
-def _reset_peak_rss() -> str:
-    """Reset VmHWM to the current RSS ("VmHWM"); where refused, peaks come from ru_maxrss."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return "ru_maxrss"
-    return "VmHWM"
 
 
 def _summarise(name: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:

@@ -95,6 +95,7 @@ from zerocompile.distributed import (
     loopback_rank_environment,
 )
 from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
+from zerocompile.tools.rss import reset_peak_rss
 from zerocompile.tools.train import GlobalBatches, load_text
 
 MB = 1e6
@@ -247,8 +248,9 @@ def _status() -> dict[str, int]:
 
 
 def reset_peak() -> int:
-    """Reset VmHWM to the current RSS (Linux: 5 into /proc/self/clear_refs); returns that RSS."""
-    Path("/proc/self/clear_refs").write_text("5")
+    """Reset VmHWM to the current RSS; returns that RSS."""
+    if not reset_peak_rss():
+        raise RuntimeError("/proc/self/clear_refs refused: capacity cannot take the peak of each phase")
     return _status()["VmRSS"]
 
 

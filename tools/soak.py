@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import tempfile
 import time
 from pathlib import Path
@@ -50,6 +49,7 @@ from zerocompile.distributed import (
     loopback_rank_environment,
 )
 from zerocompile.tools.gpt import GPT, SIZES
+from zerocompile.tools.rss import reset_peak_rss, status_bytes
 from zerocompile.tools.train import GlobalBatches, load_text
 
 MB = 1e6
@@ -207,7 +207,8 @@ def _measure(args: argparse.Namespace, rank: int, world_size: int, mode: str = Z
     for step in range(1, args.steps + 1):
         inputs, targets = batches.next(mine)
         if step in (args.rss_from, args.steps):
-            _reset_peak_rss()
+            if not reset_peak_rss():
+                raise RuntimeError("/proc/self/clear_refs refused: the soak cannot take the peak of one step")
         loss = compiled(inputs, targets)
         loss.backward()
         optimizer.step()
@@ -217,9 +218,9 @@ def _measure(args: argparse.Namespace, rank: int, world_size: int, mode: str = Z
             frames_after_compiling, graphs_after_compiling = frames["total"], len(backend.compiled_graphs)
             steady_start = time.perf_counter()
         if step in (args.rss_from, args.steps):
-            step_peaks[step] = _status_bytes("VmHWM")
+            step_peaks[step] = status_bytes("VmHWM")
         if step in (args.rss_from, args.steps) or step % args.rss_every == 0:
-            rss_samples[step] = _status_bytes("VmRSS")
+            rss_samples[step] = status_bytes("VmRSS")
     end = time.perf_counter()
     steady_steps = args.steps - COMPILING_STEPS
     return {
@@ -311,17 +312,3 @@ def format_table(results: dict[str, Any]) -> str:
         f"{results['rss_growth_percent']:+.2f} % (limit {settings['max_rss_growth_percent']} %)"
     )
     return "\n".join(lines)
-
-
-def _status_bytes(field: str) -> int:
-    """VmRSS (what the kernel holds for this process now, allocator caches included) or VmHWM
-    (its peak since the last `_reset_peak_rss`)."""
-    match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
-    if match is None:
-        raise RuntimeError(f"no {field} in /proc/self/status: the soak measures memory on Linux only")
-    return int(match.group(1)) * 1024
-
-
-def _reset_peak_rss() -> None:
-    """VmHWM starts again from the current RSS, so the next reading is the peak of one step."""
-    Path("/proc/self/clear_refs").write_text("5")
