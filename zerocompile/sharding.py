@@ -34,12 +34,15 @@ class ShardInfo:
     shape: tuple[int, ...]
     numel: int
     shard_numel: int
-    stage: int
     group_name: str
     group_rank: int
     # The settings of the shard() call that made it: the backend compiles a graph with those of
     # the parameters it holds, so two models on one group keep their own.
     config: ZeroConfig
+
+    @property
+    def stage(self) -> int:
+        return self.config.stage
 
     @property
     def shard_offset(self) -> int:
@@ -89,7 +92,7 @@ def shard(
         numel = param.numel()
         shard_numel = numel if config.stage == 0 else padded_numel(numel, world_size) // world_size
         infos[param] = ShardInfo(
-            names[0], names, tuple(param.shape), numel, shard_numel, config.stage, group_name, rank, config
+            names[0], names, tuple(param.shape), numel, shard_numel, group_name, rank, config
         )
     if on_meta:
         shard_numels = {param: None if config.stage == 0 else info.shard_numel for param, info in infos.items()}
