@@ -46,6 +46,7 @@ from zerocompile.distributed import (
     _launcher_environment,
     exit_spawned_rank,
     free_loopback_port,
+    leave_process_group,
     loopback_rank_environment,
 )
 from zerocompile.tools.gpt import GPT, SIZES
@@ -130,9 +131,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any] | None:
         if args.compare_ddp:
             raise SystemExit("zerocompile soak: --compare-ddp spawns its own ranks; run it without torchrun/srun")
         results = _soak_this_rank(args, ZERO)
-        # Without the barrier a rank may tear gloo down while another is still in a collective.
-        dist.barrier()
-        dist.destroy_process_group()
+        leave_process_group()
         return results
     results = _spawn(args, ZERO)
     if args.compare_ddp:

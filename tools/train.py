@@ -39,6 +39,7 @@ from zerocompile.distributed import (
     _launcher_environment,
     exit_spawned_rank,
     free_loopback_port,
+    leave_process_group,
     loopback_rank_environment,
 )
 from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
@@ -151,10 +152,7 @@ def train(args: argparse.Namespace) -> list[float]:
     """
     if _launched_by_torchrun_or_slurm():
         losses = train_this_rank(args)
-        # Without the barrier a rank may tear gloo down while another is still in a collective, and
-        # the job sometimes dies with SIGABRT. Only on success: a rank that raised must exit, not wait.
-        dist.barrier()
-        dist.destroy_process_group()
+        leave_process_group()  # only on success: a rank that raised must exit, not wait for its peers
         return losses
     with tempfile.TemporaryDirectory(prefix="zerocompile-train-") as tmp:
         # A file rather than a queue: spawn() joins before we could drain a pipe that filled up.

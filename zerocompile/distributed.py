@@ -171,6 +171,13 @@ def inherited_environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
+def leave_process_group() -> None:
+    """End the group of a rank a launcher started (its process goes on). The barrier first: a rank
+    tearing gloo down while another is still in a collective sometimes kills that one (SIGABRT)."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def exit_spawned_rank() -> NoReturn:
     """End a rank process that we spawned, once every rank is done with the group's collectives.
 
