@@ -14,9 +14,9 @@ import dataclasses
 import networkx as nx
 import torch
 import torch.fx as fx
+from torch.distributed import distributed_c10d as c10d
 
 from . import analysis
-from .lowering import group_size
 
 funcol = torch.ops._c10d_functional
 
@@ -64,7 +64,10 @@ def _world_size(node: fx.Node) -> int:
         return node.args[2]
     if node.target is funcol.all_to_all_single.default:
         return len(node.args[1])
-    return group_size(node.args[2])
+    if "zero_world_size" in node.meta:
+        return node.meta["zero_world_size"]
+    # An all-reduce the model itself issues names only its group: ask the group.
+    return c10d._get_group_size_by_name(node.args[2])
 
 
 def _sent_bytes(op: str, input_bytes: int, world_size: int) -> int:

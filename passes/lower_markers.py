@@ -3,18 +3,16 @@
 Runs on each graph AOTAutograd hands to the compiler (after partitioning), so the rewrite sees the
 forward and the backward separately. Each bucket of `unshard`s becomes one coalesced all-gather +
 a wait per parameter + slice + view, and each bucket of `reduce_grad`s pack + reduce-scatter (or
-all-reduce at stage 0) + wait, traced from the same
-functions the markers run eagerly (`lowering.py`). Where they go depends on the stage:
+all-reduce) + wait, traced from the same functions the markers run eagerly (`lowering.py`).
+Where they go is the stage's policy (`stages.py`):
 
-- stage 0: `unshard` is dropped (the parameter is whole); `reduce_grad` all-reduces in place.
-  So is a `local` `unshard` at any stage (no_sync: its input is a full local copy).
-- stage 1: gathers move to the start of the forward; reductions move to the end of the backward,
-  so full gradients live until then (the paper's full gradient buffer) and reduce-scatter there.
-- stage 2: gathers at the start of the forward; each reduce-scatter right where its gradient is
-  produced. (With prefetch, stage 1/2 gathers are issued `prefetch` buckets ahead, from the start,
-  and each is waited on just before its first use.)
-- stage 3: gathers stay just before their use (the backward's re-gathers too, placed by the
-  partitioner at first use), reduce-scatters where the gradient is produced; values die after their
+- a marker of a stage that does not shard parameters is dropped (the parameter is whole; cast
+  for mixed precision), and so is a `local` `unshard` at any stage (no_sync: a full local copy);
+- `gathers_at_forward_start`: gathers of graph inputs move to the start of the forward (with
+  prefetch, issued `prefetch` buckets ahead and each waited on just before its first use);
+- `reduces_at_backward_end`: reductions read only by the output move to the end of the backward;
+- otherwise gathers stay just before their use (the backward's re-gathers too, placed by the
+  partitioner at first use) and reductions where the gradient is produced; values die after their
   last use, which Inductor's buffer reuse and FX's generated `del`s both honour.
 
 Every inserted node carries `meta["val"]`, computed under the graph's own fake mode.
@@ -33,6 +31,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .lowering import all_reduce_bucket, gather_bucket, reduce_scatter_bucket
 from .markers import UnshardArgs, is_reduce_grad, is_unshard, reduce_grad_args, unshard_args
+from .stages import stage_policy
 
 
 def lower_markers(
@@ -59,12 +58,12 @@ def lower_markers(
         markers = [unshard_args(n) for n in bucket]
         first = markers[0]
         shapes = [m.shape for m in markers]
-        # Stage 1/2 gathers of graph inputs were moved to the top by _place_by_stage.
-        up_front = first.stage in (1, 2) and _can_gather_early(bucket[0])
+        # Such gathers of graph inputs were moved to the top by _place_by_stage.
+        up_front = stage_policy(first.stage).gathers_at_forward_start and _can_gather_early(bucket[0])
         spliced = tracer(
             bucket,
             bucket[0],
-            lambda *shards: gather_bucket(list(shards), shapes, first.group_name, first.compute_dtype),
+            lambda *shards: gather_bucket(list(shards), shapes, first.group_name, first.world_size, first.compute_dtype),
         )
         (gathers_up_front if up_front else gathers).append(spliced)
         counts["gathers"] += len(bucket)
@@ -72,12 +71,15 @@ def lower_markers(
     for bucket in _buckets([n for n in graph.nodes if is_reduce_grad(n)], bucket_bytes, _can_reduce_late):
         markers = [reduce_grad_args(n) for n in bucket]
         first = markers[0]
-        if first.stage == 0:
-            fn = lambda *grads: all_reduce_bucket(list(grads), first.group_name, first.reduce_dtype, first.grad_dtype)  # noqa: E731
+        if stage_policy(first.stage).reduction == "all_reduce":
+            fn = lambda *grads: all_reduce_bucket(  # noqa: E731
+                list(grads), first.group_name, first.world_size, first.reduce_dtype, first.grad_dtype
+            )
         else:
             numels = [m.shard_numel for m in markers]
             fn = lambda *grads: reduce_scatter_bucket(  # noqa: E731
-                list(grads), numels, first.group_name, first.reduce_dtype, first.grad_dtype
+                list(grads), numels, first.group_name, first.world_size, first.reduce_scatter,
+                first.reduce_dtype, first.grad_dtype,
             )
         reductions.append(tracer(bucket, bucket[-1], fn))
         counts["reductions"] += len(bucket)
@@ -93,8 +95,8 @@ def lower_markers(
 
 
 def _is_whole(marker: UnshardArgs) -> bool:
-    """The marker's input already is the full parameter: stage 0, or a local copy (no_sync)."""
-    return marker.stage == 0 or marker.local
+    """The marker's input already is the full parameter: unsharded, or a local copy (no_sync)."""
+    return marker.local or not stage_policy(marker.stage).shards_parameters
 
 
 def _full_bytes(node: fx.Node) -> int:
@@ -113,22 +115,26 @@ def _can_reduce_late(node: fx.Node) -> bool:
 
 
 def _served(marker: fx.Node) -> tuple[str, int]:
-    """(FQN, bytes this rank holds of it: its shard, or the whole tensor at stage 0)."""
+    """(FQN, bytes this rank holds of it: its shard, or the whole tensor if the stage keeps it whole)."""
     if is_unshard(marker):
         shard = unshard_args(marker).shard.meta["val"]
         return unshard_args(marker).param, shard.numel() * shard.element_size()
     reduce = reduce_grad_args(marker)
     grad = reduce.grad.meta["val"]
-    numel = grad.numel() if reduce.stage == 0 else reduce.shard_numel
+    numel = reduce.shard_numel if stage_policy(reduce.stage).shards_parameters else grad.numel()
     return reduce.param, numel * grad.element_size()
 
 
 def _bucket_key(node: fx.Node) -> tuple:
     """Markers may share a collective only with the same stage, group and dtypes."""
     if is_unshard(node):
-        return unshard_args(node)[2:4], node.meta["val"].dtype
+        marker = unshard_args(node)
+        return marker.stage, marker.group_name, marker.world_size, node.meta["val"].dtype
     marker = reduce_grad_args(node)
-    return marker.stage, marker.group_name, marker.reduce_dtype, node.args[0].meta["val"].dtype, marker.grad_dtype
+    return (
+        marker.stage, marker.group_name, marker.world_size, marker.reduce_scatter, marker.reduce_dtype,
+        node.args[0].meta["val"].dtype, marker.grad_dtype,
+    )
 
 
 def _buckets(markers: list[fx.Node], bucket_bytes: int, movable: Callable[[fx.Node], bool]) -> list[list[fx.Node]]:
@@ -172,7 +178,7 @@ def _issue_gathers_early(buckets: list[list[fx.Node]], distance: int) -> None:
 
 
 def _wait_gathers_at_first_use(buckets: list[list[fx.Node]]) -> None:
-    """Stages 1-2: each bucket's waits (and their slices and views) move down from the top of the forward
+    """Gathers at the forward's start: each bucket's waits (and their slices and views) move down from the top of the forward
     to just before the first node reading one of its parameters; `_issue_gathers_early` then
     starts each gather `prefetch` buckets ahead, so later buckets arrive while the first layers
     compute. (All gathers in flight at once would cost no memory here, full parameters live
@@ -233,16 +239,20 @@ def _place_by_stage(graph: fx.Graph) -> None:
         if is_unshard(node) and _gathers_at_start(unshard_args(node)):
             last_moved.append(node)  # behind the previous one: gathers keep program order
             last_moved = node
-        elif is_reduce_grad(node) and reduce_grad_args(node).stage == 1 and set(node.users) == {output}:
+        elif (
+            is_reduce_grad(node)
+            and stage_policy(reduce_grad_args(node).stage).reduces_at_backward_end
+            and set(node.users) == {output}
+        ):
             output.prepend(node)
 
 
 def _gathers_at_start(marker: UnshardArgs) -> bool:
-    return marker.stage in (1, 2) and not marker.local and marker.shard.op == "placeholder"
+    return stage_policy(marker.stage).gathers_at_forward_start and not marker.local and marker.shard.op == "placeholder"
 
 
 def _forward_whole_parameter(node: fx.Node, tracer: Callable) -> None:
-    """Stage 0: the marker's input already is the full parameter (cast for mixed precision)."""
+    """The marker's input already is the full parameter (cast for mixed precision)."""
     param = node.args[0]
     dtype = unshard_args(node).compute_dtype
     if dtype is not None and dtype != param.meta["val"].dtype:
@@ -269,15 +279,18 @@ def _splice(
     `anchor` and let its outputs replace the markers; returns the inserted nodes in order.
 
     Each new node's meta["zero_params"] lists (FQN, bytes this rank holds of it) for the
-    parameters it serves: the ledger reads it.
+    parameters it serves, and meta["zero_world_size"] the size of their group: the ledger reads
+    them.
     """
     graph = anchor.graph
     args = [marker.args[0] for marker in markers]
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         traced = make_fx(fn, decompositions, tracing_mode="real")(*[arg.meta["val"] for arg in args])
     params = [_served(marker) for marker in markers]
+    first = unshard_args(markers[0]) if is_unshard(markers[0]) else reduce_grad_args(markers[0])
     for new_node in traced.graph.nodes:
         new_node.meta["zero_params"] = params
+        new_node.meta["zero_world_size"] = first.world_size
     before = anchor.prev
     with graph.inserting_before(anchor):
         outputs = graph.graph_copy(traced.graph, dict(zip(traced.graph.find_nodes(op="placeholder"), args)))

@@ -4,6 +4,9 @@ The marker ops' eager kernels call these functions directly, and `lower_markers`
 functions into the graph in place of each marker, so the eager path and the compiled path cannot
 drift apart. Everything here is built from `torch.ops._c10d_functional` ops, which Dynamo,
 AOTAutograd and Inductor all understand, on any device and backend.
+
+Nothing here asks a process group anything: the group's size and how its backend reduce-scatters
+travel as arguments (the markers carry them), so graphs can be built and rewritten without one.
 """
 
 from __future__ import annotations
@@ -11,24 +14,15 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
 
 funcol = torch.ops._c10d_functional
 
-
-def group_size(group_name: str) -> int:
-    return c10d._get_group_size_by_name(group_name)
-
-
-def sends_textbook_reduce_scatter(group_name: str) -> bool:
-    """Whether the group's own reduce-scatter already sends only (N-1)/N of the tensor.
-
-    gloo's reduce-scatter sends as much as an all-reduce, 2(N-1)/N (measured); an all-to-all
-    followed by a local sum sends the textbook (N-1)/N, so on gloo we build it from that.
-    """
-    group = c10d._resolve_process_group(group_name)
-    return dist.get_backend(group) != "gloo"
+# How a group reduce-scatters, chosen per group and device by `zerocompile.distributed`:
+# the backend's own collective, or an all-to-all followed by a local sum. gloo's reduce-scatter
+# sends as much as an all-reduce, 2(N-1)/N (measured); the all-to-all sends the textbook (N-1)/N.
+NATIVE_REDUCE_SCATTER = "reduce_scatter"
+ALL_TO_ALL_REDUCE_SCATTER = "all_to_all"
+REDUCE_SCATTER_FLAVOURS = (NATIVE_REDUCE_SCATTER, ALL_TO_ALL_REDUCE_SCATTER)
 
 
 def padded_numel(numel: int, world_size: int) -> int:
@@ -71,7 +65,11 @@ def _packed(tensors: list[torch.Tensor], rows: int, row_numels: list[int], dtype
 
 
 def gather_bucket(
-    shards: list[torch.Tensor], shapes: list[list[int]], group_name: str, dtype: torch.dtype | None = None
+    shards: list[torch.Tensor],
+    shapes: list[list[int]],
+    group_name: str,
+    world_size: int,
+    dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
     """One all-gather for several parameters, in `dtype` (cast before sending: mixed precision
     halves the bytes), each cut to its numel (padding dropped) and viewed in its shape.
@@ -83,7 +81,6 @@ def gather_bucket(
     for packing one buffer, gathering it and copying each parameter out; a 12m GPT's stage-3
     step 3.7 % faster side by side.
     """
-    world_size = group_size(group_name)
     numels = [shard.numel() for shard in shards]
     if dtype is None or all(shard.dtype == dtype for shard in shards):
         inputs = shards
@@ -101,16 +98,17 @@ def reduce_scatter_bucket(
     grads: list[torch.Tensor],
     shard_numels: list[int],
     group_name: str,
+    world_size: int,
+    flavour: str,
     reduce_dtype: torch.dtype | None = None,
     grad_dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
-    """One reduce-scatter for several gradients in `reduce_dtype`, laid out so each rank receives
-    its shard of each, averaged over the group (padding zeros); the shards come back in
-    `grad_dtype` (the master parameters')."""
-    world_size = group_size(group_name)
+    """One reduce-scatter (of `flavour`) for several gradients in `reduce_dtype`, laid out so each
+    rank receives its shard of each, averaged over the group (padding zeros); the shards come back
+    in `grad_dtype` (the master parameters')."""
     flat = _packed(grads, world_size, shard_numels, reduce_dtype)
     shard_numel = sum(shard_numels)
-    if sends_textbook_reduce_scatter(group_name):
+    if flavour == NATIVE_REDUCE_SCATTER:
         reduced = funcol.wait_tensor(funcol.reduce_scatter_tensor(flat, "avg", world_size, group_name))
     else:
         splits = [shard_numel] * world_size
@@ -123,18 +121,19 @@ def reduce_scatter_bucket(
 def all_reduce_bucket(
     grads: list[torch.Tensor],
     group_name: str,
+    world_size: int,
     reduce_dtype: torch.dtype | None = None,
     grad_dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
     """One all-reduce for several gradients (stage 0), averaged as DDP's buckets; dtypes as above."""
     if len(grads) == 1 and reduce_dtype in (None, grads[0].dtype):
-        reduced = [_all_reduce_mean(grads[0], group_name)]
+        reduced = [_all_reduce_mean(grads[0], group_name, world_size)]
     else:
         numels = [grad.numel() for grad in grads]
-        parts = _all_reduce_mean(pack(grads, 1, numels, reduce_dtype), group_name).split(numels)
+        parts = _all_reduce_mean(pack(grads, 1, numels, reduce_dtype), group_name, world_size).split(numels)
         reduced = [part.view(grad.shape) for part, grad in zip(parts, grads)]
     return [r.to(grad_dtype) for r in reduced] if grad_dtype is not None else reduced
 
 
-def _all_reduce_mean(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.all_reduce(tensor, "sum", group_name)) / group_size(group_name)
+def _all_reduce_mean(tensor: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
+    return funcol.wait_tensor(funcol.all_reduce(tensor, "sum", group_name)) / world_size

@@ -6,7 +6,8 @@ placed according to the stage. Their eager kernels run the same collectives bloc
 (`zerocompile.passes.lowering`), so uncompiled code and graph-broken fragments stay correct.
 
 Stage 0 uses the same markers with the parameter left whole: `unshard` is the identity (a copy in
-eager mode, removed in graphs) and `reduce_grad` an all-reduce.
+eager mode, removed in graphs) and `reduce_grad` an all-reduce (`stages.py` says which stage does
+what).
 
 Gradient accumulation without sync (`zerocompile.no_sync`) adds two optional arguments, so those
 graphs say what they do too: `local=True` marks an input that already is a full local copy of the
@@ -22,10 +23,13 @@ import torch
 from typing import NamedTuple
 
 from .lowering import all_reduce_bucket, gather_bucket, reduce_scatter_bucket
+from .stages import stage_policy
 
-# Marker arguments after the tensor: what the passes need to lower it, nothing else. `param` is the
-# parameter's FQN (for people and tools reading graphs); the dtypes are mixed precision's: gather
-# (and compute) in `compute_dtype`, reduce gradients in `reduce_dtype`; None means the shard's.
+# Marker arguments after the tensor: what the passes need to lower it, nothing else, so graphs are
+# rewritten without asking a process group: the group's name and size, and how it reduce-scatters.
+# `param` is the parameter's FQN (for people and tools reading graphs); the dtypes are mixed
+# precision's: gather (and compute) in `compute_dtype`, reduce gradients in `reduce_dtype`; None
+# means the shard's.
 
 
 @torch.library.custom_op("zero::unshard", mutates_args=())
@@ -34,15 +38,17 @@ def unshard(
     shape: list[int],
     stage: int,
     group_name: str,
+    world_size: int,
+    reduce_scatter: str,
     param: str = "",
     compute_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     local: bool = False,
     pending: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    if stage == 0 or local:
+    if local or not stage_policy(stage).shards_parameters:
         return shard.to(compute_dtype or shard.dtype, copy=True)
-    return gather_bucket([shard], [shape], group_name, compute_dtype)[0]
+    return gather_bucket([shard], [shape], group_name, world_size, compute_dtype)[0]
 
 
 @unshard.register_fake
@@ -51,6 +57,8 @@ def _unshard_fake(
     shape: list[int],
     stage: int,
     group_name: str,
+    world_size: int,
+    reduce_scatter: str,
     param: str = "",
     compute_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
@@ -58,7 +66,7 @@ def _unshard_fake(
     pending: torch.Tensor | None = None,
 ) -> torch.Tensor:
     dtype = compute_dtype or shard.dtype
-    if stage == 0 or local:
+    if local or not stage_policy(stage).shards_parameters:
         return torch.empty_like(shard, dtype=dtype)
     return shard.new_empty(shape, dtype=dtype)
 
@@ -69,13 +77,17 @@ def reduce_grad(
     shard_numel: int,
     stage: int,
     group_name: str,
+    world_size: int,
+    reduce_scatter: str,
     param: str = "",
     reduce_dtype: torch.dtype | None = None,
     grad_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    if stage == 0:
-        return all_reduce_bucket([grad.contiguous()], group_name, reduce_dtype, grad_dtype)[0]
-    return reduce_scatter_bucket([grad.contiguous()], [shard_numel], group_name, reduce_dtype, grad_dtype)[0]
+    if stage_policy(stage).reduction == "all_reduce":
+        return all_reduce_bucket([grad.contiguous()], group_name, world_size, reduce_dtype, grad_dtype)[0]
+    return reduce_scatter_bucket(
+        [grad.contiguous()], [shard_numel], group_name, world_size, reduce_scatter, reduce_dtype, grad_dtype
+    )[0]
 
 
 @reduce_grad.register_fake
@@ -84,12 +96,14 @@ def _reduce_grad_fake(
     shard_numel: int,
     stage: int,
     group_name: str,
+    world_size: int,
+    reduce_scatter: str,
     param: str = "",
     reduce_dtype: torch.dtype | None = None,
     grad_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     dtype = grad_dtype or grad.dtype
-    if stage == 0:
+    if stage_policy(stage).reduction == "all_reduce":
         return torch.empty_like(grad, dtype=dtype, memory_format=torch.contiguous_format)
     return grad.new_empty(shard_numel, dtype=dtype)
 
@@ -110,12 +124,16 @@ def _unshard_backward(ctx, grad: torch.Tensor):
     """
     m = ctx.marker
     (pending,) = ctx.saved_tensors
+    not_differentiable = (None,) * (len(UnshardArgs._fields) - 1)
     if m.local:
-        return grad.to(ctx.shard_dtype), None, None, None, None, None, None, None, None
+        return grad.to(ctx.shard_dtype), *not_differentiable
     if pending is not None:
         grad = (pending + grad).to(m.reduce_dtype or grad.dtype)
-    reduced = reduce_grad(grad, ctx.shard_numel, m.stage, m.group_name, m.param, m.reduce_dtype, ctx.shard_dtype)
-    return reduced, None, None, None, None, None, None, None, None
+    reduced = reduce_grad(
+        grad, ctx.shard_numel, m.stage, m.group_name, m.world_size, m.reduce_scatter, m.param, m.reduce_dtype,
+        ctx.shard_dtype,
+    )
+    return reduced, *not_differentiable
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
@@ -131,6 +149,8 @@ class UnshardArgs(NamedTuple):
     shape: list[int]
     stage: int
     group_name: str
+    world_size: int
+    reduce_scatter: str  # how the group reduce-scatters (`lowering.REDUCE_SCATTER_FLAVOURS`)
     param: str = ""
     compute_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
@@ -145,6 +165,8 @@ class ReduceGradArgs(NamedTuple):
     shard_numel: int
     stage: int
     group_name: str
+    world_size: int
+    reduce_scatter: str
     param: str = ""
     reduce_dtype: torch.dtype | None = None
     grad_dtype: torch.dtype | None = None

@@ -1,4 +1,5 @@
-"""Stage 3: tag each gathered parameter, and its views and casts, MUST_RECOMPUTE in the joint graph.
+"""Tag each gathered parameter that its stage does not keep for the backward (stage 3: see
+`stages.py`), and its views and casts, MUST_RECOMPUTE in the joint graph.
 
 Left alone, the partitioner saves the gathered weight (or its transpose) for the backward, which
 keeps every full parameter alive from forward to backward and silently undoes stage 3. Tagged, the
@@ -21,6 +22,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .markers import is_unshard, unshard_args
+from .stages import stage_policy
 
 aten = torch.ops.aten
 
@@ -44,16 +46,22 @@ def _is_view_or_cast(node: fx.Node) -> bool:
 
 
 def tag_gathers_for_recompute(graph: fx.Graph) -> int:
-    """Tag stage-3 `unshard` nodes and their view/cast users; returns the number tagged.
+    """Tag the `unshard` nodes of stages that re-gather in the backward, and their view/cast
+    users; returns the number tagged.
 
-    Stage 1-2 `unshard` nodes lose any recompute tag (activation checkpointing's), so the
-    partitioner saves them like any other gather of those stages.
+    `unshard` nodes of stages that keep gathered parameters lose any recompute tag (activation
+    checkpointing's), so the partitioner saves them like any other gather of those stages.
     """
+    frontier = []
     for node in graph.nodes:
-        if is_unshard(node) and unshard_args(node).stage in (1, 2):
+        if not is_unshard(node):
+            continue
+        policy = stage_policy(unshard_args(node).stage)
+        if policy.keeps_gathered_for_backward:
             node.meta.pop("recompute", None)
+        elif policy.shards_parameters:
+            frontier.append(node)
     tagged = 0
-    frontier = [node for node in graph.nodes if is_unshard(node) and unshard_args(node).stage == 3]
     seen: set[fx.Node] = set()
     while frontier:
         node = frontier.pop()

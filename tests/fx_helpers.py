@@ -5,11 +5,20 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed import distributed_c10d as c10d
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from zerocompile.passes.lowering import ALL_TO_ALL_REDUCE_SCATTER, NATIVE_REDUCE_SCATTER
 from zerocompile.passes.markers import is_reduce_grad, is_unshard
 
 WORLD = 4
+
+
+def on(group_name: str, textbook: bool = True) -> tuple[str, int, str]:
+    """A marker's group arguments for a group of this process: its name, its size, and how it
+    reduce-scatters (`textbook=False`: gloo's all-to-all + sum)."""
+    flavour = NATIVE_REDUCE_SCATTER if textbook else ALL_TO_ALL_REDUCE_SCATTER
+    return group_name, c10d._get_group_size_by_name(group_name), flavour
 
 
 def trace(fn, *specs) -> fx.GraphModule:

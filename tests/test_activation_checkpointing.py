@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 import zerocompile as zc
-from fx_helpers import trace
+from fx_helpers import on, trace
 from models import CheckpointedMLP, local_batch
 from ranks import run_on_ranks
 from test_parity import _full_parameters
@@ -147,7 +147,7 @@ def test_checkpointed_mlp_stage3_inductor(inductor_report) -> None:
 @pytest.mark.usefixtures("group_name")
 def test_checkpoint_tags_on_stage_1_2_gathers_are_dropped_and_stage_3_must_recompute(group_name) -> None:
     def f(s1, s2, s3, x):
-        return [x @ UNSHARD(s, [3, 5], stage, group_name).t() for s, stage in ((s1, 1), (s2, 2), (s3, 3))]
+        return [x @ UNSHARD(s, [3, 5], stage, *on(group_name)).t() for s, stage in ((s1, 1), (s2, 2), (s3, 3))]
 
     gm = trace(f, (4,), (4,), (4,), (2, 5))
     for node in gm.graph.nodes:  # what torch.utils.checkpoint puts on every op of its region

@@ -212,8 +212,7 @@ def subgroups_and_uncompiled_match_ddp(rank: int, world_size: int) -> list[float
                 run(x).backward()
                 optimizer.step()
                 optimizer.zero_grad()
-        full = {fqn: torch.ops.zero.unshard(p.detach(), list(p._zero.shape), stage, p._zero.group_name)
-                for fqn, p in model.named_parameters()}
+        full = {fqn: p._zero.gather(p.detach()) for fqn, p in model.named_parameters()}
         errors.append(max((full[k] - v).abs().max().item() for k, v in reference.module.named_parameters()))
     return errors
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from fx_helpers import WORLD, call_targets, markers_in, node_index, output_args, trace
+from fx_helpers import WORLD, call_targets, markers_in, node_index, on, output_args, trace
 from zerocompile.passes import analysis, ledger, lowering
 from zerocompile.passes.lower_markers import lower_markers
 from zerocompile.passes.markers import REDUCE_GRAD, UNSHARD
@@ -187,22 +187,24 @@ def forward_model(
 
     def f(s1, s2, s3, s4, x):
         h = x.relu()
-        h = h @ UNSHARD(s1, SHAPES[0], stage, group_name, fqns[0], compute_dtype)
+        h = h @ UNSHARD(s1, SHAPES[0], stage, *on(group_name), fqns[0], compute_dtype)
         h = h.relu()
-        h = h @ UNSHARD(s2, SHAPES[1], stage, group_name, fqns[1], compute_dtype)
-        h = h @ UNSHARD(s3, SHAPES[2], stage, group_name, fqns[2], compute_dtype)
-        return (h + UNSHARD(s4, SHAPES[3], stage, group_name, fqns[3], compute_dtype),)
+        h = h @ UNSHARD(s2, SHAPES[1], stage, *on(group_name), fqns[1], compute_dtype)
+        h = h @ UNSHARD(s3, SHAPES[2], stage, *on(group_name), fqns[2], compute_dtype)
+        return (h + UNSHARD(s4, SHAPES[3], stage, *on(group_name), fqns[3], compute_dtype),)
 
     return trace(f, *[((n,), dtype) for n in SHARDS], ((2, 3), compute_dtype or dtype))
 
 
-def backward_model(group_name: str, stage: int = 2, dtype=torch.float32, fqns=FQNS) -> fx.GraphModule:
+def backward_model(
+    group_name: str, stage: int = 2, dtype=torch.float32, fqns=FQNS, textbook: bool = True
+) -> fx.GraphModule:
     """Four gradients computed (g * 2) and reduced one after another, returned as the outputs."""
 
     def f(g1, g2, g3, g4):
         grads = (g1, g2, g3, g4)
         return tuple(
-            REDUCE_GRAD(g * 2, math.prod(s) if stage == 0 else n, stage, group_name, fqn)
+            REDUCE_GRAD(g * 2, math.prod(s) if stage == 0 else n, stage, *on(group_name, textbook), fqn)
             for g, s, n, fqn in zip(grads, SHAPES, SHARDS, fqns)
         )
 
@@ -217,11 +219,11 @@ def gather_model(specs: list[tuple]) -> fx.GraphModule:
     def f(*shards):
         outs = []
         for s, (full, stage, group, _, computed) in zip(shards, specs):
-            outs.append(UNSHARD(s * 2 if computed else s, list(full), stage, group))
+            outs.append(UNSHARD(s * 2 if computed else s, list(full), stage, *on(group)))
         return tuple(outs)
 
     def shard_numel(full, group):
-        return math.ceil(math.prod(full) / lowering.group_size(group))
+        return math.ceil(math.prod(full) / on(group)[1])
 
     return trace(f, *[((shard_numel(full, group),), dtype) for full, _, group, dtype, _ in specs])
 
@@ -233,8 +235,8 @@ def reduce_model(specs: list[tuple]) -> fx.GraphModule:
     def f(*grads):
         outs = []
         for g, (full, stage, group, _, extra_user) in zip(grads, specs):
-            numel = math.prod(full) if stage == 0 else math.ceil(math.prod(full) / lowering.group_size(group))
-            r = REDUCE_GRAD(g * 2, numel, stage, group)
+            numel = math.prod(full) if stage == 0 else math.ceil(math.prod(full) / on(group)[1])
+            r = REDUCE_GRAD(g * 2, numel, stage, *on(group))
             outs.append(r)
             if extra_user:
                 outs.append(r + 1)
@@ -575,10 +577,8 @@ def test_gather_of_a_computed_shard_stays_alone(group_name):
 
 
 @pytest.mark.parametrize("textbook", [True, False], ids=["reduce_scatter", "gloo_all_to_all"])
-def test_reduction_bucket_is_one_collective_over_rank_major_blocks(group_name, textbook, monkeypatch):
-    if not textbook:
-        monkeypatch.setattr(lowering, "sends_textbook_reduce_scatter", lambda name: False)
-    gm = backward_model(group_name, stage=2)
+def test_reduction_bucket_is_one_collective_over_rank_major_blocks(group_name, textbook):
+    gm = backward_model(group_name, stage=2, textbook=textbook)
     grads = find(gm.graph, aten.mul.Tensor)
 
     counts = lower(gm, bucket_bytes=10**9)
@@ -823,12 +823,10 @@ def _reduction_case(stage: int):
 @pytest.mark.parametrize("prefetch", [0, 1])
 @pytest.mark.parametrize("bucket_bytes", [200, 280, 350, 10**9])  # float64: 120, 160, 64, 16 bytes
 @pytest.mark.parametrize("stage, textbook", [(2, True), (2, False), (1, True), (0, True)], ids=["s2", "s2-gloo", "s1", "s0"])
-def test_simulated_bucketed_reductions_match_per_parameter_reductions(group_name, monkeypatch, stage, textbook, bucket_bytes, prefetch):
-    if not textbook:
-        monkeypatch.setattr(lowering, "sends_textbook_reduce_scatter", lambda name: False)
+def test_simulated_bucketed_reductions_match_per_parameter_reductions(group_name, stage, textbook, bucket_bytes, prefetch):
     inputs, expected = _reduction_case(stage)
-    bucketed = backward_model(group_name, stage=stage, dtype=torch.float64)
-    single = backward_model(group_name, stage=stage, dtype=torch.float64)
+    bucketed = backward_model(group_name, stage=stage, dtype=torch.float64, textbook=textbook)
+    single = backward_model(group_name, stage=stage, dtype=torch.float64, textbook=textbook)
     assert lower(bucketed, bucket_bytes=bucket_bytes, prefetch=prefetch)["reduction_buckets"] < 4
     assert lower(single)["reduction_buckets"] == 4  # the per-parameter functions
 
@@ -848,9 +846,9 @@ def _three_layer_stage3(group_name: str, computed_second: bool = False) -> fx.Gr
     """x @ w1 [3, 5] @ w2 [5, 4] @ w3 [4, 2]: three gathers separated by matmuls."""
 
     def f(s1, s2, s3, x):
-        h = x @ UNSHARD(s1, [3, 5], 3, group_name, "w1")
-        h = h @ UNSHARD(s2 * 2 if computed_second else s2, [5, 4], 3, group_name, "w2")
-        return (h @ UNSHARD(s3, [4, 2], 3, group_name, "w3"),)
+        h = x @ UNSHARD(s1, [3, 5], 3, *on(group_name), "w1")
+        h = h @ UNSHARD(s2 * 2 if computed_second else s2, [5, 4], 3, *on(group_name), "w2")
+        return (h @ UNSHARD(s3, [4, 2], 3, *on(group_name), "w3"),)
 
     return trace(f, (4,), (5,), (2,), (2, 3))
 
@@ -1047,13 +1045,13 @@ def test_prefetch_does_not_move_a_gather_of_a_computed_shard(group_name):
 # ----------------------------------------------------------------------------- prefetch: reductions
 
 
-def _three_reductions(group_name: str) -> fx.GraphModule:
+def _three_reductions(group_name: str, textbook: bool = True) -> fx.GraphModule:
     """Three gradients produced between other compute, each reduced where it is produced."""
 
     def f(g1, g2, g3):
-        r1 = REDUCE_GRAD(g1 * 2, 4, 2, group_name, "w1")  # [3, 5]: padded
-        r2 = REDUCE_GRAD(g2 + 1, 5, 2, group_name, "w2")  # [5, 4]
-        r3 = REDUCE_GRAD(g3.sin(), 2, 2, group_name, "w3")  # [4, 2]
+        r1 = REDUCE_GRAD(g1 * 2, 4, 2, *on(group_name, textbook), "w1")  # [3, 5]: padded
+        r2 = REDUCE_GRAD(g2 + 1, 5, 2, *on(group_name, textbook), "w2")  # [5, 4]
+        r3 = REDUCE_GRAD(g3.sin(), 2, 2, *on(group_name, textbook), "w3")  # [4, 2]
         return r1, r2, r3
 
     return trace(f, (3, 5), (5, 4), (4, 2))
@@ -1078,10 +1076,8 @@ RS, A2A, SUM, DIV = funcol.reduce_scatter_tensor.default, funcol.all_to_all_sing
     ],
     ids=["none", "one", "two", "one-gloo"],
 )
-def test_prefetch_waits_each_reduction_just_before_the_next_starts(group_name, monkeypatch, prefetch, textbook, expected):
-    if not textbook:
-        monkeypatch.setattr(lowering, "sends_textbook_reduce_scatter", lambda name: False)
-    gm = _three_reductions(group_name)
+def test_prefetch_waits_each_reduction_just_before_the_next_starts(group_name, prefetch, textbook, expected):
+    gm = _three_reductions(group_name, textbook)
 
     counts = lower(gm, prefetch=prefetch)
 
@@ -1096,10 +1092,10 @@ def test_prefetch_waits_each_reduction_just_before_the_next_starts(group_name, m
 
 def test_prefetch_moves_a_reduction_buckets_wait_and_unpacking_before_the_next_bucket(group_name):
     def f(g1, g2, g3, g4):
-        r1 = REDUCE_GRAD(g1 * 2, 4, 2, group_name, "w1")  # [3, 5]
-        r2 = REDUCE_GRAD(g2 * 2, 5, 2, group_name, "w2")  # [5, 4]: bucket [r1, r2], 140 bytes
-        r3 = REDUCE_GRAD(g3.sin(), 2, 2, group_name, "w3")  # [4, 2]
-        r4 = REDUCE_GRAD(g4.cos(), 1, 2, group_name, "b3")  # [2]: bucket [r3, r4]
+        r1 = REDUCE_GRAD(g1 * 2, 4, 2, *on(group_name), "w1")  # [3, 5]
+        r2 = REDUCE_GRAD(g2 * 2, 5, 2, *on(group_name), "w2")  # [5, 4]: bucket [r1, r2], 140 bytes
+        r3 = REDUCE_GRAD(g3.sin(), 2, 2, *on(group_name), "w3")  # [4, 2]
+        r4 = REDUCE_GRAD(g4.cos(), 1, 2, *on(group_name), "b3")  # [2]: bucket [r3, r4]
         return r1, r2, r3, r4
 
     gm = trace(f, (3, 5), (5, 4), (4, 2), (2,))
@@ -1187,10 +1183,8 @@ def test_ledger_of_a_bf16_single_parameter_gather(group_name):
 
 
 @pytest.mark.parametrize("stage, textbook", [(2, True), (2, False), (0, True)], ids=["s2", "s2-gloo", "s0"])
-def test_ledger_of_a_bucketed_backward(group_name, monkeypatch, stage, textbook):
-    if not textbook:
-        monkeypatch.setattr(lowering, "sends_textbook_reduce_scatter", lambda name: False)
-    gm = backward_model(group_name, stage=stage)
+def test_ledger_of_a_bucketed_backward(group_name, stage, textbook):
+    gm = backward_model(group_name, stage=stage, textbook=textbook)
     lower(gm, bucket_bytes=140)
 
     book = ledger.graph_ledger(gm.graph, "backward")

@@ -49,7 +49,7 @@ def _full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
             if info is None or info.stage == 0:
                 full[fqn] = param.detach().clone()
             else:
-                full[fqn] = torch.ops.zero.unshard(param.detach(), list(info.shape), info.stage, info.group_name)
+                full[fqn] = info.gather(param.detach())
     return full
 
 

@@ -23,7 +23,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fx_helpers import WORLD, call_targets, markers_in, node_index, output_args, trace
+from fx_helpers import WORLD, call_targets, markers_in, node_index, on, output_args, trace
 from zerocompile.passes import analysis, lowering
 from zerocompile.passes.lower_markers import lower_markers
 from zerocompile.passes.markers import REDUCE_GRAD, UNSHARD, is_unshard
@@ -92,11 +92,11 @@ def _hand_built_graph(group_name: str):
         p1.meta["val"] = torch.empty(4)
         full = torch.empty(3, 5)
     nodes = {
-        "u0": graph.call_function(UNSHARD, (p0, [3, 5], 3, group_name)),
-        "u1": graph.call_function(UNSHARD, (p1, [3, 5], 3, group_name)),
-        "u2": graph.call_function(UNSHARD, (p0, [3, 5], 3, group_name)),
-        "u3": graph.call_function(UNSHARD, (p0, [3, 5], 1, group_name)),
-        "u4": graph.call_function(UNSHARD, (p0, [3, 5], 3, group_name)),
+        "u0": graph.call_function(UNSHARD, (p0, [3, 5], 3, *on(group_name))),
+        "u1": graph.call_function(UNSHARD, (p1, [3, 5], 3, *on(group_name))),
+        "u2": graph.call_function(UNSHARD, (p0, [3, 5], 3, *on(group_name))),
+        "u3": graph.call_function(UNSHARD, (p0, [3, 5], 1, *on(group_name))),
+        "u4": graph.call_function(UNSHARD, (p0, [3, 5], 3, *on(group_name))),
     }
     for node in nodes.values():
         node.meta["val"] = full
@@ -124,8 +124,8 @@ def test_merge_repeated_unshards_keeps_first_and_rewires_users(group_name):
 
 def test_merge_repeated_unshards_on_traced_tied_weight(group_name):
     def f(s, x):
-        a = x @ UNSHARD(s, [3, 5], 3, group_name)
-        b = UNSHARD(s, [3, 5], 3, group_name).t()
+        a = x @ UNSHARD(s, [3, 5], 3, *on(group_name))
+        b = UNSHARD(s, [3, 5], 3, *on(group_name)).t()
         return a, b
 
     gm = trace(f, (4,), (2, 3))
@@ -141,8 +141,8 @@ def test_merge_repeated_unshards_on_traced_tied_weight(group_name):
 def test_merge_repeated_unshards_no_op_leaves_graph_unchanged(group_name):
     def f(s0, s1, x):
         # Same placeholder at two stages and two placeholders: nothing to merge.
-        a = x @ UNSHARD(s0, [3, 5], 3, group_name)
-        return a, UNSHARD(s0, [3, 5], 2, group_name), UNSHARD(s1, [3, 5], 3, group_name)
+        a = x @ UNSHARD(s0, [3, 5], 3, *on(group_name))
+        return a, UNSHARD(s0, [3, 5], 2, *on(group_name)), UNSHARD(s1, [3, 5], 3, *on(group_name))
 
     gm = trace(f, (4,), (4,), (2, 3))
     code_before = gm.graph.python_code("self").src
@@ -159,13 +159,13 @@ def test_merge_repeated_unshards_no_op_leaves_graph_unchanged(group_name):
 
 def test_tag_gathers_for_recompute_tags_stage3_views_and_casts_only(group_name):
     def f(s3, s1, x):
-        w = UNSHARD(s3, [3, 5], 3, group_name)
+        w = UNSHARD(s3, [3, 5], 3, *on(group_name))
         transposed = w.t().unsqueeze(0)  # view of a view
         flat = w.view(15)
         wide = w.to(torch.float64)  # _to_copy
         compute = x @ w  # mm: a new value, not the parameter
         after = compute.t()  # a view of a compute result: not the parameter either
-        v = UNSHARD(s1, [3, 5], 1, group_name)
+        v = UNSHARD(s1, [3, 5], 1, *on(group_name))
         return compute, transposed, flat, wide, after, v.t(), x @ v
 
     gm = trace(f, (4,), (4,), (2, 3))
@@ -189,7 +189,7 @@ def test_tag_gathers_for_recompute_tags_stage3_views_and_casts_only(group_name):
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_tag_gathers_for_recompute_ignores_other_stages(group_name, stage):
     def f(s, x):
-        w = UNSHARD(s, [3, 5], stage, group_name)
+        w = UNSHARD(s, [3, 5], stage, *on(group_name))
         return x @ w.t().t(), w.to(torch.float16)
 
     gm = trace(f, ((3, 5) if stage == 0 else (4,)), (2, 3))
@@ -201,7 +201,7 @@ def test_tag_gathers_for_recompute_ignores_other_stages(group_name, stage):
 # --------------------------------------------------------------------------------- lower_markers
 
 
-def _stage_graph(stage: int, group_name: str, dtype=torch.float32) -> fx.GraphModule:
+def _stage_graph(stage: int, group_name: str, dtype=torch.float32, textbook: bool = True) -> fx.GraphModule:
     """A forward part (two gathers around compute) and a backward part (two gradient reductions).
 
     w1 is [3, 5] (15 elements: padded to 16 over 4 ranks, shard 4), w2 is [5, 4] (20: shard 5).
@@ -212,12 +212,12 @@ def _stage_graph(stage: int, group_name: str, dtype=torch.float32) -> fx.GraphMo
 
     def f(s1, s2, g1, g2, x):
         h = x.relu()
-        h = h @ UNSHARD(s1, [3, 5], stage, group_name)
+        h = h @ UNSHARD(s1, [3, 5], stage, *on(group_name))
         h = h.relu()
-        h = h @ UNSHARD(s2, [5, 4], stage, group_name)
-        r1 = REDUCE_GRAD(g1 * 2, shard_numel([3, 5]), stage, group_name)
+        h = h @ UNSHARD(s2, [5, 4], stage, *on(group_name))
+        r1 = REDUCE_GRAD(g1 * 2, shard_numel([3, 5]), stage, *on(group_name, textbook))
         y = h.sin()
-        r2 = REDUCE_GRAD(g2 + 1, shard_numel([5, 4]), stage, group_name)
+        r2 = REDUCE_GRAD(g2 + 1, shard_numel([5, 4]), stage, *on(group_name, textbook))
         return y, r1, r2
 
     shards = [(3, 5), (5, 4)] if stage == 0 else [(4,), (5,)]
@@ -307,9 +307,8 @@ def test_lower_markers_reduce_scatter_shapes_with_padding(group_name, stage):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_lower_markers_gloo_builds_reduce_scatter_from_all_to_all(group_name, stage, monkeypatch):
-    monkeypatch.setattr(lowering, "sends_textbook_reduce_scatter", lambda name: False)
-    gm = _stage_graph(stage, group_name)
+def test_lower_markers_gloo_builds_reduce_scatter_from_all_to_all(group_name, stage):
+    gm = _stage_graph(stage, group_name, textbook=False)
     before = set(gm.graph.nodes)
 
     counts = lower_markers(gm.graph)
@@ -357,7 +356,7 @@ def test_lower_markers_stage0_unshard_rewired_and_reduce_grad_all_reduces(group_
 
 def test_lower_markers_stage0_reduce_grad_of_non_contiguous_grad(group_name):
     def f(p, x):
-        return (REDUCE_GRAD(x.t(), 15, 0, group_name),)
+        return (REDUCE_GRAD(x.t(), 15, 0, *on(group_name)),)
 
     gm = trace(f, (5, 3), (5, 3))
 
@@ -371,7 +370,7 @@ def test_lower_markers_stage0_reduce_grad_of_non_contiguous_grad(group_name):
 
 def test_lower_markers_stage0_returned_parameter_becomes_clone(group_name):
     def f(p, x):
-        w = UNSHARD(p, [3, 5], 0, group_name)
+        w = UNSHARD(p, [3, 5], 0, *on(group_name))
         return x @ w, w
 
     gm = trace(f, (3, 5), (2, 3))
@@ -429,8 +428,8 @@ def test_lower_markers_stage1_reductions_just_before_output(group_name):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_lower_markers_stage12_keeps_program_order_of_moved_gathers(group_name, stage):
     def f(s1, s2, x):
-        w1 = UNSHARD(s1, [3, 5], stage, group_name)  # first node after the placeholders
-        w2 = UNSHARD(s2, [5, 4], stage, group_name)
+        w1 = UNSHARD(s1, [3, 5], stage, *on(group_name))  # first node after the placeholders
+        w2 = UNSHARD(s2, [5, 4], stage, *on(group_name))
         return (x @ w1 @ w2,)
 
     gm = trace(f, (4,), (5,), (2, 3))
@@ -584,8 +583,8 @@ def _compile_two_layer_mlp(stage: int, group_name: str, tag: bool) -> dict:
         return compile_graph
 
     def mlp(s1, b1, s2, b2, x):
-        h = torch.nn.functional.linear(x, UNSHARD(s1, [7, 6], stage, group_name), b1).relu()
-        return torch.nn.functional.linear(h, UNSHARD(s2, [5, 7], stage, group_name), b2)
+        h = torch.nn.functional.linear(x, UNSHARD(s1, [7, 6], stage, *on(group_name)), b1).relu()
+        return torch.nn.functional.linear(h, UNSHARD(s2, [5, 7], stage, *on(group_name)), b2)
 
     compiled = aot_function(mlp, fw_compiler=compiler("fw"), bw_compiler=compiler("bw"), partition_fn=partition)
     s1, s2 = torch.randn(11, requires_grad=True), torch.randn(9, requires_grad=True)

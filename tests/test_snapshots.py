@@ -40,7 +40,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import zerocompile as zc
 from zerocompile import backend, sharding
-from zerocompile.passes import lowering
+from zerocompile.passes.lowering import ALL_TO_ALL_REDUCE_SCATTER
 from zerocompile.tools.gpt import GPT, GPTConfig
 
 WORLD = 4
@@ -512,7 +512,7 @@ return (getitem_5, getitem_4, None, getitem_3, getitem_2, getitem_1, getitem)"""
 
     def test_stage_2_snapshot_fails_on_changed_collective(self) -> None:
         """The reduce-scatter built from all-to-all (as on gloo) must fail the pinned backward."""
-        all_to_all = mock.patch.object(lowering, "sends_textbook_reduce_scatter", lambda group_name: False)
+        all_to_all = mock.patch.object(sharding, "reduce_scatter_flavour", lambda group, device: ALL_TO_ALL_REDUCE_SCATTER)
         forward, backward = mlp_graphs(2)
         with all_to_all:
             changed_forward, changed_backward = mlp_graphs(2)

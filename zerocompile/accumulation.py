@@ -77,10 +77,10 @@ class GradientSync:
             for fqn, param in self.params.items():
                 slot = self.slots[fqn]
                 info = param._zero
-                if info.stage == 0:
+                if info.policy.shards_parameters:
+                    full = info.gather(param.detach())
+                else:
                     full = param.detach()  # whole already: the "copy" aliases it
-                else:  # the marker's eager kernel: a blocking all-gather of this parameter
-                    full = UNSHARD(param.detach(), list(info.shape), info.stage, info.group_name)
                 local = full.requires_grad_(param.requires_grad)
                 local._zero_copy_of = fqn  # how the backend names the marker that uses it
                 local.grad, slot.pending = slot.pending, None

@@ -41,7 +41,7 @@ from zerocompile import dump
 from zerocompile.passes import analysis, ledger
 from zerocompile.passes.ledger import GraphLedger
 from zerocompile.passes.lower_markers import lower_markers
-from zerocompile.passes.markers import is_reduce_grad, is_unshard, reduce_grad_args, unshard_args
+from zerocompile.passes.markers import UnshardArgs, is_reduce_grad, is_unshard, reduce_grad_args, unshard_args
 from zerocompile.passes.merge_unshards import merge_repeated_unshards
 from zerocompile.passes.recompute_gathers import tag_gathers_for_recompute
 from zerocompile.sharding import ShardInfo, shard_info
@@ -225,6 +225,9 @@ def _name_unshard_markers(gm: fx.GraphModule, example_inputs: list[Any]) -> None
     _name_markers_in(gm, dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs)))
 
 
+_PARAM_ARG = UnshardArgs._fields.index("param")
+
+
 def _name_markers_in(gm: fx.GraphModule, values: dict[fx.Node, Any]) -> None:
     for node in gm.graph.nodes:
         if node.op == "get_attr":
@@ -233,8 +236,8 @@ def _name_markers_in(gm: fx.GraphModule, values: dict[fx.Node, Any]) -> None:
             value = values.get(unshard_args(node).shard)
             info = shard_info(value) if isinstance(value, torch.Tensor) else None
             fqn = info.fqn if info is not None else getattr(value, "_zero_copy_of", "")
-            if len(node.args) > 4:
-                node.update_arg(4, fqn)
+            if len(node.args) > _PARAM_ARG:
+                node.update_arg(_PARAM_ARG, fqn)
             else:
                 node.update_kwarg("param", fqn)
         elif node.op == "call_function" and node.args and isinstance(values.get(node.args[0]), fx.GraphModule):

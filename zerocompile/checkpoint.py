@@ -61,7 +61,7 @@ def _valid_numel(info: ShardInfo) -> int:
 
 
 def _is_sharded(info: ShardInfo | None) -> bool:
-    return info is not None and info.stage > 0
+    return info is not None and info.policy.shards_parameters
 
 
 def _resolve(group_name: str) -> dist.ProcessGroup:
@@ -495,7 +495,7 @@ def gathered_state_dict(
         for param, names in params.items():
             info, values = shard_info(param), local(param).detach()
             if _is_sharded(info):
-                tensor = torch.ops.zero.unshard(values, list(info.shape), info.stage, info.group_name)
+                tensor = info.gather(values)
             else:
                 tensor = values.clone()
             if keep:

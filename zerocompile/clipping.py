@@ -46,7 +46,7 @@ def clip_grad_norm_(
         info = shard_info(param)
         if param.grad is None:
             continue
-        if info is None or info.stage == 0:
+        if info is None or not info.policy.shards_parameters:
             whole.append(param.grad)
             continue
         shards = by_group.setdefault(info.group_name, [])

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerocompile.passes.stages import stage_policy
+
 # Fields that only steer the graph passes, so `options=` of one compile may change them.
 COMPILE_TIME_FIELDS = ("compiler", "dump_dir", "bucket_bytes", "prefetch", "check_ranks")
 COMPILERS = ("inductor", "eager")
@@ -103,7 +105,7 @@ def refuse_concurrent_gloo_gathers(config: ZeroConfig, group: dist.ProcessGroup)
     ran gloo's coalesced all-gather; one in flight next to an all-to-all: 0 of 3 runs of 4000).
     `prefetch=1` waits each gather before the next starts, so it is safe; NCCL takes any depth.
     """
-    if config.stage > 0 and config.prefetch > 1 and dist.get_backend(group) == "gloo":
+    if stage_policy(config.stage).shards_parameters and config.prefetch > 1 and dist.get_backend(group) == "gloo":
         raise ValueError(
             f"prefetch={config.prefetch} keeps {config.prefetch} all-gathers in flight, and torch "
             f"{torch.__version__}'s gloo backend corrupts memory when two coalesced all-gathers run "

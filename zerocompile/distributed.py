@@ -14,6 +14,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from zerocompile.passes.lowering import ALL_TO_ALL_REDUCE_SCATTER, NATIVE_REDUCE_SCATTER
+
 
 def _launcher_environment() -> tuple[int, int, int] | None:
     """(rank, world size, local rank) from torchrun's or srun's variables, if either launched us.
@@ -145,6 +147,29 @@ def _torchrun_attempt_store(world_size: int, timeout: timedelta | None) -> dist.
     )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"zerocompile/attempt-{attempt}/", store)
+
+
+def backend_for(group: dist.ProcessGroup, device: torch.device) -> str:
+    """The backend that runs `group`'s collectives on tensors of `device` ("gloo", "nccl", ...):
+    a group may have one per device type ("cpu:gloo,cuda:nccl")."""
+    config = dist.get_backend_config(group)
+    if ":" not in config:
+        return config
+    per_device = dict(part.split(":", 1) for part in config.split(","))
+    if device.type not in per_device:
+        raise ValueError(
+            f"the process group has no backend for {device.type} tensors (its backends: {config}): "
+            f"move the model to one of {sorted(per_device)} before zerocompile.shard()"
+        )
+    return per_device[device.type]
+
+
+def reduce_scatter_flavour(group: dist.ProcessGroup, device: torch.device) -> str:
+    """How gradients reduce-scatter on `group` for tensors of `device` (see
+    `zerocompile.passes.lowering`): gloo's own reduce-scatter sends twice the textbook bytes."""
+    if backend_for(group, device) == "gloo":
+        return ALL_TO_ALL_REDUCE_SCATTER
+    return NATIVE_REDUCE_SCATTER
 
 
 def group_device(group: dist.ProcessGroup) -> torch.device:

@@ -24,7 +24,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import distributed_c10d as c10d
 
-from zerocompile.passes.markers import UNSHARD
 from zerocompile.sharding import ShardInfo, _parameter_owners, shard_info
 
 
@@ -84,7 +83,7 @@ class gathered:
             with torch.no_grad():
                 for param, places in owners.items():
                     info = shard_info(param)
-                    full = UNSHARD(param.detach(), list(info.shape), info.stage, info.group_name, info.fqn)
+                    full = info.gather(param.detach())
                     self._held.append(_Held(param, info, param.data, param.grad, [(m, a) for _p, m, a in places]))
                     param.grad = None  # a shard-shaped gradient cannot sit on a full tensor
                     param.data = full
@@ -150,7 +149,7 @@ class gathered:
         with torch.no_grad():
             for held in self._held:
                 full = held.param.detach()
-                if held.info.stage == 0:
+                if not held.info.policy.shards_parameters:
                     dist.broadcast(full, src=src, group=group)
                     held.shard.copy_(full)
                     continue

@@ -45,6 +45,7 @@ from torch.distributed.distributed_c10d import _get_process_group_store, _resolv
 
 from zerocompile.distributed import process_group_timeout
 from zerocompile.passes.markers import is_reduce_grad, is_unshard, reduce_grad_args, unshard_args
+from zerocompile.passes.stages import stage_policy
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class MarkerEntry:
         )
         if self.marker == "reduce_grad":
             return f"reduces the gradient of '{self.param}' ({self.shape[0]} elements per rank) at stage {self.stage}{dtypes}"
-        action = "uses its local copy of" if self.local else ("uses" if self.stage == 0 else "gathers")
+        action = "uses its local copy of" if self.local else ("gathers" if stage_policy(self.stage).shards_parameters else "uses")
         extras = dtypes + (", gradient reduced" if self.grad_reduced else ", no gradient")
         extras += ", with a pending accumulated gradient" if self.pending else ""
         return f"{action} '{self.param}' {self.shape} at stage {self.stage}{extras}"

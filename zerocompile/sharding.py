@@ -20,10 +20,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from zerocompile.accumulation import GradientSync
 from zerocompile.config import ZeroConfig, config_from_kwargs, refuse_concurrent_gloo_gathers
-from zerocompile.distributed import group_device
+from zerocompile.distributed import group_device, reduce_scatter_flavour
 from zerocompile.heap import trim_heap_while_alive
 from zerocompile.meta_init import built_on_meta, check_meta_model, local_slice, materialise_sharded
-from zerocompile.passes.lowering import padded_numel
+from zerocompile.passes.markers import UNSHARD
+from zerocompile.passes.stages import StagePolicy, stage_policy
 
 @dataclasses.dataclass(frozen=True)
 class ShardInfo:
@@ -36,6 +37,8 @@ class ShardInfo:
     shard_numel: int
     group_name: str
     group_rank: int
+    world_size: int  # of the group
+    reduce_scatter: str  # how the group reduce-scatters this parameter's gradient (its device's backend)
     # The settings of the shard() call that made it: the backend compiles a graph with those of
     # the parameters it holds, so two models on one group keep their own.
     config: ZeroConfig
@@ -43,6 +46,19 @@ class ShardInfo:
     @property
     def stage(self) -> int:
         return self.config.stage
+
+    @property
+    def policy(self) -> StagePolicy:
+        return stage_policy(self.config.stage)
+
+    def marker_args(self) -> tuple:
+        """The `zero::unshard` arguments after the shard, up to its FQN (`UnshardArgs` order)."""
+        return list(self.shape), self.stage, self.group_name, self.world_size, self.reduce_scatter
+
+    def gather(self, shard: torch.Tensor) -> torch.Tensor:
+        """The full parameter from every rank's `shard` (the marker's eager kernel, blocking); a
+        copy of `shard` where the stage keeps parameters whole."""
+        return UNSHARD(shard, *self.marker_args(), self.fqn)
 
     @property
     def shard_offset(self) -> int:
@@ -85,25 +101,29 @@ def shard(
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
 
+    policy = stage_policy(config.stage)
     owners = _parameter_owners(model)
     infos = {}
+    flavours: dict[torch.device, str] = {}
     for param, places in owners.items():
         names = tuple(f"{prefix}{'.' if prefix else ''}{attr}" for prefix, _module, attr in places)
-        numel = param.numel()
-        shard_numel = numel if config.stage == 0 else padded_numel(numel, world_size) // world_size
+        device = group_device(group) if on_meta else param.device
+        if device not in flavours:
+            flavours[device] = reduce_scatter_flavour(group, device)
         infos[param] = ShardInfo(
-            names[0], names, tuple(param.shape), numel, shard_numel, group_name, rank, config
+            names[0], names, tuple(param.shape), param.numel(), policy.local_numel(param.numel(), world_size),
+            group_name, rank, world_size, flavours[device], config,
         )
     if on_meta:
-        shard_numels = {param: None if config.stage == 0 else info.shard_numel for param, info in infos.items()}
+        shard_numels = {param: info.shard_numel if policy.shards_parameters else None for param, info in infos.items()}
         local, buffers = materialise_sharded(model, init, shard_numels=shard_numels, group=group, device=group_device(group))
-        _install_materialised(local, buffers, config.stage)
+        _install_materialised(local, buffers, policy)
     else:
         if init is not None:
             with torch.no_grad():
                 model.apply(init)
         _broadcast_from_group_rank0(model, group)
-        if config.stage > 0:
+        if policy.shards_parameters:
             for param, info in infos.items():
                 param.data = local_slice(param.detach().reshape(-1), info.shard_numel, rank)
     for param, info in infos.items():
@@ -246,12 +266,12 @@ def _parameter_owners(model: nn.Module) -> dict[nn.Parameter, list[tuple[str, nn
 
 
 def _install_materialised(
-    local: dict[nn.Parameter, torch.Tensor], buffers: dict[tuple[nn.Module, str], torch.Tensor], stage: int
+    local: dict[nn.Parameter, torch.Tensor], buffers: dict[tuple[nn.Module, str], torch.Tensor], policy: StagePolicy
 ) -> None:
     """Give each meta Parameter its materialised data, keeping the Parameter object (tied names,
     user references) by swapping its contents: a meta tensor's data cannot be set to a real one."""
     for param, data in local.items():
-        fresh = nn.Parameter(data.view(param.shape) if stage == 0 else data, requires_grad=param.requires_grad)
+        fresh = nn.Parameter(data if policy.shards_parameters else data.view(param.shape), requires_grad=param.requires_grad)
         fresh.__dict__.update(param.__dict__)  # swap_tensors exchanges the attribute dicts too
         torch.utils.swap_tensors(param, fresh)
     for (module, name), value in buffers.items():
@@ -262,7 +282,7 @@ def _shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Slice per-parameter optimizer state (exp_avg, ...) shaped like the full parameter."""
     for param, state in optimizer.state.items():
         info = shard_info(param)
-        if info is None or info.stage == 0:
+        if info is None or not info.policy.shards_parameters:
             continue
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and tuple(value.shape) == info.shape and value.dim() > 0:
@@ -278,8 +298,9 @@ def full_shape(param: torch.Tensor) -> torch.Size:
 
 
 def sharded_shape(info: ShardInfo) -> tuple[int, ...]:
-    """The shape a sharded Parameter's data has on every rank: whole at stage 0, else its shard."""
-    return info.shape if info.stage == 0 else (info.shard_numel,)
+    """The shape a sharded Parameter's data has on every rank: its flat shard, or whole where the
+    stage keeps parameters whole."""
+    return (info.shard_numel,) if info.policy.shards_parameters else info.shape
 
 
 @functools.cache
@@ -309,7 +330,7 @@ def _make_module_unshard_on_access(module: nn.Module, config: ZeroConfig, sync: 
         # The marker's arguments after the shard (see zerocompile.passes.markers.unshard). The FQN
         # is left out: Dynamo would guard on it, and every block of a model compiled block by block
         # (or split by graph breaks) would then compile a graph of its own. The backend fills it in.
-        markers[name] = (list(info.shape), info.stage, info.group_name, "", config.param_dtype, config.reduce_dtype)
+        markers[name] = (*info.marker_args(), "", config.param_dtype, config.reduce_dtype)
     module._zero_markers = markers
     module._zero_slots = slots
     module._zero_shards = {name: module._parameters[name] for name in names}  # what the properties expect
