@@ -23,6 +23,7 @@ from zerocompile.config import ZeroConfig, config_from_kwargs, refuse_concurrent
 from zerocompile.distributed import group_device, reduce_scatter_flavour
 from zerocompile.heap import trim_heap_while_alive
 from zerocompile.meta_init import built_on_meta, check_meta_model, local_slice, materialise_sharded
+from zerocompile.optimizers import refuse_unsupported_optimizer
 from zerocompile.passes.markers import UNSHARD
 from zerocompile.passes.stages import StagePolicy, stage_policy
 
@@ -95,6 +96,8 @@ def shard(
     config = config_from_kwargs(base, None if isinstance(stage, ZeroConfig) else stage, settings)
     on_meta = built_on_meta(model)
     _check_can_shard(model, on_meta)
+    if optimizer is not None:
+        refuse_unsupported_optimizer(optimizer, {config.stage})
     group = config.group if config.group is not None else dist.group.WORLD
     refuse_concurrent_gloo_gathers(config, group)
     group_name = group.group_name
@@ -442,21 +445,23 @@ def _install_registration_guard() -> None:
 
 
 def _check_optimizer_state(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Before a step: state built for the full parameter means shard() came after a step."""
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            info = shard_info(param)
-            if info is None or param not in optimizer.state:
-                continue
-            for key, value in optimizer.state[param].items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
-                    if tuple(param.shape) != sharded_shape(info):  # the parameter changed, not the state
-                        raise RuntimeError(_data_replaced_message(info, param))
+    """Before a step: an optimizer that cannot step on the shards, or state made for the full
+    parameter, which means shard() came after the optimizer stepped (or built its state)."""
+    sharded = [(p, info) for group in optimizer.param_groups for p in group["params"] if (info := shard_info(p)) is not None]
+    refuse_unsupported_optimizer(optimizer, {info.stage for _param, info in sharded})
+    for param, info in sharded:
+        for key, value in optimizer.state.get(param, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                if tuple(param.shape) != sharded_shape(info):  # the parameter changed, not the state
+                    raise RuntimeError(_data_replaced_message(info, param))
+                # Any other shape is the optimizer's own layout (Adafactor's row_var, LBFGS's flat
+                # direction at stage 0); those that cannot step on shards were refused above.
+                if tuple(value.shape) == info.shape:
                     raise RuntimeError(
-                        f"optimizer state {key!r} of parameter '{info.fqn}' has shape "
-                        f"{tuple(value.shape)} but the parameter is sharded to {tuple(param.shape)}: "
-                        "the optimizer stepped before zerocompile.shard(). Pass it in: "
-                        "zerocompile.shard(model, ..., optimizer=optimizer)"
+                        f"optimizer state {key!r} of parameter '{info.fqn}' has the full shape "
+                        f"{info.shape} but the parameter is sharded to {tuple(param.shape)}: the optimizer "
+                        f"({type(optimizer).__name__}) stepped before zerocompile.shard(), or made its state "
+                        "when built (as Adagrad does). Pass it in: zerocompile.shard(model, ..., optimizer=optimizer)"
                     )
 
 
