@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerocompile import checkpoint_files as files
-from zerocompile.sharding import ShardInfo, _parameter_owners, shard_info
+from zerocompile.sharding import ShardInfo, _parameter_owners, own_state_dict, shard_info
 
 if TYPE_CHECKING:
     from zerocompile.ema import EMA
@@ -52,7 +52,7 @@ def parameter_names(model: nn.Module) -> dict[nn.Parameter, tuple[str, ...]]:
 
 def _persistent_buffers(model: nn.Module, params: dict[nn.Parameter, tuple[str, ...]]) -> dict[str, torch.Tensor]:
     param_names = {name for names in params.values() for name in names}
-    return {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in param_names}
+    return {k: v for k, v in own_state_dict(model).items() if k not in param_names}
 
 
 def _valid_numel(info: ShardInfo) -> int:
@@ -255,7 +255,7 @@ def _describe(
         "buffers": [
             {"name": name, "shape": list(b.shape), "dtype": files.dtype_name(b.dtype)} for name, b in buffers.items()
         ],
-        "state_dict_keys": list(model.state_dict(keep_vars=True)),
+        "state_dict_keys": list(own_state_dict(model)),
     }
 
 
@@ -505,7 +505,7 @@ def gathered_state_dict(
             return {}
         for name, buffer in _persistent_buffers(model, params).items():
             full[name] = buffer.detach().clone().cpu() if cpu else buffer.detach().clone()
-    order = list(model.state_dict(keep_vars=True))
+    order = list(own_state_dict(model))
     return {name: full[name] for name in order}
 
 

@@ -9,8 +9,10 @@ untouched and every use of a parameter becomes a marker in the traced graph.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -134,8 +136,9 @@ def shard(
     if optimizer is not None:
         _shard_optimizer_state(optimizer)
     sync = GradientSync({shard_info(param).fqn: param for param in owners})
+    notice = ShardedStateDictNotice()
     for module in {id(m): m for places in owners.values() for _p, m, _a in places}.values():
-        _make_module_unshard_on_access(module, config, sync)
+        _make_module_unshard_on_access(module, config, sync, notice)
     if config.param_dtype is not None:
         model.register_forward_pre_hook(
             functools.partial(_cast_floating_inputs, dtype=config.param_dtype), with_kwargs=True
@@ -324,7 +327,9 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     return type(cls.__name__, (cls,), attributes)
 
 
-def _make_module_unshard_on_access(module: nn.Module, config: ZeroConfig, sync: GradientSync) -> None:
+def _make_module_unshard_on_access(
+    module: nn.Module, config: ZeroConfig, sync: GradientSync, notice: ShardedStateDictNotice
+) -> None:
     names = tuple(name for name, p in module._parameters.items() if p is not None)
     markers, slots = {}, {}
     for name in names:
@@ -340,6 +345,7 @@ def _make_module_unshard_on_access(module: nn.Module, config: ZeroConfig, sync: 
     module._zero_sync = sync  # one per model: what no_sync(model) enters and exits
     module.__class__ = _sharded_class(type(module), names)
     module.register_load_state_dict_pre_hook(_keep_this_ranks_slice_of_full_tensors)
+    module.register_state_dict_post_hook(notice)
 
 
 def _keep_this_ranks_slice_of_full_tensors(
@@ -363,6 +369,49 @@ def _keep_this_ranks_slice_of_full_tensors(
         full_to_shard = held is not None and tuple(held.shape) != info.shape
         if full_to_shard and isinstance(value, torch.Tensor) and tuple(value.shape) == info.shape:
             state_dict[prefix + name] = local_slice(value.detach().reshape(-1), info.shard_numel, info.group_rank)
+
+
+# Set while zerocompile itself reads a state dict (checkpoints), which must not warn the user.
+_READING_OWN_STATE_DICT: contextvars.ContextVar[bool] = contextvars.ContextVar("zerocompile_reading_own_state_dict", default=False)
+
+
+def own_state_dict(model: nn.Module) -> dict[str, Any]:
+    """`model.state_dict(keep_vars=True)` for zerocompile's own use, without the notice below."""
+    token = _READING_OWN_STATE_DICT.set(True)
+    try:
+        return model.state_dict(keep_vars=True)
+    finally:
+        _READING_OWN_STATE_DICT.reset(token)
+
+
+class ShardedStateDictNotice:
+    """A `state_dict()` post-hook on every module of one sharded model: the first state dict that
+    holds shards says so, once per model. `torch.save(model.state_dict(), ...)`, the DDP habit,
+    would otherwise write 1/N of the model and fail only when loaded, maybe after the job ended."""
+
+    def __init__(self) -> None:
+        self.said = False
+
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict) -> None:
+        if self.said or _READING_OWN_STATE_DICT.get():
+            return
+        for name, shard in module._zero_shards.items():
+            info = shard_info(shard)
+            held = module._parameters.get(name)  # full inside `gathered()`: then nothing to say
+            if held is not None and tuple(held.shape) != info.shape:
+                self.said = True
+                warnings.warn(
+                    f"state_dict() of a model sharded by zerocompile (stage {info.stage}, {info.world_size} "
+                    f"ranks) holds this rank's shards, not the model: '{prefix}{name}' is a flat "
+                    f"{tuple(held.shape)} slice of {info.shape}. Saved with torch.save it loads only into this "
+                    "model sharded the same way on this rank. To save the model: zerocompile.save(path, model, "
+                    "optimizer) (every rank writes its shards; loads at any world size and stage), "
+                    "zerocompile.full_state_dict(model) (full tensors on rank 0, for torch.save), or "
+                    "zerocompile.save_weights(model, path) (safetensors, as Hugging Face). Said once per model.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+                return
 
 
 _FIX_BEFORE_SHARD = (
