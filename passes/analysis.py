@@ -23,6 +23,7 @@ COLLECTIVES = {
     funcol.reduce_scatter_tensor.default: "reduce_scatter",
     funcol.all_to_all_single.default: "all_to_all",
     funcol.all_reduce.default: "all_reduce",
+    funcol.broadcast.default: "broadcast",  # buffers, as DDP's broadcast_buffers
 }
 
 

@@ -4,7 +4,7 @@ computes while it is in flight, and where each gathered buffer dies — predicte
 Read-only: nothing here changes a graph. Bytes sent are what one rank writes to the network for a
 collective under the algorithms we emit: an all-gather sends its shard to N−1 peers, an all-to-all
 (our gloo reduce-scatter) and a native reduce-scatter (N−1)/N of their input, an all-reduce
-2(N−1)/N of it (ring).
+2(N−1)/N of it (ring); a broadcast (buffers) (N−1)/N of it, the mean over ranks.
 """
 
 from __future__ import annotations
@@ -75,6 +75,8 @@ def _sent_bytes(op: str, input_bytes: int, world_size: int) -> int:
         return (world_size - 1) * input_bytes
     if op == "all_reduce":
         return 2 * (world_size - 1) * input_bytes // world_size
+    if op == "broadcast":  # the root sends (N-1)x, the others nothing: per rank on average
+        return (world_size - 1) * input_bytes // world_size
     return (world_size - 1) * input_bytes // world_size
 
 
@@ -121,7 +123,7 @@ def graph_ledger(graph: fx.Graph, kind: str) -> GraphLedger:
         node_count=len(nodes),
         entries=entries,
         gathered_bytes=sum(e.input_bytes * world_size for e in entries if e.op == "all_gather"),
-        reduced_bytes=sum(e.input_bytes for e in entries if e.op != "all_gather"),
+        reduced_bytes=sum(e.input_bytes for e in entries if e.op not in ("all_gather", "broadcast")),
         sent_bytes=sum(e.sent_bytes for e in entries),
         peak_gathered_bytes=analysis.peak_gathered_bytes(graph),
         peak_unreduced_grad_bytes=analysis.peak_unreduced_grad_bytes(graph),

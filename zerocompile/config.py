@@ -46,6 +46,9 @@ class ZeroConfig:
     trim_heap: on a CPU group, give the heap's free pages back to the kernel every few optimizer
         steps (glibc `malloc_trim`), so fragmentation does not creep into RSS; see
         `zerocompile.heap`. No effect on accelerators.
+    broadcast_buffers: as DDP's (and its default): every forward with gradients enabled (outside
+        `no_sync`) first takes group rank 0's buffers, inside the compiled graph; False leaves each
+        rank's buffers its own after `shard()`'s one broadcast. See `zerocompile.buffers`.
     """
 
     stage: int = 3
@@ -61,6 +64,7 @@ class ZeroConfig:
     reduce_dtype: torch.dtype | None = None
     check_ranks: bool = True
     trim_heap: bool = True
+    broadcast_buffers: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -74,7 +78,7 @@ class ZeroConfig:
             dtype = getattr(self, name)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise ValueError(f"{name} must be a floating-point torch.dtype such as torch.bfloat16, got {dtype!r}")
-        for name in ("check_ranks", "trim_heap"):
+        for name in ("check_ranks", "trim_heap", "broadcast_buffers"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.bucket_bytes < 0 or self.prefetch < 0:

@@ -21,6 +21,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from zerocompile.accumulation import GradientSync
+from zerocompile.buffers import broadcast_buffers_in_forward
 from zerocompile.config import ZeroConfig, config_from_kwargs, refuse_concurrent_gloo_gathers
 from zerocompile.distributed import group_device, reduce_scatter_flavour
 from zerocompile.heap import trim_heap_while_alive
@@ -139,6 +140,8 @@ def shard(
     notice = ShardedStateDictNotice()
     for module in {id(m): m for places in owners.values() for _p, m, _a in places}.values():
         _make_module_unshard_on_access(module, config, sync, notice)
+    if config.broadcast_buffers:
+        broadcast_buffers_in_forward(model, group, sync)
     if config.param_dtype is not None:
         model.register_forward_pre_hook(
             functools.partial(_cast_floating_inputs, dtype=config.param_dtype), with_kwargs=True
