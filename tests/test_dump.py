@@ -125,6 +125,84 @@ def test_dump_command_reports_diffs_and_draws(dumped, tmp_path) -> None:
     assert "+++ " in compared.stdout and "sent" in compared.stdout
 
 
+def test_dump_report_summarises_parameters_and_verbose_lists_them(dumped) -> None:
+    """The 2-layer GPT's single forward bucket reads as one short line; --verbose names all 28."""
+    directory, _ = dumped[3]
+    cli = [sys.executable, "-m", "zerocompile.tools.cli", "dump", str(directory)]
+    shown = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert "28 params: wte.weight, wpe.weight, blocks.{0,1}.* (24 params), ln_f.weight, ln_f.bias" in shown.stdout
+    assert max(len(line) for line in shown.stdout.splitlines()) <= 120, shown.stdout
+
+    verbose = subprocess.run([*cli, "--verbose"], capture_output=True, text=True, timeout=120)
+    assert verbose.returncode == 0, verbose.stderr
+    names = {name for name, _ in GPT(CONFIG).named_parameters()}
+    assert len(names) == 28 and all(name in verbose.stdout for name in names)
+    assert "blocks.{0,1}" not in verbose.stdout
+
+
+# ------------------------------------------------------------------------------- collapse_fqns
+
+GPT2_BLOCK = ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "mlp.c_fc.weight", "mlp.c_fc.bias")
+GPT2 = ["wte.weight", "wpe.weight", *(f"h.{i}.{name}" for i in range(12) for name in GPT2_BLOCK), "ln_f.weight"]
+
+
+def test_whole_blocks_fold_to_a_star_with_their_count() -> None:
+    assert dump.collapse_fqns(GPT2, GPT2) == "75 params: wte.weight, wpe.weight, h.{0..11}.* (72 params), ln_f.weight"
+
+
+def test_names_differing_only_in_an_index_share_braces() -> None:
+    fqns = ["h.0.attn.c_attn.weight", "h.1.attn.c_attn.weight"]
+    assert dump.collapse_fqns(fqns, GPT2) == "2 params: h.{0,1}.attn.c_attn.weight"
+
+
+def test_a_block_missing_a_parameter_is_not_a_star() -> None:
+    """The backward re-gathers weights, not biases: its blocks are partial and say which names."""
+    weights = [f"h.{i}.{name}" for i in (0, 1) for name in ("ln_1.weight", "attn.c_attn.weight")]
+    assert dump.collapse_fqns(weights, GPT2) == "4 params: h.{0,1}.ln_1.weight, h.{0,1}.attn.c_attn.weight"
+    first_whole = [name for name in GPT2 if name.startswith(("h.0.", "h.1.ln_1."))]
+    assert dump.collapse_fqns(first_whole, GPT2) == "8 params: h.0.* (6 params), h.1.ln_1.weight, h.1.ln_1.bias"
+
+
+def test_runs_of_three_or_more_indices_are_ranges() -> None:
+    """a..b includes both ends; runs of two stay listed; indices sort as numbers, whatever the input order."""
+    fqns = [f"h.{i}.attn.c_attn.weight" for i in (11, 0, 1, 2, 3, 6, 8, 9)]
+    assert dump.collapse_fqns(fqns, GPT2) == "8 params: h.{0..3,6,8,9,11}.attn.c_attn.weight"
+    every_block = [f"h.{i}.mlp.c_fc.weight" for i in range(12)]
+    assert dump.collapse_fqns(every_block, GPT2) == "12 params: h.{0..11}.mlp.c_fc.weight"
+
+
+def test_a_single_parameter() -> None:
+    assert dump.collapse_fqns(["wte.weight"], GPT2) == "1 param: wte.weight"
+    assert dump.collapse_fqns(["h.3.ln_1.bias"], GPT2) == "1 param: h.3.ln_1.bias"
+
+
+def test_names_without_indices_and_tied_names_are_kept_as_given() -> None:
+    """A tied weight's two names are both shown (the ledger lists one); a repeated name counts once."""
+    assert dump.collapse_fqns(["ln_f.weight", "ln_f.bias"], GPT2) == "2 params: ln_f.weight, ln_f.bias"
+    tied = ["transformer.wte.weight", "lm_head.weight", "transformer.wte.weight"]
+    assert dump.collapse_fqns(tied, tied) == "2 params: transformer.wte.weight, lm_head.weight"
+
+
+def test_nested_indices_and_indexed_leaves() -> None:
+    experts = [f"layers.{layer}.experts.{e}.{w}" for layer in (0, 1) for e in range(4) for w in ("w1", "w2")]
+    every = [*experts, "layers.0.gate.weight", "layers.1.gate.weight"]
+    assert dump.collapse_fqns(experts, every) == "16 params: layers.{0,1}.experts.{0..3}.* (16 params)"
+    assert dump.collapse_fqns(every, every) == "18 params: layers.{0,1}.* (18 params)"
+    # A block holding one parameter is named, not starred; ParameterList entries are indices too.
+    assert dump.collapse_fqns(["0.weight", "1.weight"], ["0.weight", "1.weight"]) == "2 params: {0,1}.weight"
+    assert dump.collapse_fqns(["scales.0", "scales.1", "scales.2"], []) == "3 params: scales.{0..2}"
+
+
+def test_a_long_summary_stops_at_max_chars_and_counts_the_rest() -> None:
+    fqns = [f"h.{i}.{name}" for i in (0, 2, 4, 6, 8, 10) for name in GPT2_BLOCK[1:]]  # no block is whole
+    line = dump.collapse_fqns(fqns, GPT2, max_chars=100)
+    assert len(line) <= 100 and line.startswith("30 params: h.{0,2,4,6,8,10}.ln_1.bias, "), line
+    shown = line.count("h.{0,2,4,6,8,10}.")
+    assert line.endswith(f", ... +{30 - 6 * shown} more") and shown >= 2, line
+    assert dump.collapse_fqns(fqns, GPT2, max_chars=500).count("h.{0,2,4,6,8,10}.") == 5
+
+
 def test_dump_runs_a_command_with_dumping_on(tmp_path) -> None:
     script = tmp_path / "one_rank.py"
     script.write_text(ONE_RANK_SCRIPT)

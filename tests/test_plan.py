@@ -8,7 +8,8 @@ measurement on a given machine, not a test: `time zerocompile plan --model test_
 (shapes only, no data): after shard() and one uncompiled AdamW step `zc.model_state_bytes` must
 equal the plan's held bytes byte for byte, padding included; and the ledgers of the graphs the
 "zero" backend compiles must meet the plan's traffic and in-step figures, exactly where the plan
-claims exactness and on the right side where it claims a bound.
+claims exactness and on the right side where it claims a bound. The held bytes are also checked on
+two gloo ranks after a compiled AdamW step, at every stage, in fp32 and mixed precision.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import zerocompile as zc
+from ranks import run_on_ranks
 from zerocompile.backend import compiled_graphs
 from zerocompile.passes.lowering import padded_numel
 from zerocompile.tools import plan
@@ -130,6 +132,7 @@ def test_figure_1_of_the_zero_paper_exactly(capsys) -> None:
     for stage, shown in zip("0123", ("120.0 GB", "31.4 GB", "16.6 GB", "1.9 GB")):
         assert shown in rows[stage], table
     assert "1 GB = 10^9 bytes" in table
+    assert table.startswith("The ZeRO paper's model state") and "the paper's accounting, not zerocompile's" in table
 
 
 def test_all_fp32_column_with_adam(capsys) -> None:
@@ -206,14 +209,14 @@ def test_tied_frozen_and_padded_counts_by_hand(capsys) -> None:
 
 
 def test_model_table_labels_bounds_and_frozen_parameters(capsys) -> None:
-    code, table, _ = run_plan(["--model", "test_plan:tied_frozen_uneven", "--ranks", "4"], capsys)
+    argv = ["--model", "test_plan:tied_frozen_uneven", "--ranks", "4", "--param-dtype", "bf16"]
+    code, table, _ = run_plan(argv, capsys)
     assert code == 0
     assert "56 frozen (frozen: held and gathered like the others, no gradient" in table
     assert "tied, counted once: embed.weight = head.weight" in table
     assert "'embed.weight' (91 elements), is a lower bound of the gathered-buffer peak" in table
     stage3 = next(line for line in table.splitlines() if line.startswith("3 "))
     assert "≥ 184 B" in stage3 and "≤ " in stage3  # 92 padded bf16 elements; re-gathers at most
-    assert "no mixed precision yet" in table
 
 
 def test_user_module_in_the_working_directory(tmp_path, monkeypatch, capsys) -> None:
@@ -227,11 +230,77 @@ def test_user_module_in_the_working_directory(tmp_path, monkeypatch, capsys) -> 
     assert report["params"] == 33
 
 
-def traced_ledgers(factory, stage: int, example: torch.Tensor, targets: bool) -> list:
+def test_mixed_precision_is_described_as_zerocompile_does_it(capsys) -> None:
+    """param_dtype=bf16 keeps fp32 shards, gradients and Adam state: the held bytes of fp32, the
+    gathered buffers and traffic of bf16; reduce_dtype changes only what the reductions send."""
+    argv = ["--model", "test_plan:tied_frozen_uneven", "--ranks", "4"]
+    fp32 = plan_json(argv, capsys)
+    bf16 = plan_json([*argv, "--param-dtype", "bf16"], capsys)
+    reduced_in_fp32 = plan_json([*argv, "--param-dtype", "bf16", "--reduce-dtype", "fp32"], capsys)
+    assert fp32["param_dtype"] is None and bf16["param_dtype"] == "bf16"
+    for plain, mixed, mixed_fp32_reduce in zip(fp32["stages"], bf16["stages"], reduced_in_fp32["stages"]):
+        where = f"stage {plain['stage']}"
+        assert plain["model_state_bytes"] == mixed["model_state_bytes"] == mixed_fp32_reduce["model_state_bytes"], where
+        assert mixed["gathered_in_step_bytes"] == plain["gathered_in_step_bytes"] / 2, where
+        assert mixed["sent_bytes_per_step"] == plain["sent_bytes_per_step"] / 2, where
+    spread = 3 / 4
+    sent = [stage["sent_bytes_per_step"] for stage in reduced_in_fp32["stages"]]
+    assert sent == [2 * 104 * spread * 4, *[(168 * 2 + 108 * 4) * spread] * 2, (2 * 168 * 2 + 108 * 4) * spread]
+
+    code, table, _ = run_plan([*argv, "--param-dtype", "bf16"], capsys)
+    assert code == 0
+    assert "no mixed precision" not in table and "what-if" not in table
+    assert "held whatever param_dtype and reduce_dtype are: shards and their gradients in the model's own fp32" in table
+    assert "gathered and computed in bf16 (param_dtype=torch.bfloat16), gradients reduced in bf16" in table
+
+
+# zerocompile's precision settings as `zerocompile plan` flags and as shard() keywords.
+PRECISIONS = {
+    "fp32": (["--param-dtype", "fp32"], {"param_dtype": torch.float32}),
+    "bf16": (["--param-dtype", "bf16"], {"param_dtype": torch.bfloat16}),
+    "bf16-fp32-reduce": (
+        ["--param-dtype", "bf16", "--reduce-dtype", "fp32"],
+        {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32},
+    ),
+}
+
+
+def held_after_a_compiled_step(rank: int, world_size: int) -> dict[tuple[int, str], dict[str, int]]:
+    """zc.model_state_bytes after one compiled AdamW step of the tied, frozen, padded model, per
+    stage and precision, on a real gloo group."""
+    held = {}
+    for stage in range(4):
+        for precision, (_, settings) in PRECISIONS.items():
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            model = tied_frozen_uneven()
+            optimizer = torch.optim.AdamW(model.parameters())
+            zc.shard(model, stage=stage, **settings)
+            compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
+            compiled(torch.randint(0, 13, (2, 5), generator=torch.Generator().manual_seed(rank))).backward()
+            optimizer.step()
+            held[(stage, precision)] = zc.model_state_bytes(model, optimizer)
+    return held
+
+
+def test_planned_model_state_is_what_two_ranks_hold_after_a_step(capsys) -> None:
+    """The per-rank bytes plan prints for each stage and precision, against zc.model_state_bytes
+    after a real optimizer step of the same model on two gloo ranks."""
+    held_per_rank = run_on_ranks(2, held_after_a_compiled_step, timeout=300)
+    for precision, (flags, _) in PRECISIONS.items():
+        argv = ["--model", "test_plan:tied_frozen_uneven", "--ranks", "2", *flags]
+        for planned in plan_json(argv, capsys)["stages"]:
+            expected = {key: planned["model_state_bytes"][key] for key in ("params", "grads", "optimizer")}
+            for rank, held in enumerate(held_per_rank):
+                where = f"stage {planned['stage']}, {precision}, rank {rank}"
+                assert held[(planned["stage"], precision)] == expected, where
+
+
+def traced_ledgers(factory, stage: int, example: torch.Tensor, targets: bool, settings: dict) -> list:
     """Ledgers of the forward and backward graphs the "zero" backend lowers for one step."""
     torch._dynamo.reset()
     compiled_graphs.clear()
-    model = zc.shard(factory(), stage=stage)
+    model = zc.shard(factory(), stage=stage, **settings)
     compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
     loss = compiled(example, example) if targets else compiled(example)
     loss.backward()
@@ -243,16 +312,23 @@ def traced_ledgers(factory, stage: int, example: torch.Tensor, targets: bool) ->
 
 @pytest.mark.parametrize("fake_world", [4], indirect=True, ids=lambda n: f"N={n}")
 @pytest.mark.parametrize(
-    "factory, example, targets",
-    [(tied_frozen_uneven, torch.randint(0, 13, (2, 5)), False), (gpt_tiny, torch.randint(0, 256, (2, 16)), True)],
-    ids=("tied-frozen-uneven", "gpt-tiny"),
+    "factory, example, targets, precision",
+    [
+        (tied_frozen_uneven, torch.randint(0, 13, (2, 5)), False, "fp32"),
+        (gpt_tiny, torch.randint(0, 256, (2, 16)), True, "fp32"),
+        (tied_frozen_uneven, torch.randint(0, 13, (2, 5)), False, "bf16-fp32-reduce"),
+    ],
+    ids=("tied-frozen-uneven", "gpt-tiny", "tied-frozen-uneven-bf16-fp32-reduce"),
 )
-def test_traced_graphs_meet_the_plan_and_its_bounds(fake_world: int, factory, example, targets, capsys) -> None:
+def test_traced_graphs_meet_the_plan_and_its_bounds(
+    fake_world: int, factory, example, targets, precision: str, capsys
+) -> None:
     """The backend's own ledgers: equal where the plan claims exactness, on the right side of each bound."""
-    argv = ["--model", f"test_plan:{factory.__name__}", "--ranks", str(fake_world), "--param-dtype", "fp32"]
+    flags, settings = PRECISIONS[precision]
+    argv = ["--model", f"test_plan:{factory.__name__}", "--ranks", str(fake_world), *flags]
     for planned in plan_json(argv, capsys)["stages"]:
         stage = planned["stage"]
-        ledgers = traced_ledgers(factory, stage, example, targets)
+        ledgers = traced_ledgers(factory, stage, example, targets, settings)
         sent = sum(ledger.sent_bytes for ledger in ledgers)
         gathered = max(ledger.peak_gathered_bytes for ledger in ledgers)
         full_grads = max(ledger.peak_unreduced_grad_bytes for ledger in ledgers)
@@ -293,6 +369,7 @@ def test_traced_graphs_meet_the_plan_and_its_bounds(fake_world: int, factory, ex
         (["--params", "lots", "--ranks", "8"], "--params: expected a parameter count such as 7.5e9, got 'lots'"),
         (["--params", "0", "--ranks", "8"], "positive whole number, got 0"),
         (["--params", "1e9", "--ranks", "8", "--optimizer-bytes", "-4"], "cannot be negative, got -4"),
+        (["--params", "1e9", "--ranks", "8", "--reduce-dtype", "fp32"], "--reduce-dtype is zerocompile's.*--model"),
         (["--ranks", "8"], "one of the arguments --params --model is required"),
     ],
     ids=(
@@ -306,6 +383,7 @@ def test_traced_graphs_meet_the_plan_and_its_bounds(fake_world: int, factory, ex
         "params-not-a-number",
         "zero-params",
         "negative-optimizer-bytes",
+        "reduce-dtype-of-the-paper",
         "no-source",
     ),
 )
@@ -366,4 +444,5 @@ def test_one_billion_parameters_at_1024_ranks_in_2_gb() -> None:
     numels = [p.numel() for p in gpt_1b_on_meta().parameters()]  # distinct: the tied head once
     assert report["params"] == sum(numels) > 1e9
     shards = sum(padded_numel(numel, 1024) // 1024 for numel in numels)
-    assert report["stages"][3]["model_state_bytes"]["total"] == (2 + 2 + 12) * shards  # bf16, K = 12
+    held = report["stages"][3]["model_state_bytes"]  # an fp32 model with Adam, as zerocompile holds it
+    assert (held["params"], held["grads"], held["optimizer"]) == (4 * shards, 4 * shards, 8 * shards)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from zerocompile.tools.cli import build_parser
-from zerocompile.tools.train import train
+from zerocompile.tools.train import printable_sample, train
 
 STEP_LINE = re.compile(r"^\[[#.]+\] step\s+(\d+)/(\d+) \| loss (\d+\.\d+) \|", re.MULTILINE)
 # Eager graphs and the tiny model: the job's own code path, without Inductor's compile time.
@@ -36,6 +36,23 @@ def test_train_runs_on_two_ranks_and_the_loss_falls(tmp_path) -> None:
     assert "Φ = " in result.stdout and "16Φ/N" in result.stdout
     assert re.search(r"first loss \d+\.\d+ -> last loss \d+\.\d+", result.stdout)
     assert re.search(r"^sample: ['\"]The ", result.stdout, re.MULTILINE), result.stdout  # repr's quotes
+
+
+@pytest.mark.parametrize(
+    "sample, shown",
+    [
+        (b"The caf\xc3\xa9", "'The café'"),  # UTF-8 reads as text
+        (b"The \xff\xfe\x80!", r"'The \xff\xfe\x80!'"),  # bytes that are not UTF-8, each its own escape
+        (b"The caf\xc3", r"'The caf\xc3'"),  # a character cut short
+        (b"The \x1b[2J\x07\r\n", r"'The \x1b[2J\x07\r\n'"),  # control characters the terminal would obey
+        (b"The \xe2\x80\xae", r"'The \u202e'"),  # right-to-left override: valid UTF-8, not printable
+        (b"The \\\xff", r"'The \\\xff'"),  # a backslash, then a byte that is not UTF-8
+        (b"The \\udcff", r"'The \\udcff'"),  # a backslash, then text that looks like an escape
+    ],
+    ids=("utf-8", "not-utf-8", "truncated", "control", "bidi-override", "backslash-then-byte", "backslash-then-text"),
+)
+def test_sample_is_printed_with_every_unprintable_byte_escaped(sample: bytes, shown: str) -> None:
+    assert printable_sample(sample) == shown
 
 
 def test_loss_curve_does_not_depend_on_the_number_of_ranks(tmp_path) -> None:

@@ -4,11 +4,16 @@
   zerocompile dump DIR --diff DIR2      compare two dumps (e.g. two stages)
   zerocompile dump DIR --png OUT.png    draw each rank's memory timeline of one step
   zerocompile dump DIR -- python train.py ...   run a command with dumping on, then report
+  zerocompile dump DIR --verbose        every parameter name of each collective, not a summary
 
 Per graph (Dynamo fragment x forward/backward, per rank): each collective with the parameter FQNs
 it serves, bytes in and predicted bytes sent, dtype, bucket, the compute it overlaps and the node
 after which a gathered buffer is freed. Per rank: bytes gathered, reduced and sent per step, the
 peak of gathered buffers and the model state the collectives imply.
+
+A collective's parameters are summarised on one line (see `collapse_fqns`): names differing only
+in a numeric index share braces, blocks.{0,1}.attn.qkv.weight, with runs written a..b,
+blocks.{0..11}; a numbered block whose every parameter is there is `*`, blocks.{0,1}.* (24 params).
 """
 
 from __future__ import annotations
@@ -17,17 +22,28 @@ import argparse
 import difflib
 import json
 import os
+import re
 import subprocess
 import sys
+import textwrap
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from zerocompile.dump import ENV_VAR
+
+# A collective's parameters go on the line under it: indented, the line fits a 120-column terminal.
+PARAMS_INDENT = " " * 10
+PARAMS_LINE_CHARS = 100
+_INDEX = re.compile(r"0|[1-9][0-9]*")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("directory", help="the dump directory (ZEROCOMPILE_DUMP / dump_dir)")
     parser.add_argument("--diff", metavar="DIR2", help="compare with another dump")
     parser.add_argument("--png", metavar="OUT", help="write a memory timeline of the step (needs matplotlib)")
+    parser.add_argument(
+        "--verbose", action="store_true", help="list every parameter of each collective instead of a one-line summary"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,9 +58,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"zerocompile dump: no ledgers under {args.directory}; was it written with {ENV_VAR}=DIR?", file=sys.stderr)
         return 1
     if args.diff:
-        print(diff(ledgers, load(args.diff), args.directory, args.diff))
+        print(diff(ledgers, load(args.diff), args.directory, args.diff, args.verbose))
     else:
-        print(report(ledgers))
+        print(report(ledgers, args.verbose))
     if args.png:
         draw_timeline(ledgers, args.png)
         print(f"memory timeline written to {args.png}")
@@ -98,18 +114,112 @@ def rank_summary(graphs: dict[str, dict]) -> dict[str, int]:
     }
 
 
-def graph_lines(name: str, ledger: dict) -> list[str]:
+def collapse_fqns(fqns: Sequence[str], all_fqns: Collection[str], max_chars: int = PARAMS_LINE_CHARS) -> str:
+    """A one-line summary of parameter names: their count, then the names with indices folded.
+
+    Names that differ only in a numeric component are written once, the indices in braces in
+    ascending order: blocks.0.fc.weight and blocks.1.fc.weight are blocks.{0,1}.fc.weight. Three or
+    more consecutive indices are a run a..b, both ends included: blocks.{0..11} is twelve blocks,
+    {0..3,6} five. A numbered block holding several parameters, all of those `all_fqns` has under
+    it, is written `*` with the count it stands for: blocks.{0,1}.* (24 params). Groups appear in
+    the order of their first name; a name given twice counts once. Groups that would take the line
+    past `max_chars` are left off as "... +K more" (K parameters); the first group is shown even if
+    it alone is longer.
+    """
+    names = list(dict.fromkeys(fqns))
+    tree: dict[str, dict] = {}
+    for name in names:
+        node = tree
+        for part in name.split("."):
+            node = node.setdefault(part, {})
+    groups = [
+        (f"{pattern} ({count} params)" if pattern.endswith("*") else pattern, count)
+        for pattern, count in _patterns(tree, "", set(names), set(all_fqns)).items()
+    ]
+    if not groups:
+        return _counted(0)
+    line, shown = f"{_counted(len(names))}: {groups[0][0]}", groups[0][1]
+    for group, count in groups[1:]:
+        left_off = len(names) - shown - count
+        longer = f"{line}, {group}"
+        if len(longer) + (len(f", ... +{left_off} more") if left_off else 0) > max_chars:
+            break
+        line, shown = longer, shown + count
+    return line + (f", ... +{len(names) - shown} more" if shown < len(names) else "")
+
+
+def _patterns(tree: dict[str, dict], path: str, chosen: set[str], known: set[str]) -> dict[str, int]:
+    """The name patterns under `path` (written relative to it), each with how many names it stands for."""
+    if not tree:
+        return {"": 1}
+    # (the part, or None for any index; the pattern below it) -> (part, names) of each member
+    groups: dict[tuple[str | None, str], list[tuple[str, int]]] = {}
+    for part, subtree in tree.items():
+        below = _patterns(subtree, f"{path}{part}.", chosen, known)
+        is_index = _INDEX.fullmatch(part) is not None
+        names_below = sum(below.values())
+        if is_index and names_below > 1 and {name for name in known if name.startswith(f"{path}{part}.")} <= chosen:
+            below = {"*": names_below}
+        for pattern, count in below.items():
+            groups.setdefault((None if is_index else part, pattern), []).append((part, count))
+    patterns = {}
+    for (name, pattern), members in groups.items():
+        head = name if name is not None else _index_set(sorted(int(part) for part, _ in members))
+        patterns[_joined(head, pattern)] = sum(count for _, count in members)
+    return patterns
+
+
+def _counted(params: int) -> str:
+    return f"{params} param{'' if params == 1 else 's'}"
+
+
+def _joined(head: str, suffix: str) -> str:
+    return f"{head}.{suffix}" if suffix else head
+
+
+def _index_set(indices: list[int]) -> str:
+    """Sorted indices as one index, or braces with runs of three or more as a..b: {0..3,6}."""
+    if len(indices) == 1:
+        return str(indices[0])
+    runs: list[list[int]] = []
+    for index in indices:
+        if runs and index == runs[-1][-1] + 1:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    parts = [f"{run[0]}..{run[-1]}" if len(run) >= 3 else ",".join(map(str, run)) for run in runs]
+    return "{" + ",".join(parts) + "}"
+
+
+def rank_parameters(graphs: dict[str, dict]) -> list[str]:
+    """Every parameter a rank's collectives serve, in first-seen order: what `*` is measured against."""
+    served = (param for ledger in graphs.values() for entry in ledger["entries"] for param in entry["params"])
+    return list(dict.fromkeys(served))
+
+
+def graph_lines(name: str, ledger: dict, all_fqns: Collection[str], verbose: bool = False) -> list[str]:
+    """One line per collective, then its parameters on the next: summarised, or all with `verbose`."""
     lines = [f"  {name}  (N={ledger['world_size']}, {ledger['node_count']} nodes)"]
-    lines.append(f"    {'pos':>4} {'op':<14} {'bkt':>3} {'params':<28} {'in':>12} {'sent':>12} {'dtype':<9} freed after / overlaps")
+    lines.append(f"    {'pos':>4} {'op':<14} {'bkt':>3} {'in':>12} {'sent':>12} {'dtype':<9} freed after / overlaps")
     for e in ledger["entries"]:
         where = f"freed after {e['freed_after']} (pos {e['freed_position']})" if e["freed_after"] else ""
         overlaps = f"overlaps {', '.join(e['overlaps'])}" if e["overlaps"] else "overlaps nothing"
         if e.get("detail"):
             overlaps += f" ({e['detail']})"
         lines.append(
-            f"    {e['position']:>4} {e['op']:<14} {e['bucket']:>3} {','.join(e['params']):<28} "
+            f"    {e['position']:>4} {e['op']:<14} {e['bucket']:>3} "
             f"{_mb(e['input_bytes']):>12} {_mb(e['sent_bytes']):>12} {e['dtype']:<9} {where or overlaps}"
         )
+        if verbose:
+            listing = f"{_counted(len(e['params']))}: {', '.join(e['params'])}"
+            lines.extend(
+                textwrap.wrap(
+                    listing, len(PARAMS_INDENT) + PARAMS_LINE_CHARS, initial_indent=PARAMS_INDENT,
+                    subsequent_indent=PARAMS_INDENT + "  ", break_long_words=False, break_on_hyphens=False,
+                )
+            )
+        else:
+            lines.append(PARAMS_INDENT + collapse_fqns(e["params"], all_fqns))
     lines.append(
         f"    gathered {_mb(ledger['gathered_bytes'])}, reduced {_mb(ledger['reduced_bytes'])}, "
         f"sent {_mb(ledger['sent_bytes'])}; peak gathered {_mb(ledger['peak_gathered_bytes'])}, "
@@ -118,12 +228,13 @@ def graph_lines(name: str, ledger: dict) -> list[str]:
     return lines
 
 
-def report(ranks: dict[str, dict[str, dict]]) -> str:
+def report(ranks: dict[str, dict[str, dict]], verbose: bool = False) -> str:
     lines = []
     for rank, graphs in ranks.items():
         lines.append(f"{rank}")
+        parameters = rank_parameters(graphs)
         for name, ledger in graphs.items():
-            lines.extend(graph_lines(name, ledger))
+            lines.extend(graph_lines(name, ledger, parameters, verbose))
         s = rank_summary(graphs)
         lines.append(
             f"  per step: gathered {_mb(s['gathered'])}, reduced {_mb(s['reduced'])}, sent {_mb(s['sent'])}; "
@@ -136,15 +247,19 @@ def report(ranks: dict[str, dict[str, dict]]) -> str:
     return "\n".join(lines)
 
 
-def diff(first: dict, second: dict, first_name: str, second_name: str) -> str:
+def diff(first: dict, second: dict, first_name: str, second_name: str, verbose: bool = False) -> str:
     """Per-rank totals side by side, then a unified diff of the collective listings."""
     lines = []
     for rank in sorted(set(first) | set(second)):
         a, b = rank_summary(first.get(rank, {})), rank_summary(second.get(rank, {}))
         lines.append(f"{rank}: {'':<14} {first_name:>16} {second_name:>16}")
         lines.extend(f"  {key:<14} {_mb(a[key]):>16} {_mb(b[key]):>16}" for key in a)
-        listing = [[line for name, ledger in ranks.get(rank, {}).items() for line in graph_lines(name, ledger)]
-                   for ranks in (first, second)]
+        listing = []
+        for graphs in (first.get(rank, {}), second.get(rank, {})):
+            parameters = rank_parameters(graphs)
+            listing.append(
+                [line for name, ledger in graphs.items() for line in graph_lines(name, ledger, parameters, verbose)]
+            )
         lines.extend(difflib.unified_diff(*listing, first_name, second_name, lineterm="", n=1))
     return "\n".join(lines)
 

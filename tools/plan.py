@@ -3,23 +3,31 @@
 Answers "how much will N ranks need" before anything is launched, in two ways:
 
   zerocompile plan --params 7.5e9 --ranks 64 --optimizer-bytes 12
-      The ZeRO paper's formulas (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward
+      The ZeRO paper's accounting (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward
       Training Trillion Parameter Models", §5 and Figure 1) for Φ parameters: model state per rank
-      and bytes sent per step, stages 0-3. Reproduces Figure 1: 120.0, 31.4, 16.6, 1.9 GB.
+      and bytes sent per step, stages 0-3. Reproduces Figure 1: 120.0, 31.4, 16.6, 1.9 GB. It is the
+      paper's, not zerocompile's: see the precision paragraph below.
 
-  zerocompile plan --model zerocompile.tools.gpt:GPT --ranks 1024 [--param-dtype fp32]
-      Imports FACTORY from MODULE (a callable taking no arguments that returns an nn.Module), calls
-      it under `torch.device("meta")` so no parameter is allocated, counts parameters as
-      zerocompile.shard() does (tied ones once; frozen ones held and gathered, but without gradient
-      or optimizer state), pads each to a multiple of N as shard() does, and prints per stage what
-      a rank holds between steps (what zc.model_state_bytes reports), the full-size tensors alive
-      inside a step, and the bytes it sends per step.
+  zerocompile plan --model zerocompile.tools.gpt:GPT --ranks 1024 [--param-dtype bf16]
+      What zerocompile does. Imports FACTORY from MODULE (a callable taking no arguments that
+      returns an nn.Module), calls it under `torch.device("meta")` so no parameter is allocated,
+      counts parameters as zerocompile.shard() does (tied ones once; frozen ones held and gathered,
+      but without gradient or optimizer state), pads each to a multiple of N as shard() does, and
+      prints per stage what a rank holds between steps (what zc.model_state_bytes reports), the
+      full-size tensors alive inside a step, and the bytes it sends per step.
 
-Precision: --param-dtype sets the bytes of each parameter and gradient element (bf16 by default,
-as in the paper); --optimizer-bytes K the optimizer state per trainable parameter, by default 12
-with bf16/fp16 (mixed-precision Adam: fp32 master weights, momentum, variance) and 8 with fp32
-(Adam's momentum and variance). zerocompile itself has no mixed precision yet, so what an fp32
-model trained with AdamW holds today is `--param-dtype fp32`.
+Precision. --params follows the paper: --param-dtype (default bf16) is the dtype of parameters and
+gradients, --optimizer-bytes K the optimizer state per parameter, by default 12 with bf16/fp16
+(mixed-precision Adam: fp32 master weights, momentum, variance) and 8 with fp32 (Adam's momentum
+and variance). --model follows zerocompile, whose mixed precision is different: the shards, their
+gradients and the optimizer state keep the model's own dtype whatever the settings (param_dtype
+keeps fp32 master shards; reduced gradients land in the shards' dtype), so a model built in fp32
+holds 4 + 4 + 8 bytes per parameter with Adam at any --param-dtype (K by default: Adam's two
+moments in each shard's dtype). --param-dtype (ZeroConfig.param_dtype; default: none, the model
+computes in its own dtype) is what parameters are gathered and computed in: it sizes the
+gathered buffers, the gradients awaiting reduction and the bytes sent. --reduce-dtype
+(ZeroConfig.reduce_dtype; default: the dtype gradients are computed in) is what gradients are
+reduced in: it sizes only the bytes the reductions send.
 
 Sizes are decimal: 1 GB = 10^9 bytes, the unit that reproduces the paper's Figure 1 (in GiB its
 120 GB would be 111.8). --json prints exact byte counts instead of the table.
@@ -47,7 +55,7 @@ import inspect
 import json
 import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -55,8 +63,11 @@ from torch import nn
 from zerocompile.passes.lowering import padded_numel
 
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-# Optimizer state per trainable parameter when --optimizer-bytes is not given.
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+# The paper's optimizer state per parameter when --optimizer-bytes is not given.
 DEFAULT_OPTIMIZER_BYTES = {"bf16": 12, "fp16": 12, "fp32": 8}
+# --params's default dtype: the paper's mixed precision (Figure 1).
+PAPER_PARAM_DTYPE = "bf16"
 DECIMAL_UNITS = ("B", "kB", "MB", "GB", "TB", "PB")
 PAPER = "Rajbhandari et al. 2020, ZeRO, §5 and Figure 1"
 
@@ -67,7 +78,8 @@ class PlanError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Precision:
-    """Bytes per element of parameters and gradients, and optimizer bytes per trainable parameter."""
+    """The paper's precision (--params): bytes per element of parameters and gradients, and
+    optimizer bytes per trainable parameter."""
 
     param_dtype: str
     element_bytes: int
@@ -82,6 +94,34 @@ class CountedParameter:
     names: tuple[str, ...]  # every FQN it is reachable under (tied parameters have several)
     numel: int
     trainable: bool
+    dtype: torch.dtype  # its shard's, gradient's and (by default) optimizer state's, at any setting
+
+    @property
+    def element_bytes(self) -> int:
+        return self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroPrecision:
+    """zerocompile's precision settings (--model), as ZeroConfig names them; None is its default.
+
+    They change what is gathered, computed and reduced in, never what a rank holds: shards,
+    gradients and optimizer state stay in each parameter's own dtype.
+    """
+
+    param_dtype: str | None  # gathered and computed in; None: each parameter's own dtype
+    reduce_dtype: str | None  # gradients reduced in; None: the dtype they are computed in
+    optimizer_bytes: float | None  # K per trainable parameter; None: Adam's two moments in the shard's dtype
+
+    def compute_bytes(self, param: CountedParameter) -> int:
+        return ELEMENT_BYTES[self.param_dtype] if self.param_dtype else param.element_bytes
+
+    def reduce_bytes(self, param: CountedParameter) -> int:
+        return ELEMENT_BYTES[self.reduce_dtype] if self.reduce_dtype else self.compute_bytes(param)
+
+    def state_bytes(self, param: CountedParameter) -> float:
+        """Optimizer bytes per element of a trainable parameter."""
+        return 2 * param.element_bytes if self.optimizer_bytes is None else self.optimizer_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,15 +186,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--param-dtype",
         choices=sorted(ELEMENT_BYTES),
-        default="bf16",
-        help="dtype of parameters and gradients (default bf16, as in the paper)",
+        help="with --params, the dtype of parameters and gradients (default bf16, as in the paper); with "
+        "--model, zerocompile's param_dtype: what parameters are gathered and computed in, while shards, "
+        "gradients and optimizer state keep the model's dtype (default: the model's own dtype)",
+    )
+    parser.add_argument(
+        "--reduce-dtype",
+        choices=sorted(ELEMENT_BYTES),
+        help="with --model, zerocompile's reduce_dtype: what gradients are reduced in (default: the dtype "
+        "they are computed in)",
     )
     parser.add_argument(
         "--optimizer-bytes",
         type=_optimizer_bytes,
         metavar="K",
-        help="optimizer state bytes per trainable parameter (default 12 with bf16/fp16: mixed-precision "
-        "Adam; 8 with fp32: Adam)",
+        help="optimizer state bytes per trainable parameter (--params: default 12 with bf16/fp16, the paper's "
+        "mixed-precision Adam, 8 with fp32; --model: default Adam's two moments in each shard's dtype, 8 for fp32)",
     )
     parser.add_argument("--json", action="store_true", help="print exact byte counts as JSON instead of a table")
 
@@ -186,13 +233,13 @@ def _optimizer_bytes(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected bytes per parameter such as 12, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"optimizer bytes per parameter cannot be negative, got {value:g}")
-    return value
+    return int(value) if value.is_integer() else value  # whole byte counts stay exact integers in --json
 
 
 def precision_from(param_dtype: str, optimizer_bytes: float | None) -> Precision:
-    """The precision the flags ask for, with the optimizer default of that dtype."""
+    """The paper's precision the flags ask for, with the paper's optimizer default of that dtype."""
     k = DEFAULT_OPTIMIZER_BYTES[param_dtype] if optimizer_bytes is None else optimizer_bytes
-    return Precision(param_dtype, ELEMENT_BYTES[param_dtype], int(k) if float(k).is_integer() else k)
+    return Precision(param_dtype, ELEMENT_BYTES[param_dtype], k)
 
 
 # ---------------------------------------------------------------------------------- the paper
@@ -320,56 +367,57 @@ def count_model(model: nn.Module, spec: str) -> CountedModel:
         names.setdefault(param, []).append(name)
     if not names:
         raise PlanError(f"--model {spec} built a {type(model).__name__} without parameters: nothing to shard")
-    parameters = [CountedParameter(fqns[0], tuple(fqns), p.numel(), p.requires_grad) for p, fqns in names.items()]
+    parameters = [
+        CountedParameter(fqns[0], tuple(fqns), p.numel(), p.requires_grad, p.dtype) for p, fqns in names.items()
+    ]
     return CountedModel(spec, parameters, sum(b.numel() * b.element_size() for b in model.buffers()))
 
 
-def model_plan(counted: CountedModel, ranks: int, precision: Precision) -> list[StagePlan]:
+def model_plan(counted: CountedModel, ranks: int, precision: ZeroPrecision) -> list[StagePlan]:
     """What zerocompile does with the model's parameters on N ranks, stage by stage.
 
     Held (between steps, as zc.model_state_bytes reports after optimizer.step()): stage 0 keeps
     everything whole; stages 1-3 keep one padded shard of each parameter, of each trainable
-    parameter's gradient and of its optimizer state. Inside a step: stages 1-2 gather every
+    parameter's gradient and of its optimizer state; all in each parameter's own dtype, whatever
+    param_dtype and reduce_dtype are. Inside a step, in param_dtype: stages 1-2 gather every
     parameter at the start of the forward (padded buffers) and stage 1 keeps every full gradient
     until the end of the backward; stages 2-3 reduce each gradient as it is produced and stage 3
     gathers one layer at a time, so there only the largest one is certain.
-    Sent per step: stage 0 all-reduces trainable gradients (2(N-1)/N of each); stages 1-3
-    all-gather each padded parameter and reduce-scatter each padded trainable gradient ((N-1)/N
-    of each), stage 3 gathers again in the backward.
+    Sent per step: stage 0 all-reduces trainable gradients (2(N-1)/N of each, in reduce_dtype);
+    stages 1-3 all-gather each padded parameter (in param_dtype) and reduce-scatter each padded
+    trainable gradient (in reduce_dtype), (N-1)/N of each; stage 3 gathers again in the backward.
     """
-    p, k, n = precision.element_bytes, precision.optimizer_bytes, ranks
+    n = ranks
     spread = (n - 1) / n
     parameters, trainable = counted.parameters, counted.trainable
     padded = {param.fqn: padded_numel(param.numel, n) for param in parameters}
-    all_numel = sum(param.numel for param in parameters)
-    trainable_numel = sum(param.numel for param in trainable)
-    all_padded = sum(padded.values())
-    trainable_padded = sum(padded[param.fqn] for param in trainable)
-    largest_padded = max(padded.values(), default=0)
-    largest_grad = max((param.numel for param in trainable), default=0)
+    compute, reduce, state = precision.compute_bytes, precision.reduce_bytes, precision.state_bytes
 
     plans = [
         StagePlan(
             0,
-            params=p * all_numel,
-            grads=p * trainable_numel,
-            optimizer=k * trainable_numel,
-            sent_per_step=2 * trainable_numel * spread * p,
+            params=sum(param.element_bytes * param.numel for param in parameters),
+            grads=sum(param.element_bytes * param.numel for param in trainable),
+            optimizer=sum(state(param) * param.numel for param in trainable),
+            sent_per_step=2 * spread * sum(reduce(param) * param.numel for param in trainable),
             gathered_in_step=0,
             full_grads_in_step=0,  # the held gradients are the full ones
         )
     ]
+    gathered = [compute(param) * padded[param.fqn] for param in parameters]
+    full_grads = [compute(param) * param.numel for param in trainable]
     for stage in (1, 2, 3):
         gathers = 2 if stage == 3 else 1
         plans.append(
             StagePlan(
                 stage,
-                params=p * (all_padded // n),
-                grads=p * (trainable_padded // n),
-                optimizer=k * (trainable_padded // n),
-                sent_per_step=(gathers * all_padded + trainable_padded) * spread * p,
-                gathered_in_step=p * (largest_padded if stage == 3 else all_padded),
-                full_grads_in_step=p * (trainable_numel if stage == 1 else largest_grad),
+                params=sum(param.element_bytes * (padded[param.fqn] // n) for param in parameters),
+                grads=sum(param.element_bytes * (padded[param.fqn] // n) for param in trainable),
+                optimizer=sum(state(param) * (padded[param.fqn] // n) for param in trainable),
+                sent_per_step=spread
+                * (gathers * sum(gathered) + sum(reduce(param) * padded[param.fqn] for param in trainable)),
+                gathered_in_step=max(gathered) if stage == 3 else sum(gathered),
+                full_grads_in_step=sum(full_grads) if stage == 1 else max(full_grads, default=0),
                 gathered_is_lower_bound=stage == 3,
                 full_grads_is_lower_bound=stage > 1,
                 sent_is_upper_bound=stage == 3,
@@ -418,7 +466,8 @@ def paper_report(phi: int, ranks: int, precision: Precision, plans: list[StagePl
     ]
     return "\n".join(
         [
-            f"ZeRO model state and traffic per rank: Φ = {phi:,} parameters, N = {ranks} ranks ({PAPER})",
+            f"The ZeRO paper's model state and traffic per rank: Φ = {phi:,} parameters, N = {ranks} ranks "
+            f"({PAPER})",
             _precision_line(precision),
             "",
             _table(header, rows),
@@ -428,15 +477,48 @@ def paper_report(phi: int, ranks: int, precision: Precision, plans: list[StagePl
                 "parameters in the forward and the backward and reduce-scatters the gradients, 3Φ(N-1)/N"
             ),
             (
-                "This is the paper's accounting: ZeRO-1 keeps whole parameters and gradients, ZeRO-2 whole "
-                "parameters. zerocompile shards all three between steps at every stage >= 1 and has the whole "
-                "ones only inside a step; `zerocompile plan --model` shows that split."
+                "This is the paper's accounting, not zerocompile's. In the paper ZeRO-1 keeps whole parameters "
+                "and gradients, ZeRO-2 whole parameters, and mixed precision keeps 2-byte parameters and "
+                "gradients beside fp32 master weights in the optimizer state (K = 12). zerocompile shards all "
+                "three between steps at every stage >= 1, has the whole ones only inside a step, and with "
+                "param_dtype=torch.bfloat16 keeps fp32 shards, fp32 gradients and fp32 Adam state (4 + 4 + 8 "
+                "bytes per parameter), only gathering, computing and reducing in bf16. `zerocompile plan "
+                "--model` shows what it holds and sends."
             ),
         ]
     )
 
 
-def model_report(counted: CountedModel, ranks: int, precision: Precision, plans: list[StagePlan]) -> str:
+def _zero_precision_lines(counted: CountedModel, precision: ZeroPrecision) -> list[str]:
+    """What the precision settings mean for this model: what is held (not theirs to change) and what moves."""
+    own = _dtype_names(param.dtype for param in counted.parameters)
+    if precision.optimizer_bytes is not None:
+        optimizer = f"K = {precision.optimizer_bytes:g} B per trainable parameter (--optimizer-bytes)"
+    else:
+        per_element = sorted({precision.state_bytes(param) for param in counted.trainable})
+        k = "/".join(f"{each:g}" for each in per_element) or "0"
+        optimizer = f"K = {k} B per trainable parameter (Adam's two moments in {own})"
+    compute = precision.param_dtype or own
+    reduce = precision.reduce_dtype or compute
+    return [
+        f"held whatever param_dtype and reduce_dtype are: shards and their gradients in the model's own {own}, "
+        f"optimizer state {optimizer}; 1 GB = 10^9 bytes",
+        f"moved: parameters gathered and computed in {compute} (param_dtype={_setting(precision.param_dtype)}), "
+        f"gradients reduced in {reduce} (reduce_dtype={_setting(precision.reduce_dtype)}), landing in {own}",
+    ]
+
+
+def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    names = dict.fromkeys(DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch.")) for dtype in dtypes)
+    return "/".join(names)
+
+
+def _setting(dtype_name: str | None) -> str:
+    """How ZeroConfig spells a --param-dtype / --reduce-dtype choice."""
+    return next((str(dtype) for dtype, name in DTYPE_NAMES.items() if name == dtype_name), "None")
+
+
+def model_report(counted: CountedModel, ranks: int, precision: ZeroPrecision, plans: list[StagePlan]) -> str:
     """The --model table and what each column assumes: which numbers are exact and which are bounds."""
     trainable_numel = sum(param.numel for param in counted.trainable)
     largest, largest_grad = counted.largest, max(counted.trainable, key=lambda param: param.numel, default=None)
@@ -462,7 +544,7 @@ def model_report(counted: CountedModel, ranks: int, precision: Precision, plans:
     if counted.tied:
         lines.append("tied, counted once: " + "; ".join(" = ".join(names) for names in counted.tied))
     lines += [
-        _precision_line(precision),
+        *_zero_precision_lines(counted, precision),
         f"buffers: {format_bytes(counted.buffer_bytes)}, replicated on every rank (not model state)",
         "",
         _table(header, rows),
@@ -489,15 +571,16 @@ def model_report(counted: CountedModel, ranks: int, precision: Precision, plans:
             "embedding's weight) is not gathered again."
         ),
     ]
-    if precision.param_dtype != "fp32":
+    if precision.param_dtype and any(DTYPE_NAMES.get(p.dtype) != precision.param_dtype for p in counted.parameters):
         lines.append(
-            f"zerocompile has no mixed precision yet: the {precision.param_dtype} rows are a what-if; "
-            "--param-dtype fp32 is what an fp32 model with AdamW holds today."
+            f"With param_dtype={_setting(precision.param_dtype)}, stage 0 also casts each parameter to "
+            f"{precision.param_dtype} where it is used and computes {precision.param_dtype} gradients before "
+            "their all-reduce: copies alive inside a step, not in the table."
         )
     return "\n".join(lines)
 
 
-def model_json(counted: CountedModel, ranks: int, precision: Precision, plans: list[StagePlan]) -> dict[str, Any]:
+def model_json(counted: CountedModel, ranks: int, precision: ZeroPrecision, plans: list[StagePlan]) -> dict[str, Any]:
     """The --model plan as exact bytes, with the counts (tied, frozen, largest) it rests on."""
     largest = counted.largest
     return {
@@ -533,14 +616,20 @@ def run(args: argparse.Namespace) -> int:
 
 def plan(args: argparse.Namespace) -> str:
     """The text `zerocompile plan` prints for these arguments (a table, or JSON with --json)."""
-    precision = precision_from(args.param_dtype, args.optimizer_bytes)
     if args.params is not None:
+        if args.reduce_dtype is not None:
+            raise PlanError(
+                "--reduce-dtype is zerocompile's setting, and the paper's accounting (--params) has one dtype "
+                "for parameters and gradients: plan a model with --model to see it"
+            )
+        precision = precision_from(args.param_dtype or PAPER_PARAM_DTYPE, args.optimizer_bytes)
         plans = paper_plan(args.params, args.ranks, precision)
         if args.json:
             record = {"params": args.params, "ranks": args.ranks, **dataclasses.asdict(precision)}
             return json.dumps({**record, "stages": [p.as_json() for p in plans]}, indent=2)
         return paper_report(args.params, args.ranks, precision, plans)
     counted = count_model(build_on_meta(load_factory(args.model), args.model), args.model)
+    precision = ZeroPrecision(args.param_dtype, args.reduce_dtype, args.optimizer_bytes)
     plans = model_plan(counted, args.ranks, precision)
     if args.json:
         return json.dumps(model_json(counted, args.ranks, precision, plans), indent=2)

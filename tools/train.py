@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import tempfile
 import time
 import warnings
@@ -241,7 +242,7 @@ def _train_loop(args: argparse.Namespace, rank: int, world_size: int) -> list[fl
     if args.sample_bytes > 0:
         sample = generate(model, args.sample_bytes, args.seed)
         if rank == 0:
-            print(f"sample: {sample!r}", flush=True)
+            print(f"sample: {printable_sample(sample)}", flush=True)
     peaks = _peak_rss_per_rank(world_size)
     if rank == 0:
         listed = ", ".join(f"{peak / MB:,.0f}" for peak in peaks)
@@ -315,7 +316,7 @@ def _checkpoint_exists(path: Path) -> bool:
 
 
 @torch.no_grad()
-def generate(model: GPT, length: int, seed: int) -> str:
+def generate(model: GPT, length: int, seed: int) -> bytes:
     """`length` bytes sampled from the trained model after SAMPLE_PROMPT (every rank calls it: the
     parameters are gathered for the plain eager forward)."""
     generator = torch.Generator().manual_seed(seed)
@@ -327,7 +328,20 @@ def generate(model: GPT, length: int, seed: int) -> str:
             next_token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
             tokens = torch.cat([tokens, next_token], dim=1)
     model.train()
-    return bytes(tokens[0].tolist()).decode("utf-8", errors="replace")
+    return bytes(tokens[0].tolist())
+
+
+def printable_sample(sample: bytes) -> str:
+    """The sample as a quoted string for the terminal: UTF-8 reads as text; control characters
+    (as `repr` writes them, e.g. \\x07, \\n) and bytes that are not UTF-8 (\\xff) are escaped.
+
+    A briefly trained byte-level model emits many bytes that are not UTF-8; decoded with
+    errors="replace" each printed as the same U+FFFD mark, hiding which bytes the model chose.
+    """
+    literal = repr(sample.decode("utf-8", errors="surrogateescape"))
+    # surrogateescape turns byte 0xNN into the lone surrogate U+DCNN, which repr writes as \udcNN;
+    # after an even run of backslashes (the text's own, each doubled by repr) "udcNN" is just text.
+    return re.sub(r"(?<!\\)((?:\\\\)*)\\udc([89a-f][0-9a-f])", r"\1\\x\2", literal)
 
 
 def _plot_losses(losses: list[float], path: Path) -> None:
