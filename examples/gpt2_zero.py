@@ -34,6 +34,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--compiler", default="inductor", choices=("inductor", "eager"))
+    parser.add_argument(
+        "--device", type=torch.device, default=None,
+        help="where batches go (default: the process group's device, cuda:LOCAL_RANK under NCCL, else cpu)",
+    )  # fmt: skip
     parser.add_argument("--save", metavar="DIR", help="write the trained model here (from_pretrained reads it)")
     parser.add_argument("--load", metavar="DIR", help="start from these weights (what save_pretrained wrote)")
     return parser.parse_args()
@@ -47,6 +51,8 @@ def main() -> None:
     if args.batch_size % world_size:
         raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the {world_size} ranks")
     rows = slice(rank * args.batch_size // world_size, (rank + 1) * args.batch_size // world_size)
+    # shard() materialises the meta-built model on the process group's device; batches go there too.
+    device = args.device if args.device is not None else zc.distributed.group_device(torch.distributed.group.WORLD)
 
     # 1.2 Create the model on the meta device: shapes only, no memory, however large the model.
     config = GPT2Config(
@@ -77,6 +83,7 @@ def main() -> None:
     # 1.5 Train as usual. HF shifts the labels by one token itself.
     for step in range(1, args.steps + 1):
         input_ids, _next_tokens = batches.next(rows)
+        input_ids = input_ids.to(device)
         loss = compiled(input_ids=input_ids, labels=input_ids).loss
         loss.backward()
         optimizer.step()

@@ -23,6 +23,21 @@ def test_help_lists_train() -> None:
     assert "train" in result.stdout
 
 
+def test_train_help_documents_the_device_default() -> None:
+    result = subprocess.run(["zerocompile", "train", "--help"], check=False, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"--device DEVICE\s+where the model, batches and sampling live", result.stdout), result.stdout
+    assert "cuda:LOCAL_RANK under NCCL, else cpu" in " ".join(result.stdout.split()), result.stdout
+
+
+def test_whole_build_lands_on_the_device() -> None:
+    from zerocompile.tools.gpt import SIZES
+    from zerocompile.tools.train import _build
+
+    model = _build(SIZES["tiny"], "whole", torch.device("meta"))
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+
+
 def test_train_runs_on_two_ranks_and_the_loss_falls(tmp_path) -> None:
     command = [sys.executable, "-m", "zerocompile.tools.cli", "train", "--ranks", "2", "--stage", "3"]
     command += [*FAST_JOB, "--steps", "20", "--log-every", "5", "--out", str(tmp_path)]
@@ -97,6 +112,8 @@ def test_meta_and_whole_builds_start_from_the_same_weights(tmp_path) -> None:
     loss curve, are those of the model built whole on every rank."""
     meta = _train("--steps", "2", "--out", str(tmp_path))
     assert _train("--steps", "2", "--build", "whole", "--out", str(tmp_path)) == meta
+    # An explicit --device cpu is what the default picks on a gloo group: the same run.
+    assert _train("--steps", "2", "--build", "whole", "--device", "cpu", "--out", str(tmp_path)) == meta
 
 
 def test_saved_weights_load_into_another_stage(tmp_path) -> None:

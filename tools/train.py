@@ -40,6 +40,7 @@ from zerocompile.distributed import (
     _launcher_environment,
     exit_spawned_rank,
     free_loopback_port,
+    group_device,
     leave_process_group,
     loopback_rank_environment,
 )
@@ -103,6 +104,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="inductor generates code; eager runs the rewritten graphs op by op and compiles fast",
     )
     parser.add_argument("--log-every", type=_positive_int, default=10, help="print every this many steps (default 10)")
+    parser.add_argument(
+        "--device",
+        type=torch.device,
+        default=None,
+        help="where the model, batches and sampling live (default: the process group's device, "
+        "cuda:LOCAL_RANK under NCCL, else cpu)",
+    )
     parser.add_argument(
         "--param-dtype",
         choices=sorted(PARAM_DTYPES),
@@ -196,7 +204,8 @@ def _train_loop(args: argparse.Namespace, rank: int, world_size: int) -> list[fl
         raise ValueError("--no-sync only changes gradient accumulation: give --grad-accum 2 or more")
     config = SIZES[args.model_size]
     text = load_text()
-    model = _build(config, args.build)
+    device = args.device if args.device is not None else group_device(dist.group.WORLD)
+    model = _build(config, args.build, device)
     torch.manual_seed(args.seed)  # the initial weights: GPT._init_weights applied from this state
     zc.shard(model, stage=args.stage, param_dtype=PARAM_DTYPES[args.param_dtype], init=GPT._init_weights)
     if args.load_weights is not None:
@@ -214,7 +223,7 @@ def _train_loop(args: argparse.Namespace, rank: int, world_size: int) -> list[fl
     for step in range(first_step, args.steps + 1):
         log_this_step = rank == 0 and (step % args.log_every == 0 or step in (first_step, args.steps))
         inputs, targets = batches.next(slice(rank * micro_rows * args.grad_accum, (rank + 1) * micro_rows * args.grad_accum))
-        loss = _accumulate(compiled, model, inputs, targets, args)
+        loss = _accumulate(compiled, model, inputs.to(device), targets.to(device), args)
         norm = zc.clip_grad_norm_(model, args.clip) if args.clip is not None else None
         optimizer.step()
         if log_this_step:
@@ -240,29 +249,32 @@ def _train_loop(args: argparse.Namespace, rank: int, world_size: int) -> list[fl
         if rank == 0:
             print(f"weights: {args.save_weights}", flush=True)
     if args.sample_bytes > 0:
-        sample = generate(model, args.sample_bytes, args.seed)
+        sample = generate(model, args.sample_bytes, args.seed, device)
         if rank == 0:
             print(f"sample: {printable_sample(sample)}", flush=True)
-    peaks = _peak_rss_per_rank(world_size)
+    peaks = _peak_rss_per_rank(world_size, device)
     if rank == 0:
         listed = ", ".join(f"{peak / MB:,.0f}" for peak in peaks)
         print(f"peak RSS per rank: {listed} MB (sum {sum(peaks) / MB:,.0f} MB)", flush=True)
     return losses
 
 
-def _build(config: GPTConfig, how: str) -> GPT:
-    """The unsharded model: on the meta device (no memory; shard() materialises it) or whole."""
+def _build(config: GPTConfig, how: str, device: torch.device) -> GPT:
+    """The unsharded model: on the meta device (no memory; shard() materialises it on the group's
+    device) or whole on `device`."""
     if how == "whole":
-        return GPT(config)
+        with device:
+            return GPT(config)
     with torch.device("meta"):
         return GPT(config)
 
 
-def _peak_rss_per_rank(world_size: int) -> list[int]:
-    """Every rank's peak resident memory so far (VmHWM), in bytes."""
+def _peak_rss_per_rank(world_size: int, device: torch.device) -> list[int]:
+    """Every rank's peak resident memory so far (VmHWM), in bytes (gathered on the group's device:
+    NCCL takes no CPU tensor)."""
     with open("/proc/self/status") as status:
         kilobytes = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
-    mine = torch.tensor([kilobytes * 1024], dtype=torch.int64)
+    mine = torch.tensor([kilobytes * 1024], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(every, mine)
     return [int(peak) for peak in every]
@@ -276,7 +288,7 @@ def _accumulate(
     Without --no-sync every micro-batch's backward reduces its gradients (the least memory); with
     it, all but the last accumulate full gradients locally and the last reduces them once.
     """
-    total = torch.zeros(())
+    total = torch.zeros((), device=inputs.device)
     for micro, (x, y) in enumerate(zip(inputs.chunk(args.grad_accum), targets.chunk(args.grad_accum))):
         last = micro == args.grad_accum - 1
         with zc.no_sync(model) if args.no_sync and not last else contextlib.nullcontext():
@@ -316,17 +328,18 @@ def _checkpoint_exists(path: Path) -> bool:
 
 
 @torch.no_grad()
-def generate(model: GPT, length: int, seed: int) -> bytes:
+def generate(model: GPT, length: int, seed: int, device: torch.device) -> bytes:
     """`length` bytes sampled from the trained model after SAMPLE_PROMPT (every rank calls it: the
-    parameters are gathered for the plain eager forward)."""
+    parameters are gathered for the plain eager forward). The model runs on `device`; sampling
+    draws on the CPU, so a seed gives the same bytes on any device."""
     generator = torch.Generator().manual_seed(seed)
-    tokens = torch.tensor([list(SAMPLE_PROMPT)])
+    tokens = torch.tensor([list(SAMPLE_PROMPT)], device=device)
     model.eval()
     with zc.gathered(model):
         for _ in range(length):
             logits = model(tokens[:, -model.config.block_size :])[:, -1].float()
-            next_token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
-            tokens = torch.cat([tokens, next_token], dim=1)
+            next_token = torch.multinomial(torch.softmax(logits, dim=-1).cpu(), 1, generator=generator)
+            tokens = torch.cat([tokens, next_token.to(device)], dim=1)
     model.train()
     return bytes(tokens[0].tolist())
 
