@@ -13,12 +13,14 @@ from zerocompile.config import ZeroConfig
 from zerocompile.distributed import init_distributed
 from zerocompile.ema import EMA
 from zerocompile.gathered import gathered
+from zerocompile.grad_scaler import ShardedGradScaler
 from zerocompile.sharding import full_numel, full_shape, model_state_bytes, shard
 from zerocompile.weights import LoadResult, load_weights, save_weights
 
 __all__ = [
     "EMA",
     "LoadResult",
+    "ShardedGradScaler",
     "ZeroConfig",
     "clip_grad_norm_",
     "full_numel",

@@ -10,6 +10,7 @@ one resulting factor. Tied parameters are one Parameter, so they count once.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Iterable
 
@@ -49,10 +50,7 @@ def clip_grad_norm_(
         if info is None or not info.policy.shards_parameters:
             whole.append(param.grad)
             continue
-        shards = by_group.setdefault(info.group_name, [])
-        real = _without_padding(param.grad, info)
-        if real.numel():  # a shard of only padding has no norm (the inf-norm of nothing is an error)
-            shards.append(real)
+        by_group.setdefault(info.group_name, []).append(_without_padding(param.grad, info))
     # Sorted names: every rank runs the collectives of several groups in the same order.
     norms = [_group_norm(by_group[name], norm_type, name, foreach) for name in sorted(by_group)]
     if whole:
@@ -69,8 +67,19 @@ def _without_padding(grad: torch.Tensor, info: ShardInfo) -> torch.Tensor:
 
 
 def _group_norm(shards: list[torch.Tensor], norm_type: float, group_name: str, foreach: bool | None) -> torch.Tensor:
-    """The norm of the whole gradients whose shards this group's ranks hold."""
-    local = get_total_norm(shards, norm_type, foreach=foreach)
+    """The norm of the whole gradients whose shards (without padding, so some may be empty) this
+    group's ranks hold.
+
+    Every rank joins the all-reduce with the same dtype on its gradients' device, including one
+    that holds only padding of the group: torch's norm of no tensors is a CPU float32 zero, which
+    an NCCL group cannot take, and beside bf16 or fp16 norms it would not even match in size.
+    """
+    real = [shard for shard in shards if shard.numel()]  # the inf-norm of an empty tensor is an error
+    dtype = functools.reduce(torch.promote_types, [shard.dtype for shard in shards])
+    if real:
+        local = get_total_norm(real, norm_type, foreach=foreach).to(dtype)
+    else:
+        local = shards[0].new_zeros((), dtype=dtype)
     group = c10d._resolve_process_group(group_name)
     if math.isinf(norm_type):
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerocompile.distributed import backend_for, group_device
 from zerocompile.passes.stages import stage_policy
 
 # Fields that only steer the graph passes, so `options=` of one compile may change them.
@@ -109,7 +110,8 @@ def refuse_concurrent_gloo_gathers(config: ZeroConfig, group: dist.ProcessGroup)
     ran gloo's coalesced all-gather; one in flight next to an all-to-all: 0 of 3 runs of 4000).
     `prefetch=1` waits each gather before the next starts, so it is safe; NCCL takes any depth.
     """
-    if stage_policy(config.stage).shards_parameters and config.prefetch > 1 and dist.get_backend(group) == "gloo":
+    gloo = backend_for(group, group_device(group)) == "gloo"  # also "cpu:gloo", a gloo-only group
+    if stage_policy(config.stage).shards_parameters and config.prefetch > 1 and gloo:
         raise ValueError(
             f"prefetch={config.prefetch} keeps {config.prefetch} all-gathers in flight, and torch "
             f"{torch.__version__}'s gloo backend corrupts memory when two coalesced all-gathers run "

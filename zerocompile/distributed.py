@@ -9,10 +9,11 @@ import socket
 import sys
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import Backend, BackendConfig
 
 from zerocompile.passes.lowering import ALL_TO_ALL_REDUCE_SCATTER, NATIVE_REDUCE_SCATTER
 
@@ -103,30 +104,53 @@ def init_distributed(backend: str | None = None, timeout: timedelta | None = Non
     and MASTER_PORT defaulting to 29500 + SLURM_JOB_ID % 1000 (either may be set to override).
     Without a launcher, starts a one-rank group in this process, binding no port; inside a
     multi-task Slurm job but not under srun, raises (the other ranks would never come). Uses nccl
-    when CUDA is available, gloo otherwise. A no-op returning the current rank and size when
-    already initialised.
+    when CUDA is available, gloo otherwise. A backend that runs CUDA tensors (nccl, or
+    "cpu:gloo,cuda:nccl") makes this rank's GPU current and binds the group to it (`device_id`):
+    the local rank's GPU, counted among those this process sees. A no-op returning the current
+    rank and size when already initialised.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    kwargs = {"timeout": timeout} if timeout is not None else {}
+    kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
     launched = _launcher_environment()
+    rank, world_size, local_rank = launched if launched is not None else (0, 1, 0)
+    device = _cuda_device(backend, local_rank)
+    if device is not None:
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
     if launched is None:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
-        return 0, 1
-    rank, world_size, local_rank = launched
+        dist.init_process_group(backend, store=dist.HashStore(), rank=rank, world_size=world_size, **kwargs)
+        return rank, world_size
     if "MASTER_ADDR" not in os.environ:
         os.environ["MASTER_ADDR"] = _slurm_master_addr()
     os.environ.setdefault("MASTER_PORT", str(_slurm_master_port()))
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
     restart_store = _torchrun_attempt_store(world_size, timeout)
     if restart_store is not None:
         dist.init_process_group(backend, store=restart_store, rank=rank, world_size=world_size, **kwargs)
     else:
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, **kwargs)
     return rank, world_size
+
+
+def _cuda_device(backend: str, local_rank: int) -> torch.device | None:
+    """The GPU this rank runs on if `backend` takes CUDA tensors other than through gloo, else None.
+
+    The local rank modulo the GPUs this process sees: a launcher that shows each task only its own
+    GPU (Slurm's --gpus-per-task=1, a per-task CUDA_VISIBLE_DEVICES) leaves local rank 3 one
+    device, cuda:0, where `cuda:LOCAL_RANK` would be an invalid device ordinal.
+    """
+    if _backends_by_device_type(backend).get("cuda", "gloo") == "gloo":
+        return None
+    visible = torch.cuda.device_count()
+    if visible == 0:
+        raise RuntimeError(
+            f"backend {backend!r} runs CUDA tensors but this process sees no CUDA device "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): give each rank a GPU "
+            "(e.g. srun --gpus-per-task=1), or train on the CPU with zerocompile.init_distributed(backend='gloo')"
+        )
+    return torch.device("cuda", local_rank % visible)
 
 
 def _torchrun_attempt_store(world_size: int, timeout: timedelta | None) -> dist.Store | None:
@@ -149,13 +173,18 @@ def _torchrun_attempt_store(world_size: int, timeout: timedelta | None) -> dist.
     return dist.PrefixStore(f"zerocompile/attempt-{attempt}/", store)
 
 
+def _backends_by_device_type(backend: str) -> dict[str, str]:
+    """{device type: backend} for a backend as `init_process_group` takes it or
+    `get_backend_config` reports it: "nccl" -> {"cuda": "nccl"}, "gloo" -> {"cpu": "gloo",
+    "cuda": "gloo"}, "cpu:gloo,cuda:nccl" -> as written."""
+    return BackendConfig(Backend(backend)).get_device_backend_map()
+
+
 def backend_for(group: dist.ProcessGroup, device: torch.device) -> str:
     """The backend that runs `group`'s collectives on tensors of `device` ("gloo", "nccl", ...):
     a group may have one per device type ("cpu:gloo,cuda:nccl")."""
     config = dist.get_backend_config(group)
-    if ":" not in config:
-        return config
-    per_device = dict(part.split(":", 1) for part in config.split(","))
+    per_device = _backends_by_device_type(config)
     if device.type not in per_device:
         raise ValueError(
             f"the process group has no backend for {device.type} tensors (its backends: {config}): "
@@ -173,12 +202,15 @@ def reduce_scatter_flavour(group: dist.ProcessGroup, device: torch.device) -> st
 
 
 def group_device(group: dist.ProcessGroup) -> torch.device:
-    """Where `group`'s collectives take their tensors: the CPU for gloo, else this process's
-    current accelerator (`cuda:LOCAL_RANK` once `init_distributed` has set it)."""
-    if dist.get_backend(group) == "gloo" or not torch.accelerator.is_available():
-        return torch.device("cpu")
-    accelerator = torch.accelerator.current_accelerator()
-    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+    """Where `group`'s collectives take the tensors made for them: this process's current
+    accelerator (the GPU `init_distributed` made current) if the group runs its tensors on a
+    backend other than gloo (nccl; also in "cpu:gloo,cuda:nccl"), else the CPU (gloo, "cpu:gloo")."""
+    if torch.accelerator.is_available():
+        accelerator = torch.accelerator.current_accelerator()
+        backends = _backends_by_device_type(dist.get_backend_config(group))
+        if backends.get(accelerator.type, "gloo") != "gloo":
+            return torch.device(accelerator.type, torch.accelerator.current_device_index())
+    return torch.device("cpu")
 
 
 @contextlib.contextmanager

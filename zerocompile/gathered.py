@@ -106,7 +106,7 @@ class gathered:
         try:
             if self.writeback:
                 group = c10d._resolve_process_group(self._held[0].info.group_name)
-                failing = _ranks_failing(error is not None or bool(problems), group)
+                failing = _ranks_failing(error is not None or bool(problems), group, self._held[0].shard.device)
                 if not failing:
                     self._write_back(group)
         finally:
@@ -178,8 +178,12 @@ class gathered:
         self._held, self._classes = [], []
 
 
-def _ranks_failing(failed: bool, group: dist.ProcessGroup) -> list[int]:
-    """Group ranks that report failure; every rank gets the same list (one small all-gather)."""
-    flags = [torch.zeros(1, dtype=torch.int32) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(flags, torch.tensor([int(failed)], dtype=torch.int32), group=group)
+def _ranks_failing(failed: bool, group: dist.ProcessGroup, device: torch.device) -> list[int]:
+    """Group ranks that report failure; every rank gets the same list (one small all-gather).
+
+    The flags live on `device`, where the group's parameters are: the group's backend takes
+    tensors there (an NCCL group has no backend for CPU tensors)."""
+    mine = torch.tensor([int(failed)], dtype=torch.int32, device=device)
+    flags = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(flags, mine, group=group)
     return [rank for rank, flag in enumerate(flags) if flag.item()]
