@@ -6,7 +6,9 @@ tests use them to prove what the stages promise (e.g. a stage-3 forward saves no
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import operator
 from typing import Callable
 
@@ -100,27 +102,31 @@ def nbytes(value: torch.Tensor) -> int:
 def gathered_live_intervals(graph: fx.Graph, size: Callable[[torch.Tensor], int] = _numel) -> list[tuple[int, int, int]]:
     """(position of the all-gather, last position, size) of each gathered buffer: alive from the
     moment the collective is issued until the last use of it or of any view/copy of it. A
-    coalesced all-gather has one buffer per parameter, each dying after its own last use."""
+    coalesced all-gather has one buffer per parameter, each dying after its own last use.
+
+    A gathered value belongs to the buffer its first gathered input belongs to, so the values
+    form a forest rooted at the buffers: one walk down from each buffer (linear in the graph;
+    testing every value against every buffer was quadratic, 1.8 s for a 48-layer forward)."""
     position = {node: i for i, node in enumerate(graph.nodes)}
     gathered = gathered_values(graph)
+    derived: dict[fx.Node, list[fx.Node]] = {}
+    for node in gathered:
+        first = next((arg for arg in node.all_input_nodes if arg in gathered), None)
+        if first is not None:
+            derived.setdefault(first, []).append(node)
     intervals = []
     for node in graph.nodes:
         if not _is_gather(node):
             continue
         for buffer in outputs_of(node):
-            chain = [n for n in gathered if _derives_from(n, buffer, gathered)]
+            chain, frontier = [], [buffer] if buffer in gathered else []
+            while frontier:
+                value = frontier.pop()
+                chain.append(value)
+                frontier.extend(derived.get(value, ()))
             last = max(position[user] for n in chain for user in n.users)
             intervals.append((position[node], last, size(buffer.meta["val"])))
     return intervals
-
-
-def _derives_from(node: fx.Node, root: fx.Node, gathered: set[fx.Node]) -> bool:
-    while node is not root:
-        inputs = [arg for arg in node.all_input_nodes if arg in gathered]
-        if not inputs:
-            return False
-        node = inputs[0]
-    return True
 
 
 def peak_gathered_numel(graph: fx.Graph) -> int:
@@ -133,8 +139,24 @@ def peak_gathered_bytes(graph: fx.Graph) -> int:
 
 
 def _peak(intervals: list[tuple[int, int, int]]) -> int:
-    """Largest sum of sizes of (start, end, size) intervals alive at one position."""
-    return max((sum(n for s, e, n in intervals if s <= t <= e) for t in {s for s, _, _ in intervals}), default=0)
+    """Largest sum of sizes of (start, end, size) intervals alive at one position (some start).
+
+    Sorted starts and ends with running sums: at t, what started at or before t minus what ended
+    before it (an interval ending before it starts is never alive)."""
+    alive = [(s, e, n) for s, e, n in intervals if s <= e]
+    starts = sorted((s, n) for s, _, n in alive)
+    ends = sorted((e, n) for _, e, n in alive)
+    started, ended = list(itertools.accumulate((n for _, n in starts), initial=0)), list(
+        itertools.accumulate((n for _, n in ends), initial=0)
+    )
+    start_keys, end_keys = [s for s, _ in starts], [e for e, _ in ends]
+    return max(
+        (
+            started[bisect.bisect_right(start_keys, t)] - ended[bisect.bisect_left(end_keys, t)]
+            for t in {s for s, _, _ in intervals}
+        ),
+        default=0,
+    )
 
 
 _REDUCTIONS = {funcol.reduce_scatter_tensor.default, funcol.all_to_all_single.default, funcol.all_reduce.default}

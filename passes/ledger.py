@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import networkx as nx
 import torch
 import torch.fx as fx
 from torch.distributed import distributed_c10d as c10d
@@ -84,9 +83,10 @@ def graph_ledger(graph: fx.Graph, kind: str) -> GraphLedger:
     """The ledger of one lowered forward or backward graph."""
     nodes = list(graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
-    dag = nx.DiGraph((arg, node) for node in nodes for arg in node.all_input_nodes)
+    gathered_intervals = analysis.gathered_live_intervals(graph, analysis.nbytes)
+    unreduced_intervals = analysis.unreduced_grad_intervals(graph, analysis.nbytes)
     gather_ends: dict[int, int] = {}  # a coalesced gather's buffers die one by one: the last
-    for start, end, _ in analysis.gathered_live_intervals(graph):
+    for start, end, _ in gathered_intervals:
         gather_ends[start] = max(end, gather_ends.get(start, end))
     entries = []
     world_size = 1
@@ -95,7 +95,12 @@ def graph_ledger(graph: fx.Graph, kind: str) -> GraphLedger:
         world_size = _world_size(node)
         wait = max(analysis.waits_of(node), key=position.__getitem__)  # the last one: done when all are
         in_flight = nodes[position[node] + 1 : position[wait]]
-        depends = nx.descendants(dag, node) if node in dag else set()
+        # What in flight depends on the collective: graph order is topological, so every path
+        # from it to a node in flight stays in flight (one pass, not networkx's whole-graph walk).
+        depends = {node}
+        for other in in_flight:
+            if any(arg in depends for arg in other.all_input_nodes):
+                depends.add(other)
         last_use = gather_ends.get(collective.position)
         # On gloo a gradient bucket's reduce-scatter is an all_to_all whose receiver sums the
         # chunks (lowering.reduce_scatter_bucket): a reduce-scatter to the reader, same bytes.
@@ -125,8 +130,8 @@ def graph_ledger(graph: fx.Graph, kind: str) -> GraphLedger:
         gathered_bytes=sum(e.input_bytes * world_size for e in entries if e.op == "all_gather"),
         reduced_bytes=sum(e.input_bytes for e in entries if e.op not in ("all_gather", "broadcast")),
         sent_bytes=sum(e.sent_bytes for e in entries),
-        peak_gathered_bytes=analysis.peak_gathered_bytes(graph),
-        peak_unreduced_grad_bytes=analysis.peak_unreduced_grad_bytes(graph),
-        gathered_intervals=analysis.gathered_live_intervals(graph, analysis.nbytes),
-        unreduced_grad_intervals=analysis.unreduced_grad_intervals(graph, analysis.nbytes),
+        peak_gathered_bytes=analysis._peak(gathered_intervals),
+        peak_unreduced_grad_bytes=analysis._peak(unreduced_intervals),
+        gathered_intervals=gathered_intervals,
+        unreduced_grad_intervals=unreduced_intervals,
     )

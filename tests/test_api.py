@@ -220,3 +220,23 @@ def subgroups_and_uncompiled_match_ddp(rank: int, world_size: int) -> list[float
 def test_any_process_group_and_uncompiled_code_train_like_ddp() -> None:
     for errors in run_on_ranks(4, subgroups_and_uncompiled_match_ddp, timeout=300):
         assert max(errors) <= 1e-6, errors
+
+
+def test_each_of_our_compile_steps_is_timed_like_dynamos_own(single_rank) -> None:
+    """Our passes show beside torch's phases (compile_times(), tlparse's timeline via TORCH_TRACE)."""
+    from torch._dynamo.utils import compile_times
+
+    torch._dynamo.utils.compilation_time_metrics.clear()
+    model = zc.shard(UnevenMLP(), stage=3)
+    compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
+    compiled(local_batch("uneven_mlp", 0, 0, 1)).backward()
+    timed = compile_times(repr="csv")[0]
+    for key in (
+        "zerocompile.dynamo_graph_passes",
+        "zerocompile.check_ranks_agree",
+        "zerocompile.tag_gathers_for_recompute",
+        "zerocompile.min_cut_rematerialization_partition",
+        "zerocompile.lower_markers",
+        "zerocompile.record_graph",
+    ):
+        assert key in timed, timed

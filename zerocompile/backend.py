@@ -27,6 +27,7 @@ from torch.distributed import distributed_c10d as c10d
 import torch.fx as fx
 from torch import nn
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import dynamo_timed
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._guards import CompileContext
@@ -73,7 +74,8 @@ class CompiledGraph:
 
     @functools.cached_property
     def ledger(self) -> GraphLedger:
-        return ledger.graph_ledger(self.graph, self.kind)
+        with dynamo_timed("zerocompile.graph_ledger", metadata={"graph": self.kind}):
+            return ledger.graph_ledger(self.graph, self.kind)
 
     @functools.cached_property
     def saved_gathered(self) -> list[str]:
@@ -94,18 +96,22 @@ compiled_graphs: list[CompiledGraph] = []
 
 def zero_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None) -> Callable:
     """`torch.compile(model, backend="zero", options={...})` lands here, once per Dynamo graph."""
-    _refuse_unsharded_parameters(gm, example_inputs)
-    _name_unshard_markers(gm, example_inputs)
-    groups = _groups_of(gm.graph)
-    config = _config_of(example_inputs).with_options(options)
-    for group_name in groups:
-        refuse_concurrent_gloo_gathers(config, c10d._resolve_process_group(group_name))
-    directory = dump.dump_dir(config.dump_dir)
-    dump.emit_graph(directory, "dynamo", "before", "merge_repeated_unshards", gm.graph)
-    merge_repeated_unshards(gm.graph)
-    gm.recompile()
-    dump.emit_graph(directory, "dynamo", "after", "merge_repeated_unshards", gm.graph)
-    context = _check_ranks_agree(gm.graph, config) if config.check_ranks else None
+    # Each of our steps is timed as Dynamo's own phases are: in torch._dynamo.utils.compile_times(),
+    # as chromium events in TORCH_TRACE (tlparse's timeline) and in the PyTorch profiler.
+    with dynamo_timed("zerocompile.dynamo_graph_passes", log_pt2_compile_event=True):
+        _refuse_unsharded_parameters(gm, example_inputs)
+        _name_unshard_markers(gm, example_inputs)
+        groups = _groups_of(gm.graph)
+        config = _config_of(example_inputs).with_options(options)
+        for group_name in groups:
+            refuse_concurrent_gloo_gathers(config, c10d._resolve_process_group(group_name))
+        directory = dump.dump_dir(config.dump_dir)
+        dump.emit_graph(directory, "dynamo", "before", "merge_repeated_unshards", gm.graph)
+        merge_repeated_unshards(gm.graph)
+        gm.recompile()
+        dump.emit_graph(directory, "dynamo", "after", "merge_repeated_unshards", gm.graph)
+    with dynamo_timed("zerocompile.check_ranks_agree", log_pt2_compile_event=True):
+        context = _check_ranks_agree(gm.graph, config) if config.check_ranks else None
     lowering = Lowering(directory, config.bucket_bytes, config.prefetch)
     if config.compiler == "eager":
         lower = functools.partial(_lower_and_run_eagerly, lowering=lowering, context=context)
@@ -248,14 +254,16 @@ def _name_markers_in(gm: fx.GraphModule, values: dict[fx.Node, Any]) -> None:
 
 
 def _tag_and_dump(graph: fx.Graph, directory: str | None) -> None:
-    dump.emit_graph(directory, "joint", "before", "tag_gathers_for_recompute", graph)
-    tag_gathers_for_recompute(graph)
-    dump.emit_graph(directory, "joint", "after", "tag_gathers_for_recompute", graph)
+    with dynamo_timed("zerocompile.tag_gathers_for_recompute", log_pt2_compile_event=True):
+        dump.emit_graph(directory, "joint", "before", "tag_gathers_for_recompute", graph)
+        tag_gathers_for_recompute(graph)
+        dump.emit_graph(directory, "joint", "after", "tag_gathers_for_recompute", graph)
 
 
 def _partition(joint: fx.GraphModule, joint_inputs: Any, *, directory: str | None, **kwargs: Any):
     _tag_and_dump(joint.graph, directory)
-    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    with dynamo_timed("zerocompile.min_cut_rematerialization_partition", log_pt2_compile_event=True):
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
 def _lower_and_run_eagerly(
@@ -287,11 +295,13 @@ class Lowering:
 
 def _lower_and_record(graph: fx.Graph, lowering: Lowering) -> None:
     kind = _graph_kind(graph)
-    dump.emit_graph(lowering.directory, kind, "before", "lower_markers", graph)
-    lower_markers(graph, lowering.bucket_bytes, lowering.prefetch, lowering.decompositions)
-    dump.emit_graph(lowering.directory, kind, "after", "lower_markers", graph)
-    record = CompiledGraph(kind, dump.compile_id(), _facts_only_copy(graph))
-    dump.emit_ledger(lowering.directory, kind, lambda: record.ledger.to_json())
+    with dynamo_timed("zerocompile.lower_markers", log_pt2_compile_event=True, metadata={"graph": kind}):
+        dump.emit_graph(lowering.directory, kind, "before", "lower_markers", graph)
+        lower_markers(graph, lowering.bucket_bytes, lowering.prefetch, lowering.decompositions)
+        dump.emit_graph(lowering.directory, kind, "after", "lower_markers", graph)
+    with dynamo_timed("zerocompile.record_graph", log_pt2_compile_event=True, metadata={"graph": kind}):
+        record = CompiledGraph(kind, dump.compile_id(), _facts_only_copy(graph))
+        dump.emit_ledger(lowering.directory, kind, lambda: record.ledger.to_json())
     compiled_graphs.append(record)
 
 
