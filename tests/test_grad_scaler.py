@@ -10,17 +10,15 @@ puts an inf into one rank's gradient shard.
 
 from __future__ import annotations
 
-import traceback
 from typing import Any, Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import zerocompile as zc
 from models import UnevenMLP, local_batch
-from ranks import run_on_ranks
+from ranks import run_cases, run_on_ranks
 from zerocompile.sharding import shard_info
 
 STEPS = 6
@@ -114,14 +112,7 @@ def grad_scaler_report(rank: int, world_size: int) -> dict[Any, Any]:
         ("inf", "ShardedGradScaler"): lambda: step_with_an_inf_on_rank_1(rank, world_size, zc.ShardedGradScaler),
         ("inf", "torch's GradScaler"): lambda: step_with_an_inf_on_rank_1(rank, world_size, torch.amp.GradScaler),
     }
-    report: dict[Any, Any] = {}
-    for key, run in cases.items():
-        try:
-            report[key] = run()
-        except Exception:
-            report[key] = traceback.format_exc()
-        dist.barrier()
-    return report
+    return run_cases(cases.items())
 
 
 @pytest.fixture(scope="module")
