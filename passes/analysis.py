@@ -131,14 +131,14 @@ def gathered_live_intervals(graph: fx.Graph, size: Callable[[torch.Tensor], int]
 
 def peak_gathered_numel(graph: fx.Graph) -> int:
     """Largest number of gathered-parameter elements alive at once in the graph."""
-    return _peak(gathered_live_intervals(graph))
+    return peak_alive(gathered_live_intervals(graph))
 
 
 def peak_gathered_bytes(graph: fx.Graph) -> int:
-    return _peak(gathered_live_intervals(graph, nbytes))
+    return peak_alive(gathered_live_intervals(graph, nbytes))
 
 
-def _peak(intervals: list[tuple[int, int, int]]) -> int:
+def peak_alive(intervals: list[tuple[int, int, int]]) -> int:
     """Largest sum of sizes of (start, end, size) intervals alive at one position (some start).
 
     Sorted starts and ends with running sums: at t, what started at or before t minus what ended
@@ -190,7 +190,7 @@ def unreduced_grad_intervals(graph: fx.Graph, size: Callable[[torch.Tensor], int
 
 
 def peak_unreduced_grad_bytes(graph: fx.Graph) -> int:
-    return _peak(unreduced_grad_intervals(graph, nbytes))
+    return peak_alive(unreduced_grad_intervals(graph, nbytes))
 
 
 def peak_unreduced_grad_numel(graph: fx.Graph) -> int:
@@ -199,4 +199,4 @@ def peak_unreduced_grad_numel(graph: fx.Graph) -> int:
     Stage 1 keeps every gradient until the end of the backward, so this is all of them; stages 2-3
     reduce each as soon as it is produced, so it stays near the largest layer's.
     """
-    return _peak(unreduced_grad_intervals(graph))
+    return peak_alive(unreduced_grad_intervals(graph))

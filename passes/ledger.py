@@ -96,7 +96,7 @@ def graph_ledger(graph: fx.Graph, kind: str) -> GraphLedger:
         wait = max(analysis.waits_of(node), key=position.__getitem__)  # the last one: done when all are
         in_flight = nodes[position[node] + 1 : position[wait]]
         # What in flight depends on the collective: graph order is topological, so every path
-        # from it to a node in flight stays in flight (one pass, not networkx's whole-graph walk).
+        # from it to a node in flight stays in flight (one pass over the window, not a walk of the whole graph).
         depends = {node}
         for other in in_flight:
             if any(arg in depends for arg in other.all_input_nodes):
@@ -130,8 +130,8 @@ def graph_ledger(graph: fx.Graph, kind: str) -> GraphLedger:
         gathered_bytes=sum(e.input_bytes * world_size for e in entries if e.op == "all_gather"),
         reduced_bytes=sum(e.input_bytes for e in entries if e.op not in ("all_gather", "broadcast")),
         sent_bytes=sum(e.sent_bytes for e in entries),
-        peak_gathered_bytes=analysis._peak(gathered_intervals),
-        peak_unreduced_grad_bytes=analysis._peak(unreduced_intervals),
+        peak_gathered_bytes=analysis.peak_alive(gathered_intervals),
+        peak_unreduced_grad_bytes=analysis.peak_alive(unreduced_intervals),
         gathered_intervals=gathered_intervals,
         unreduced_grad_intervals=unreduced_intervals,
     )

@@ -22,7 +22,6 @@ funcol = torch.ops._c10d_functional
 # sends as much as an all-reduce, 2(N-1)/N (measured); the all-to-all sends the textbook (N-1)/N.
 NATIVE_REDUCE_SCATTER = "reduce_scatter"
 ALL_TO_ALL_REDUCE_SCATTER = "all_to_all"
-REDUCE_SCATTER_FLAVOURS = (NATIVE_REDUCE_SCATTER, ALL_TO_ALL_REDUCE_SCATTER)
 
 
 def padded_numel(numel: int, world_size: int) -> int:

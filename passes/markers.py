@@ -150,7 +150,7 @@ class UnshardArgs(NamedTuple):
     stage: int
     group_name: str
     world_size: int
-    reduce_scatter: str  # how the group reduce-scatters (`lowering.REDUCE_SCATTER_FLAVOURS`)
+    reduce_scatter: str  # how the group reduce-scatters (a `lowering` *_REDUCE_SCATTER)
     param: str = ""
     compute_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None

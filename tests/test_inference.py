@@ -246,7 +246,7 @@ def _misuse_case(rank: int) -> dict[str, Any]:
         outcome[name] = _raises(fn)
     outcome["shards_unchanged"] = all(torch.equal(before[k], p) for k, p in model.named_parameters())
     outcome["classes_restored"] = type(model.wte) is sharded_class and all(
-        hasattr(type(m), "_zero_plain_class") for m in model.modules() if hasattr(m, "_zero_markers")
+        hasattr(type(m), "_zero_plain_class") for m in model.modules() if hasattr(m, "_zero_access")
     )
     outcome["replaced_parameter_restored"] = model.wpe._parameters["weight"] is wpe_weight
     outcome["compiled_after"] = _raises(lambda: compiled(batch[:, :-1], batch[:, 1:]).backward())

@@ -47,9 +47,10 @@ class ZeroConfig:
     trim_heap: on a CPU group, give the heap's free pages back to the kernel every few optimizer
         steps (glibc `malloc_trim`), so fragmentation does not creep into RSS; see
         `zerocompile.heap`. No effect on accelerators.
-    broadcast_buffers: as DDP's (and its default): every forward with gradients enabled (outside
-        `no_sync`) first takes group rank 0's buffers, inside the compiled graph; False leaves each
-        rank's buffers its own after `shard()`'s one broadcast. See `zerocompile.buffers`.
+    broadcast_buffers: as DDP's (and its default): forwards first take group rank 0's buffers,
+        inside the compiled graph, by DDP's rule (the first forward, and each after one that
+        prepared a gradient reduction); False leaves each rank's buffers its own after `shard()`'s
+        one broadcast. See `zerocompile.buffers`.
     """
 
     stage: int = 3

@@ -339,21 +339,19 @@ def _make_module_unshard_on_access(
     module: nn.Module, config: ZeroConfig, sync: GradientSync, notice: ShardedStateDictNotice
 ) -> None:
     names = tuple(name for name, p in module._parameters.items() if p is not None)
-    markers, slots = {}, {}
-    for name in names:
-        info = shard_info(module._parameters[name])
+    module._zero_shards = {name: module._parameters[name] for name in names}  # what the properties expect
+    slots, access = {}, {}
+    for name, shard in module._zero_shards.items():
+        info = shard_info(shard)
         slots[name] = sync.slots[info.fqn]  # shared by every module holding the parameter
         # The marker's arguments after the shard (see zerocompile.passes.markers.unshard). The FQN
         # is left out: Dynamo would guard on it, and every block of a model compiled block by block
         # (or split by graph breaks) would then compile a graph of its own. The backend fills it in.
-        markers[name] = (*info.marker_args(), "", config.param_dtype, config.reduce_dtype)
-    module._zero_markers = markers
+        markers = (*info.marker_args(), "", config.param_dtype, config.reduce_dtype)
+        # The property's one lookup: the Parameter, its sharded shape, its marker's arguments.
+        access[name] = (shard, sharded_shape(info), markers)
     module._zero_slots = slots
-    module._zero_shards = {name: module._parameters[name] for name in names}  # what the properties expect
-    # The properties' one lookup: the Parameter, its sharded shape, its marker's arguments.
-    module._zero_access = {
-        name: (shard, sharded_shape(shard_info(shard)), markers[name]) for name, shard in module._zero_shards.items()
-    }
+    module._zero_access = access
     module._zero_sync = sync  # one per model: what no_sync(model) enters and exits
     module.__class__ = _sharded_class(type(module), names)
     module.register_load_state_dict_pre_hook(_keep_this_ranks_slice_of_full_tensors)
