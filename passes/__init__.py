@@ -4,6 +4,7 @@
 - `markers`: the `zero::unshard` / `zero::reduce_grad` marker ops the passes rewrite.
 - `lowering`: what a marker means in functional collectives (shared by eager kernels and graphs).
 - `merge_unshards`: one gather per parameter per Dynamo graph (tied / reused weights).
-- `recompute_gathers`: stage 3 joint-graph tags so the backward re-gathers instead of saving.
+- `recompute_gathers`: stage 3 joint-graph tags so the backward re-gathers instead of saving
+  (all but the parameters `memory_budget` keeps).
 - `lower_markers`: markers -> collectives, placed by stage.
 """

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from .lowering import pack
-from .recompute_gathers import _is_view_or_cast
+from .recompute_gathers import KEPT, _is_view_or_cast
 
 funcol = torch.ops._c10d_functional
 COLLECTIVES = {
@@ -45,7 +45,13 @@ GATHERS = (funcol.all_gather_into_tensor.default, funcol.all_gather_into_tensor_
 
 
 def _is_gather(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in GATHERS
+    """An all-gather of parameters (not the all-gather half of a quantised all-reduce)."""
+    return node.op == "call_function" and node.target in GATHERS and not node.meta.get("zero_reduction")
+
+
+def _spliced(node: fx.Node) -> bool:
+    """A node `lower_markers` inserted for a collective (packing, quantisation, unpacking)."""
+    return "zero_params" in node.meta
 
 
 def collectives(graph: fx.Graph) -> list[Collective]:
@@ -68,17 +74,27 @@ def waits_of(collective: fx.Node) -> list[fx.Node]:
     return [user for output in outputs_of(collective) for user in output.users if user.target is funcol.wait_tensor.default]
 
 
+def kept_inputs(graph: fx.Graph) -> list[fx.Node]:
+    """A backward's inputs that are gathered parameters its forward saved (not gathered again):
+    the placeholders carrying `recompute_gathers.KEPT`, which the partitioner copies from the
+    joint graph's saved node."""
+    return [node for node in graph.find_nodes(op="placeholder") if KEPT in node.meta]
+
+
 def gathered_values(graph: fx.Graph) -> set[fx.Node]:
-    """Every value that is a gathered parameter: the all-gather, its waits, and their views/casts."""
+    """Every value that is a gathered parameter: the all-gather, its waits, kept inputs
+    (`kept_inputs`), and their views/casts."""
     values: set[fx.Node] = set()
-    frontier = [node for node in graph.nodes if _is_gather(node)]
+    frontier = [node for node in graph.nodes if _is_gather(node)] + kept_inputs(graph)
     while frontier:
         node = frontier.pop()
         values.add(node)
+        # Dequantisation (int8 gathers) is compute, but of the gather's own: still the parameter.
         frontier.extend(
             user
             for user in node.users
-            if user not in values and (user.target is funcol.wait_tensor.default or _is_view_or_cast(user))
+            if user not in values
+            and (user.target is funcol.wait_tensor.default or _is_view_or_cast(user) or _spliced(user))
         )
     return values
 
@@ -89,6 +105,31 @@ def saved_gathered_values(graph: fx.Graph) -> list[fx.Node]:
     outputs: list[fx.Node] = []
     fx.node.map_arg(graph.output_node().args[0], outputs.append)
     return [out for out in outputs if out in gathered]
+
+
+def kept_params(graph: fx.Graph) -> dict[str, int]:
+    """{FQN: bytes} of the gathered parameters kept between forward and backward: those a
+    forward saves (returns), or those a backward receives (`kept_inputs`). Bytes are the kept
+    value's; a parameter saved in two shapes (itself and its transpose) counts once, the larger."""
+    gathered = gathered_values(graph)
+    kept: dict[str, int] = {}
+    for node in kept_inputs(graph) + saved_gathered_values(graph):
+        fqn = _parameter_of(node, gathered)
+        kept[fqn] = max(kept.get(fqn, 0), nbytes(node.meta["val"]))
+    return kept
+
+
+def _parameter_of(value: fx.Node, gathered: set[fx.Node]) -> str:
+    """The FQN of the parameter a gathered value is: up through its gathered inputs to the meta
+    of the joint graph's marker (`KEPT`) or to the collective's output for it (`zero_params`)."""
+    while KEPT not in value.meta:
+        if _is_gather(value):
+            return value.meta["zero_params"][0][0]
+        source = next(arg for arg in value.all_input_nodes if arg in gathered)
+        if _is_gather(source) and value.target is operator.getitem:
+            return source.meta["zero_params"][value.args[1]][0]
+        value = source
+    return value.meta[KEPT]
 
 
 def _numel(value: torch.Tensor) -> int:
@@ -102,7 +143,8 @@ def nbytes(value: torch.Tensor) -> int:
 def gathered_live_intervals(graph: fx.Graph, size: Callable[[torch.Tensor], int] = _numel) -> list[tuple[int, int, int]]:
     """(position of the all-gather, last position, size) of each gathered buffer: alive from the
     moment the collective is issued until the last use of it or of any view/copy of it. A
-    coalesced all-gather has one buffer per parameter, each dying after its own last use.
+    coalesced all-gather has one buffer per parameter, each dying after its own last use. A
+    backward's kept inputs (`kept_inputs`) are buffers too, alive from the graph's start.
 
     A gathered value belongs to the buffer its first gathered input belongs to, so the values
     form a forest rooted at the buffers: one walk down from each buffer (linear in the graph;
@@ -114,18 +156,36 @@ def gathered_live_intervals(graph: fx.Graph, size: Callable[[torch.Tensor], int]
         first = next((arg for arg in node.all_input_nodes if arg in gathered), None)
         if first is not None:
             derived.setdefault(first, []).append(node)
+    def chain_of(roots: list[fx.Node]) -> list[fx.Node]:
+        chain, frontier = [], [root for root in roots if root in gathered]
+        while frontier:
+            value = frontier.pop()
+            chain.append(value)
+            frontier.extend(derived.get(value, ()))
+        return chain
+
+    def last_use(roots: list[fx.Node]) -> int:
+        return max((position[user] for n in chain_of(roots) for user in n.users), default=position[roots[0]])
+
     intervals = []
     for node in graph.nodes:
         if not _is_gather(node):
             continue
         for buffer in outputs_of(node):
-            chain, frontier = [], [buffer] if buffer in gathered else []
-            while frontier:
-                value = frontier.pop()
-                chain.append(value)
-                frontier.extend(derived.get(value, ()))
-            last = max(position[user] for n in chain for user in n.users)
-            intervals.append((position[node], last, size(buffer.meta["val"])))
+            # The largest form the parameter takes: the buffer itself, or, gathered as int8
+            # codes, its dequantised values (fp32 before a cast to the compute dtype).
+            largest = max(
+                (size(value.meta["val"]) for value in chain_of([buffer]) if isinstance(value.meta.get("val"), torch.Tensor)),
+                default=size(buffer.meta["val"]),
+            )
+            intervals.append((position[node], last_use([buffer]), largest))
+    # A backward's kept inputs are alive from its start; one buffer per parameter, though the
+    # forward may have saved it in two shapes.
+    kept: dict[str, list[fx.Node]] = {}
+    for node in kept_inputs(graph):
+        kept.setdefault(node.meta[KEPT], []).append(node)
+    for inputs in kept.values():
+        intervals.append((position[inputs[0]], last_use(inputs), max(size(node.meta["val"]) for node in inputs)))
     return intervals
 
 
@@ -167,13 +227,19 @@ _PACKING_LISTS = {pack._opoverload, torch.ops.aten.cat.default}
 
 
 def _gradient_producers(node: fx.Node) -> list[fx.Node]:
-    """The nodes that computed the gradients a reduction reads, looking through views, padding
-    and the concatenation of a bucket."""
-    looks_through = node.target in _PACKING_LISTS or (_is_view_or_cast(node) and node.target is not operator.getitem)
-    if node.op != "call_function" or not looks_through:
+    """The nodes that computed the gradients a reduction reads, looking through views, padding,
+    the concatenation of a bucket and its quantisation (each once)."""
+    if node.op != "call_function":
         return [node]
-    inputs = node.args[0] if node.target in _PACKING_LISTS else [node.args[0]]
-    return [producer for arg in inputs for producer in _gradient_producers(arg)]
+    if _spliced(node):
+        inputs = node.all_input_nodes
+    elif node.target in _PACKING_LISTS:
+        inputs = node.args[0]
+    elif _is_view_or_cast(node) and node.target is not operator.getitem:
+        inputs = [node.args[0]]
+    else:
+        return [node]
+    return list(dict.fromkeys(producer for arg in inputs for producer in _gradient_producers(arg)))
 
 
 def unreduced_grad_intervals(graph: fx.Graph, size: Callable[[torch.Tensor], int] = _numel) -> list[tuple[int, int, int]]:

@@ -4,7 +4,8 @@ computes while it is in flight, and where each gathered buffer dies — predicte
 Read-only: nothing here changes a graph. Bytes sent are what one rank writes to the network for a
 collective under the algorithms we emit: an all-gather sends its shard to N−1 peers, an all-to-all
 (our gloo reduce-scatter) and a native reduce-scatter (N−1)/N of their input, an all-reduce
-2(N−1)/N of it (ring); a broadcast (buffers) (N−1)/N of it, the mean over ranks.
+2(N−1)/N of it (ring); a broadcast (buffers) (N−1)/N of it, the mean over ranks. Quantised
+collectives count their int8 rows (codes and the scales' bytes) as sent.
 """
 
 from __future__ import annotations
@@ -46,11 +47,16 @@ class GraphLedger:
     gathered_bytes: int
     reduced_bytes: int
     sent_bytes: int
-    peak_gathered_bytes: int
+    peak_gathered_bytes: int  # kept parameters included (in a backward, from its start)
     peak_unreduced_grad_bytes: int
     # (first position, last position, bytes): the memory timeline of the graph
     gathered_intervals: list[tuple[int, int, int]]
     unreduced_grad_intervals: list[tuple[int, int, int]]
+    # Gathered parameters kept between forward and backward (saved by a forward, received by a
+    # backward, not gathered again): stages 1-2 every one the backward reads, stage 3 those its
+    # memory_budget keeps; and their bytes.
+    kept_params: list[str]
+    kept_bytes: int
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -79,6 +85,19 @@ def _sent_bytes(op: str, input_bytes: int, world_size: int) -> int:
     return (world_size - 1) * input_bytes // world_size
 
 
+_QUANTISED = "int8 blocks + fp32 scales"
+# The second half of stage 0's quantised all-reduce: it gathers reduced gradients, not parameters.
+_MEANS = f"{_QUANTISED}: the reduced gradient's all-gather (stage 0's all-reduce)"
+
+
+def _detail(collective: analysis.Collective, is_reduction: bool, of_gradients: bool) -> str:
+    if collective.dtype == torch.int8:
+        if collective.op == "all_gather" and of_gradients:
+            return _MEANS
+        return f"{_QUANTISED}, all_to_all + sum" if is_reduction else _QUANTISED
+    return "all_to_all + sum on gloo" if is_reduction else ""
+
+
 def graph_ledger(graph: fx.Graph, kind: str) -> GraphLedger:
     """The ledger of one lowered forward or backward graph."""
     nodes = list(graph.nodes)
@@ -104,11 +123,12 @@ def graph_ledger(graph: fx.Graph, kind: str) -> GraphLedger:
         last_use = gather_ends.get(collective.position)
         # On gloo a gradient bucket's reduce-scatter is an all_to_all whose receiver sums the
         # chunks (lowering.reduce_scatter_bucket): a reduce-scatter to the reader, same bytes.
+        # So is a quantised one on any backend.
         is_reduction = collective.op == "all_to_all" and node.meta.get("zero_params")
         entries.append(
             LedgerEntry(
                 op="reduce_scatter" if is_reduction else collective.op,
-                detail="all_to_all + sum on gloo" if is_reduction else "",
+                detail=_detail(collective, is_reduction, bool(node.meta.get("zero_reduction"))),
                 params=[name for name, _ in node.meta.get("zero_params", [])],
                 param_bytes=[held for _, held in node.meta.get("zero_params", [])],
                 dtype=str(collective.dtype).removeprefix("torch."),
@@ -122,16 +142,19 @@ def graph_ledger(graph: fx.Graph, kind: str) -> GraphLedger:
                 freed_position=last_use,
             )
         )
+    kept = analysis.kept_params(graph)
     return GraphLedger(
         kind=kind,
         world_size=world_size,
         node_count=len(nodes),
         entries=entries,
-        gathered_bytes=sum(e.input_bytes * world_size for e in entries if e.op == "all_gather"),
-        reduced_bytes=sum(e.input_bytes for e in entries if e.op not in ("all_gather", "broadcast")),
+        gathered_bytes=sum(e.input_bytes * world_size for e in entries if e.op == "all_gather" and e.detail != _MEANS),
+        reduced_bytes=sum(e.input_bytes for e in entries if e.op not in ("all_gather", "broadcast") or e.detail == _MEANS),
         sent_bytes=sum(e.sent_bytes for e in entries),
         peak_gathered_bytes=analysis.peak_alive(gathered_intervals),
         peak_unreduced_grad_bytes=analysis.peak_alive(unreduced_intervals),
         gathered_intervals=gathered_intervals,
         unreduced_grad_intervals=unreduced_intervals,
+        kept_params=list(kept),
+        kept_bytes=sum(kept.values()),
     )

@@ -63,7 +63,9 @@ def lower_markers(
         spliced = tracer(
             bucket,
             bucket[0],
-            lambda *shards: gather_bucket(list(shards), shapes, first.group_name, first.world_size, first.compute_dtype),
+            lambda *shards: gather_bucket(
+                list(shards), shapes, first.group_name, first.world_size, first.compute_dtype, first.gather_quant_block
+            ),
         )
         (gathers_up_front if up_front else gathers).append(spliced)
         counts["gathers"] += len(bucket)
@@ -73,13 +75,13 @@ def lower_markers(
         first = markers[0]
         if stage_policy(first.stage).reduction == "all_reduce":
             fn = lambda *grads: all_reduce_bucket(  # noqa: E731
-                list(grads), first.group_name, first.world_size, first.reduce_dtype, first.grad_dtype
+                list(grads), first.group_name, first.world_size, first.reduce_dtype, first.grad_dtype, first.quant_block
             )
         else:
             numels = [m.shard_numel for m in markers]
             fn = lambda *grads: reduce_scatter_bucket(  # noqa: E731
                 list(grads), numels, first.group_name, first.world_size, first.reduce_scatter,
-                first.reduce_dtype, first.grad_dtype,
+                first.reduce_dtype, first.grad_dtype, first.quant_block,
             )
         reductions.append(tracer(bucket, bucket[-1], fn))
         counts["reductions"] += len(bucket)
@@ -126,14 +128,14 @@ def _served(marker: fx.Node) -> tuple[str, int]:
 
 
 def _bucket_key(node: fx.Node) -> tuple:
-    """Markers may share a collective only with the same stage, group and dtypes."""
+    """Markers may share a collective only with the same stage, group, dtypes and quantisation."""
     if is_unshard(node):
         marker = unshard_args(node)
-        return marker.stage, marker.group_name, marker.world_size, node.meta["val"].dtype
+        return marker.stage, marker.group_name, marker.world_size, node.meta["val"].dtype, marker.gather_quant_block
     marker = reduce_grad_args(node)
     return (
         marker.stage, marker.group_name, marker.world_size, marker.reduce_scatter, marker.reduce_dtype,
-        node.args[0].meta["val"].dtype, marker.grad_dtype,
+        node.args[0].meta["val"].dtype, marker.grad_dtype, marker.quant_block,
     )
 
 
@@ -283,8 +285,8 @@ def _splice(
     `anchor` and let its outputs replace the markers; returns the inserted nodes in order.
 
     Each new node's meta["zero_params"] lists (FQN, bytes this rank holds of it) for the
-    parameters it serves, and meta["zero_world_size"] the size of their group: the ledger reads
-    them.
+    parameters it serves, meta["zero_world_size"] the size of their group, and a reduction's
+    nodes meta["zero_reduction"]: the ledger reads them.
     """
     graph = anchor.graph
     args = [marker.args[0] for marker in markers]
@@ -292,9 +294,12 @@ def _splice(
         traced = make_fx(fn, decompositions, tracing_mode="real")(*[arg.meta["val"] for arg in args])
     params = [_served(marker) for marker in markers]
     first = unshard_args(markers[0]) if is_unshard(markers[0]) else reduce_grad_args(markers[0])
+    reduction = is_reduce_grad(markers[0])
     for new_node in traced.graph.nodes:
         new_node.meta["zero_params"] = params
         new_node.meta["zero_world_size"] = first.world_size
+        if reduction:  # its collectives reduce gradients, whatever their op (a quantised all-reduce gathers)
+            new_node.meta["zero_reduction"] = True
     before = anchor.prev
     with graph.inserting_before(anchor):
         outputs = graph.graph_copy(traced.graph, dict(zip(traced.graph.find_nodes(op="placeholder"), args)))

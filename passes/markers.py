@@ -14,6 +14,10 @@ graphs say what they do too: `local=True` marks an input that already is a full 
 parameter (an identity, like stage 0, whose gradient is *not* reduced: it accumulates in the copy's
 `.grad`), and `pending=` carries such an accumulated gradient into the next synced backward, which
 reduces it together with its own gradient in one collective.
+
+Quantised collectives (`ZeroConfig.gather_quant` / `reduce_quant`) are two more optional
+arguments, the block sizes (0: exact): the eager kernels quantise too, so compiled and uncompiled
+code compute the same values.
 """
 
 from __future__ import annotations
@@ -45,10 +49,12 @@ def unshard(
     reduce_dtype: torch.dtype | None = None,
     local: bool = False,
     pending: torch.Tensor | None = None,
+    gather_quant_block: int = 0,
+    reduce_quant_block: int = 0,
 ) -> torch.Tensor:
     if local or not stage_policy(stage).shards_parameters:
         return shard.to(compute_dtype or shard.dtype, copy=True)
-    return gather_bucket([shard], [shape], group_name, world_size, compute_dtype)[0]
+    return gather_bucket([shard], [shape], group_name, world_size, compute_dtype, gather_quant_block)[0]
 
 
 @unshard.register_fake
@@ -64,6 +70,8 @@ def _unshard_fake(
     reduce_dtype: torch.dtype | None = None,
     local: bool = False,
     pending: torch.Tensor | None = None,
+    gather_quant_block: int = 0,
+    reduce_quant_block: int = 0,
 ) -> torch.Tensor:
     dtype = compute_dtype or shard.dtype
     if local or not stage_policy(stage).shards_parameters:
@@ -82,11 +90,13 @@ def reduce_grad(
     param: str = "",
     reduce_dtype: torch.dtype | None = None,
     grad_dtype: torch.dtype | None = None,
+    quant_block: int = 0,
 ) -> torch.Tensor:
     if stage_policy(stage).reduction == "all_reduce":
-        return all_reduce_bucket([grad.contiguous()], group_name, world_size, reduce_dtype, grad_dtype)[0]
+        return all_reduce_bucket([grad.contiguous()], group_name, world_size, reduce_dtype, grad_dtype, quant_block)[0]
     return reduce_scatter_bucket(
-        [grad.contiguous()], [shard_numel], group_name, world_size, reduce_scatter, reduce_dtype, grad_dtype
+        [grad.contiguous()], [shard_numel], group_name, world_size, reduce_scatter, reduce_dtype, grad_dtype,
+        quant_block,
     )[0]
 
 
@@ -101,6 +111,7 @@ def _reduce_grad_fake(
     param: str = "",
     reduce_dtype: torch.dtype | None = None,
     grad_dtype: torch.dtype | None = None,
+    quant_block: int = 0,
 ) -> torch.Tensor:
     dtype = grad_dtype or grad.dtype
     if stage_policy(stage).reduction == "all_reduce":
@@ -131,7 +142,7 @@ def _unshard_backward(ctx, grad: torch.Tensor):
         grad = (pending + grad).to(m.reduce_dtype or grad.dtype)
     reduced = reduce_grad(
         grad, ctx.shard_numel, m.stage, m.group_name, m.world_size, m.reduce_scatter, m.param, m.reduce_dtype,
-        ctx.shard_dtype,
+        ctx.shard_dtype, m.reduce_quant_block,
     )
     return reduced, *not_differentiable
 
@@ -156,6 +167,8 @@ class UnshardArgs(NamedTuple):
     reduce_dtype: torch.dtype | None = None
     local: bool = False  # the input is a full local copy (no_sync): no gather, no reduction
     pending: torch.fx.Node | None = None  # a gradient accumulated without sync, reduced with this one
+    gather_quant_block: int = 0  # > 0: gathered int8-quantised in blocks of this many elements
+    reduce_quant_block: int = 0  # > 0: its gradient reduced int8-quantised (`ReduceGradArgs.quant_block`)
 
 
 class ReduceGradArgs(NamedTuple):
@@ -170,6 +183,7 @@ class ReduceGradArgs(NamedTuple):
     param: str = ""
     reduce_dtype: torch.dtype | None = None
     grad_dtype: torch.dtype | None = None
+    quant_block: int = 0  # > 0: reduced int8-quantised in blocks of this many elements (`lowering`)
 
 
 def unshard_args(node: torch.fx.Node) -> UnshardArgs:

@@ -60,8 +60,39 @@ def test_unknown_setting_and_option_list_the_valid_ones(single_rank) -> None:
         zc.shard(UnevenMLP(), stage=3, bucket=1)
     model = zc.shard(UnevenMLP(), stage=3)
     compiled = torch.compile(model, backend="zero", options={"prefetch_depth": 2})
-    with pytest.raises(Exception, match=r"unknown option\(s\) \['prefetch_depth'\].*valid options: \['compiler', 'dump_dir', 'bucket_bytes', 'prefetch', 'check_ranks'\]"):
+    with pytest.raises(Exception, match=r"unknown option\(s\) \['prefetch_depth'\].*valid options: \['compiler', 'dump_dir', 'bucket_bytes', 'prefetch', 'check_ranks', 'memory_budget'\]"):
         compiled(torch.randn(2, 7))
+
+
+@pytest.mark.parametrize(
+    "backends, expected",
+    [
+        ("gloo", 4 * 2**20),
+        ("cpu:gloo,cuda:nccl", 4 * 2**20),  # CPU parameters: gloo runs their collectives
+        ("cpu:nccl", 25 * 2**20),  # stands in for CUDA parameters under nccl, which this machine lacks
+    ],
+)
+def test_default_bucket_bytes_follow_the_backend_of_the_parameters_device(
+    single_rank, monkeypatch: pytest.MonkeyPatch, backends: str, expected: int
+) -> None:
+    """None until shard() decides: gloo's 4 MiB (measured on CPU ranks), DDP's 25 MiB for any other
+    backend. Decided for whole models and meta-built ones alike; a number given is kept."""
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: backends)
+    assert zc.ZeroConfig().bucket_bytes is None
+    with torch.device("meta"):
+        on_meta = UnevenMLP()
+    for model in (zc.shard(UnevenMLP(), stage=3), zc.shard(on_meta, stage=3)):
+        assert model._zero_config.bucket_bytes == expected
+        assert {p._zero.config.bucket_bytes for p in model.parameters()} == {expected}
+    chosen = zc.shard(UnevenMLP(), stage=3, bucket_bytes=0)
+    assert {p._zero.config.bucket_bytes for p in chosen.parameters()} == {0}
+
+
+def test_bucket_bytes_option_must_be_a_number() -> None:
+    """The backend's default is decided by shard(); a compile option can only override it."""
+    with pytest.raises(ValueError, match=r"options=\{'bucket_bytes': None\}: give a number of bytes"):
+        zc.ZeroConfig(bucket_bytes=4 * 2**20).with_options({"bucket_bytes": None})
+    assert zc.ZeroConfig(bucket_bytes=4 * 2**20).with_options({"bucket_bytes": 0}).bucket_bytes == 0
 
 
 def test_optimizer_that_stepped_before_shard_must_be_passed_in(single_rank) -> None:
@@ -189,7 +220,8 @@ def test_frozen_parameters_get_no_reduction(single_rank) -> None:
     compiled(torch.randn(2, 6)).backward()
     (backward,) = [g for g in compiled_graphs if g.kind == "backward"]
     reduced = sorted((p, n) for e in backward.ledger.entries for p, n in zip(e.params, e.param_bytes))
-    assert reduced == [("head.bias", 5 * 4), ("head.weight", 50 * 4)], "only the trainable head is reduced"
+    # The bytes of this rank's shards: 5 and 50 elements padded to whole 16-element blocks.
+    assert reduced == [("head.bias", 16 * 4), ("head.weight", 64 * 4)], "only the trainable head is reduced"
     assert model.frozen._parameters["weight"].grad is None
 
 

@@ -161,7 +161,8 @@ def test_data_replaced_after_shard_fails_at_the_next_compiled_call(two_ranks) ->
     for report in two_ranks[0]:
         message = report["data_replaced"]
         assert "parameter 'fc2.weight' holds a tensor of shape (11, 13)" in message, message
-        assert "sharded to (72,)" in message and "stage 3" in message and "before it" in message, message
+        # 143 elements over 2 ranks: 72 each, rounded up to whole 16-element blocks
+        assert "sharded to (80,)" in message and "stage 3" in message and "before it" in message, message
 
 
 @pytest.mark.parametrize("damage", ("file_deleted", "byte_flipped"))
@@ -228,6 +229,31 @@ def test_unshardable_parameters_are_refused_naming_the_fix(single_rank, build, e
     assert getattr(model, "_zero_config", None) is None
 
 
+_BAD_BUDGET = r"memory_budget must be None or a number of bytes >= 0 \(gathered parameters kept for the backward at stage 3\), got "
+
+
+@pytest.mark.parametrize(
+    "stage, budget, expected",
+    [
+        (3, -1, _BAD_BUDGET + "-1"),
+        (3, 1.5e6, _BAD_BUDGET + r"1500000\.0"),
+        (3, True, _BAD_BUDGET + "True"),
+        (2, 2**20, r"memory_budget applies to stage 3 only .*got stage 2: leave memory_budget=None or use stage=3"),
+    ],
+)
+def test_a_bad_memory_budget_is_refused_before_anything_changes(single_rank, stage: int, budget, expected: str) -> None:
+    model = UnevenMLP()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=expected):
+        zc.shard(model, stage=stage, memory_budget=budget)
+    assert getattr(model, "_zero_config", None) is None and not any(hasattr(p, "_zero") for p in model.parameters())
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    # As a compile option (memory_budget is a compile-time setting) it fails at the compile.
+    compiled = torch.compile(zc.shard(UnevenMLP(), stage=stage), backend="zero", options={"memory_budget": budget, **EAGER})
+    with pytest.raises(Exception, match=expected):
+        compiled(torch.randn(2, 7))
+
+
 # ---------------------------------------------------------------------------------------------
 # A model changed after shard(): refused where it happens, or at the next use
 
@@ -270,7 +296,7 @@ def test_new_or_replaced_parameters_are_refused(single_rank) -> None:
 @pytest.mark.parametrize("stage", (0, 3))
 def test_data_replaced_after_shard_fails_at_the_next_forward_or_step(single_rank, stage: int) -> None:
     model, compiled, optimizer = _sharded_mlp(stage)
-    sharded = "(13, 7)" if stage == 0 else "(91,)"
+    sharded = "(13, 7)" if stage == 0 else "(96,)"  # one rank: 91 elements in whole 16-element blocks
     weight = model.fc1._parameters["weight"]
     weight.data = torch.randn(5, 5)
     expected = rf"parameter 'fc1.weight' holds a tensor of shape \(5, 5\), but at stage {stage} it is sharded to {re.escape(sharded)}"

@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
+import zerocompile as zc
 from zerocompile.tools import bench
 from zerocompile.tools.gpt import GPT, SIZES
 
@@ -119,6 +121,14 @@ def test_interleave_needs_two_different_modes() -> None:
     assert parser.parse_args(["--interleave", "none"]).interleave == []
 
 
+def test_zero3_budget_mode_keeps_half_the_models_bytes(single_rank) -> None:
+    model = GPT(SIZES["tiny"])
+    half = sum(p.numel() * p.element_size() for p in model.parameters()) // 2
+    bench.MODES["zero3-budget"].build(model)
+    settings = {(info.config.stage, info.config.memory_budget) for info in map(zc.sharding.shard_info, model.parameters())}
+    assert settings == {(3, half)}
+
+
 def test_interleaved_modes_trace_gpt_code_of_their_own() -> None:
     """Dynamo's per-code state (a frame it gave up on) must not leak between modes of one process:
     FSDP2+compile gives up on GPT.forward, and zero3 sharing that code object ran eagerly."""
@@ -132,3 +142,36 @@ def test_interleaved_modes_trace_gpt_code_of_their_own() -> None:
     copy, original = (model.state_dict() for model in models)
     assert copy.keys() == original.keys()
     assert all(torch.equal(copy[key], original[key]) for key in original)
+
+
+def test_bench_help_documents_the_device_default() -> None:
+    result = subprocess.run(["zerocompile", "bench", "--help"], check=False, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    documented = (
+        "--device DEVICE where every mode's model, batches and loss live (default: the process group's device, "
+        "cuda:LOCAL_RANK under NCCL, else cpu)"
+    )
+    assert documented in " ".join(result.stdout.split()), result.stdout
+
+
+def test_by_default_every_rank_trains_on_the_groups_device(quick_run: tuple[int, Path]) -> None:
+    """No --device: each rank asks its process group, gloo's is the CPU."""
+    summary, modes = _modes(quick_run)
+    assert summary["settings"]["device"] is None and summary["settings"]["backend"] == "gloo"
+    for mode in modes.values():
+        assert [rank["device"] for rank in mode["per_rank"]] == ["cpu"] * summary["settings"]["ranks"], mode["mode"]
+
+
+def test_device_flag_reaches_the_ranks(tmp_path: Path) -> None:
+    """--device is where every rank builds its model and batches. The meta device has no data, so
+    there each rank's first step fails naming it, where the default (the CPU) would train."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    argv = ["--quick", "--ranks", "2", "--modes", "ddp", "--interleave", "none", "--device", "meta"]
+    args = parser.parse_args([*argv, "--out", str(tmp_path)])
+    assert args.device == torch.device("meta")
+    summary = bench.bench(args)
+    assert summary["settings"]["device"] == "meta"
+    (mode,) = summary["modes"]
+    assert mode["status"] == "failed", mode
+    assert [("meta" in rank["error"]) for rank in mode["per_rank"]] == [True, True], mode["error"]

@@ -327,7 +327,9 @@ def run_ranks(graph: fx.Graph, inputs: list[list[torch.Tensor]]) -> list[list[to
 
 
 def shard_of(full: torch.Tensor, rank: int, world: int = WORLD) -> torch.Tensor:
-    """Rank `rank`'s flat shard of `full`, zero-padded to a multiple of `world` (as the sharding)."""
+    """Rank `rank`'s flat shard of `full`, zero-padded to a multiple of `world`, as this module's
+    graphs shard (the lowering takes any shard size: these are smaller than shard()'s, which are
+    rounded up to 16 elements)."""
     flat = full.reshape(-1)
     shard = math.ceil(flat.numel() / world)
     return torch.nn.functional.pad(flat, (0, shard * world - flat.numel())).view(world, shard)[rank].clone()

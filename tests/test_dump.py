@@ -125,6 +125,24 @@ def test_dump_command_reports_diffs_and_draws(dumped, tmp_path) -> None:
     assert "+++ " in compared.stdout and "sent" in compared.stdout
 
 
+def test_dump_lists_the_gathered_parameters_kept_for_the_backward(dumped) -> None:
+    """Stage 2 keeps every gathered parameter its backward reads (what the forward saves, the
+    backward receives; the position embedding's backward reads no weight); stage 3 without a
+    memory budget keeps none. The report says so per graph and per step."""
+    for stage in (2, 3):
+        ledgers = dump.load(str(dumped[stage][0]))["rank0"]
+        (forward,) = [ledger for name, ledger in ledgers.items() if name.endswith("forward")]
+        (backward,) = [ledger for name, ledger in ledgers.items() if name.endswith("backward")]
+        assert sorted(forward["kept_params"]) == sorted(backward["kept_params"])
+        assert forward["kept_bytes"] == backward["kept_bytes"] == dump.rank_summary(ledgers)["kept"]
+        text = dump.report({"rank0": ledgers})
+        if stage == 2:
+            assert "wte.weight" in forward["kept_params"] and "wpe.weight" not in forward["kept_params"]
+            assert "saves gathered for the backward" in text and "receives gathered for the backward" in text
+        else:
+            assert forward["kept_params"] == [] and "gathered for the backward" not in text
+
+
 def test_dump_report_summarises_parameters_and_verbose_lists_them(dumped) -> None:
     """The 2-layer GPT's single forward bucket reads as one short line; --verbose names all 28."""
     directory, _ = dumped[3]

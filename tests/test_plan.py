@@ -32,7 +32,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import zerocompile as zc
 from ranks import run_on_ranks
 from zerocompile.backend import compiled_graphs
-from zerocompile.passes.lowering import padded_numel
+from zerocompile.passes.stages import padded_numel
 from zerocompile.tools import plan
 from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
 
@@ -190,20 +190,21 @@ def test_model_state_equals_what_shard_holds(fake_world: int, factory, example, 
 def test_tied_frozen_and_padded_counts_by_hand(capsys) -> None:
     """embed.weight (91, tied with head.weight) once; frozen 49+7 without gradient; head.bias 13.
 
-    At N = 4 the padded sizes are 92, 52, 8 and 16: 168 elements gathered, 108 of them trainable.
+    At N = 4 each shard is a multiple of 16 elements, so the padded sizes are 128, 64, 64 and 64: 320
+    elements gathered, 192 of them trainable.
     """
     report = plan_json(["--model", "test_plan:tied_frozen_uneven", "--ranks", "4", "--param-dtype", "fp32"], capsys)
     assert (report["params"], report["trainable_params"], report["frozen_params"]) == (160, 104, 56)
     assert report["tied"] == [["embed.weight", "head.weight"]]
-    assert report["largest_param"] == {"fqn": "embed.weight", "numel": 91, "padded_numel": 92}
+    assert report["largest_param"] == {"fqn": "embed.weight", "numel": 91, "padded_numel": 128}
     stage = {s["stage"]: s for s in report["stages"]}
     assert stage[0]["model_state_bytes"] == {"params": 640, "grads": 416, "optimizer": 832, "total": 1888}
-    assert stage[3]["model_state_bytes"] == {"params": 168, "grads": 108, "optimizer": 216, "total": 492}
+    assert stage[3]["model_state_bytes"] == {"params": 320, "grads": 192, "optimizer": 384, "total": 896}
     spread = 3 / 4 * 4  # (N-1)/N elements of 4 bytes
     assert stage[0]["sent_bytes_per_step"] == 2 * 104 * spread
-    assert stage[1]["sent_bytes_per_step"] == stage[2]["sent_bytes_per_step"] == (168 + 108) * spread
-    assert stage[3]["sent_bytes_per_step"] == (2 * 168 + 108) * spread and stage[3]["sent_is_upper_bound"]
-    assert [s["gathered_in_step_bytes"] for s in report["stages"]] == [0, 168 * 4, 168 * 4, 92 * 4]
+    assert stage[1]["sent_bytes_per_step"] == stage[2]["sent_bytes_per_step"] == (320 + 192) * spread
+    assert stage[3]["sent_bytes_per_step"] == (2 * 320 + 192) * spread and stage[3]["sent_is_upper_bound"]
+    assert [s["gathered_in_step_bytes"] for s in report["stages"]] == [0, 320 * 4, 320 * 4, 128 * 4]
     assert stage[3]["gathered_is_lower_bound"] and not stage[1]["gathered_is_lower_bound"]
     assert [s["full_grads_in_step_bytes"] for s in report["stages"]] == [0, 104 * 4, 91 * 4, 91 * 4]
 
@@ -216,7 +217,7 @@ def test_model_table_labels_bounds_and_frozen_parameters(capsys) -> None:
     assert "tied, counted once: embed.weight = head.weight" in table
     assert "'embed.weight' (91 elements), is a lower bound of the gathered-buffer peak" in table
     stage3 = next(line for line in table.splitlines() if line.startswith("3 "))
-    assert "≥ 184 B" in stage3 and "≤ " in stage3  # 92 padded bf16 elements; re-gathers at most
+    assert "≥ 256 B" in stage3 and "≤ " in stage3  # 128 padded bf16 elements; re-gathers at most
 
 
 def test_user_module_in_the_working_directory(tmp_path, monkeypatch, capsys) -> None:
@@ -245,7 +246,7 @@ def test_mixed_precision_is_described_as_zerocompile_does_it(capsys) -> None:
         assert mixed["sent_bytes_per_step"] == plain["sent_bytes_per_step"] / 2, where
     spread = 3 / 4
     sent = [stage["sent_bytes_per_step"] for stage in reduced_in_fp32["stages"]]
-    assert sent == [2 * 104 * spread * 4, *[(168 * 2 + 108 * 4) * spread] * 2, (2 * 168 * 2 + 108 * 4) * spread]
+    assert sent == [2 * 104 * spread * 4, *[(320 * 2 + 192 * 4) * spread] * 2, (2 * 320 * 2 + 192 * 4) * spread]
 
     code, table, _ = run_plan([*argv, "--param-dtype", "bf16"], capsys)
     assert code == 0
@@ -296,6 +297,18 @@ def test_planned_model_state_is_what_two_ranks_hold_after_a_step(capsys) -> None
                 assert held[(planned["stage"], precision)] == expected, where
 
 
+# The plan counts int8 rows per parameter. With blocks of 16, which divide every (16-aligned)
+# shard, a bucket's row holds exactly its parameters' blocks and the dequantised buffers are the
+# padded ones, so the plan is exact there too.
+TRACED_PRECISIONS = {
+    **PRECISIONS,
+    "int8": (
+        ["--gather-quant", "int8", "--reduce-quant", "int8", "--quant-block", "16"],
+        {"gather_quant": "int8", "reduce_quant": "int8", "quant_block": 16},
+    ),
+}
+
+
 def traced_ledgers(factory, stage: int, example: torch.Tensor, targets: bool, settings: dict) -> list:
     """Ledgers of the forward and backward graphs the "zero" backend lowers for one step."""
     torch._dynamo.reset()
@@ -317,14 +330,15 @@ def traced_ledgers(factory, stage: int, example: torch.Tensor, targets: bool, se
         (tied_frozen_uneven, torch.randint(0, 13, (2, 5)), False, "fp32"),
         (gpt_tiny, torch.randint(0, 256, (2, 16)), True, "fp32"),
         (tied_frozen_uneven, torch.randint(0, 13, (2, 5)), False, "bf16-fp32-reduce"),
+        (gpt_tiny, torch.randint(0, 256, (2, 16)), True, "int8"),
     ],
-    ids=("tied-frozen-uneven", "gpt-tiny", "tied-frozen-uneven-bf16-fp32-reduce"),
+    ids=("tied-frozen-uneven", "gpt-tiny", "tied-frozen-uneven-bf16-fp32-reduce", "gpt-tiny-int8"),
 )
 def test_traced_graphs_meet_the_plan_and_its_bounds(
     fake_world: int, factory, example, targets, precision: str, capsys
 ) -> None:
     """The backend's own ledgers: equal where the plan claims exactness, on the right side of each bound."""
-    flags, settings = PRECISIONS[precision]
+    flags, settings = TRACED_PRECISIONS[precision]
     argv = ["--model", f"test_plan:{factory.__name__}", "--ranks", str(fake_world), *flags]
     for planned in plan_json(argv, capsys)["stages"]:
         stage = planned["stage"]
@@ -370,6 +384,8 @@ def test_traced_graphs_meet_the_plan_and_its_bounds(
         (["--params", "0", "--ranks", "8"], "positive whole number, got 0"),
         (["--params", "1e9", "--ranks", "8", "--optimizer-bytes", "-4"], "cannot be negative, got -4"),
         (["--params", "1e9", "--ranks", "8", "--reduce-dtype", "fp32"], "--reduce-dtype is zerocompile's.*--model"),
+        (["--params", "1e9", "--ranks", "8", "--gather-quant", "int8"], "--gather-quant is zerocompile's.*--model"),
+        (["--model", "test_plan:gpt_tiny", "--ranks", "2", "--quant-block", "0"], "--quant-block must be at least 1"),
         (["--ranks", "8"], "one of the arguments --params --model is required"),
     ],
     ids=(
@@ -384,6 +400,8 @@ def test_traced_graphs_meet_the_plan_and_its_bounds(
         "zero-params",
         "negative-optimizer-bytes",
         "reduce-dtype-of-the-paper",
+        "quantisation-of-the-paper",
+        "zero-block",
         "no-source",
     ),
 )

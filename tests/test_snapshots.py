@@ -6,8 +6,8 @@ backend="zero" and the eager compiler, and run once forward+backward on a fake 4
 group (collectives return garbage but never block: only the graphs matter). Each graph the backend
 records (`zerocompile.backend.compiled_graphs`) is normalized to one line per node:
 
-    input primals_1: f32[23]
-    all_gather_into_tensor: f32[92] = _c10d_functional.all_gather_into_tensor(primals_1, 4, WORLD)  # param: fc1.weight; free: primals_1
+    input primals_1: f32[32]
+    all_gather_into_tensor: f32[128] = _c10d_functional.all_gather_into_tensor(primals_1, 4, WORLD)  # param: fc1.weight; free: primals_1
 
 - the op without `torch.ops.` and without a `.default` overload; every argument as FX prints it,
   so a collective shows its group size, reduce op and split sizes; the group name is `WORLD`;
@@ -140,8 +140,9 @@ def normalize(code: str, graph: fx.Graph, group_name: str) -> str:
 # ------------------------------------------------------------------------------------ compiling
 
 
-def lowered_graphs(model: nn.Module, args: tuple, stage: int) -> tuple[str, str]:
-    """Shard, compile with the eager compiler, run forward+backward once; normalized (fw, bw)."""
+def lowered_graphs(model: nn.Module, args: tuple, stage: int, **settings) -> tuple[str, str]:
+    """Shard (with `settings`), compile with the eager compiler, run forward+backward once;
+    normalized (fw, bw)."""
     torch._dynamo.reset()
     backend.compiled_graphs.clear()
     captured: list[fx.Graph] = []  # the lowered graphs themselves, for their nodes' meta
@@ -153,7 +154,7 @@ def lowered_graphs(model: nn.Module, args: tuple, stage: int) -> tuple[str, str]
         return result
 
     try:
-        zc.shard(model, stage)
+        zc.shard(model, stage, **settings)
         compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
         with mock.patch.object(backend, "lower_markers", lower_and_capture):
             compiled(*args).backward()
@@ -168,15 +169,15 @@ def lowered_graphs(model: nn.Module, args: tuple, stage: int) -> tuple[str, str]
     return tuple(normalize(r.code, g, group_name) for r, g in zip(records, captured))
 
 
-def mlp_graphs(stage: int) -> tuple[str, str]:
+def mlp_graphs(stage: int, **settings) -> tuple[str, str]:
     torch.manual_seed(0)
-    return lowered_graphs(MLP(), (torch.randn(4, 7),), stage)
+    return lowered_graphs(MLP(), (torch.randn(4, 7),), stage, **settings)
 
 
-def gpt_graphs(stage: int) -> tuple[str, str]:
+def gpt_graphs(stage: int, **settings) -> tuple[str, str]:
     torch.manual_seed(0)
     idx = torch.arange(2 * GPT_CONFIG.block_size).remainder(GPT_CONFIG.vocab_size).view(2, -1)
-    return lowered_graphs(GPT(GPT_CONFIG), (idx, idx.roll(-1, dims=1)), stage)
+    return lowered_graphs(GPT(GPT_CONFIG), (idx, idx.roll(-1, dims=1)), stage, **settings)
 
 
 def collective_lines(text: str) -> list[str]:
@@ -315,26 +316,26 @@ return (view_8, view_7, None, view_6, view_5, view_4, view_3)""")
     def test_stage_1(self) -> None:
         forward, backward = mlp_graphs(1)
         self.assertExpectedInline(forward, """\
-input primals_1: f32[23]
-input primals_2: f32[4]
+input primals_1: f32[32]
+input primals_2: f32[16]
 input primals_3: f32[4, 7]
-input primals_4: f32[36]
-input primals_5: f32[3]
-input primals_6: f32[9]
-input primals_7: f32[1]
-all_gather_into_tensor_coalesced: (f32[92], f32[16], f32[144], f32[12], f32[36], f32[4]) = _c10d_functional.all_gather_into_tensor_coalesced([primals_1, primals_2, primals_4, primals_5, primals_6, primals_7], 4, WORLD)  # param: fc1.weight, fc1.bias, fc2.weight, fc2.bias, fc3.weight, fc3.bias; free: primals_1, primals_2, primals_4, primals_5, primals_6, primals_7
-getitem: f32[92] = all_gather_into_tensor_coalesced[0]
-getitem_1: f32[16] = all_gather_into_tensor_coalesced[1]
-getitem_2: f32[144] = all_gather_into_tensor_coalesced[2]
-getitem_3: f32[12] = all_gather_into_tensor_coalesced[3]
-getitem_4: f32[36] = all_gather_into_tensor_coalesced[4]
-getitem_5: f32[4] = all_gather_into_tensor_coalesced[5]  # free: all_gather_into_tensor_coalesced
-wait_tensor: f32[92] = _c10d_functional.wait_tensor(getitem)  # free: getitem
-wait_tensor_1: f32[16] = _c10d_functional.wait_tensor(getitem_1)  # free: getitem_1
-wait_tensor_2: f32[144] = _c10d_functional.wait_tensor(getitem_2)  # free: getitem_2
-wait_tensor_3: f32[12] = _c10d_functional.wait_tensor(getitem_3)  # free: getitem_3
-wait_tensor_4: f32[36] = _c10d_functional.wait_tensor(getitem_4)  # free: getitem_4
-wait_tensor_5: f32[4] = _c10d_functional.wait_tensor(getitem_5)  # free: getitem_5
+input primals_4: f32[48]
+input primals_5: f32[16]
+input primals_6: f32[16]
+input primals_7: f32[16]
+all_gather_into_tensor_coalesced: (f32[128], f32[64], f32[192], f32[64], f32[64], f32[64]) = _c10d_functional.all_gather_into_tensor_coalesced([primals_1, primals_2, primals_4, primals_5, primals_6, primals_7], 4, WORLD)  # param: fc1.weight, fc1.bias, fc2.weight, fc2.bias, fc3.weight, fc3.bias; free: primals_1, primals_2, primals_4, primals_5, primals_6, primals_7
+getitem: f32[128] = all_gather_into_tensor_coalesced[0]
+getitem_1: f32[64] = all_gather_into_tensor_coalesced[1]
+getitem_2: f32[192] = all_gather_into_tensor_coalesced[2]
+getitem_3: f32[64] = all_gather_into_tensor_coalesced[3]
+getitem_4: f32[64] = all_gather_into_tensor_coalesced[4]
+getitem_5: f32[64] = all_gather_into_tensor_coalesced[5]  # free: all_gather_into_tensor_coalesced
+wait_tensor: f32[128] = _c10d_functional.wait_tensor(getitem)  # free: getitem
+wait_tensor_1: f32[64] = _c10d_functional.wait_tensor(getitem_1)  # free: getitem_1
+wait_tensor_2: f32[192] = _c10d_functional.wait_tensor(getitem_2)  # free: getitem_2
+wait_tensor_3: f32[64] = _c10d_functional.wait_tensor(getitem_3)  # free: getitem_3
+wait_tensor_4: f32[64] = _c10d_functional.wait_tensor(getitem_4)  # free: getitem_4
+wait_tensor_5: f32[64] = _c10d_functional.wait_tensor(getitem_5)  # free: getitem_5
 slice_1: f32[91] = aten.slice.Tensor(wait_tensor, 0, 0, 91)  # free: wait_tensor
 view: f32[13, 7] = aten.view(slice_1, [13, 7])  # free: slice_1
 slice_2: f32[13] = aten.slice.Tensor(wait_tensor_1, 0, 0, 13)  # free: wait_tensor_1
@@ -399,41 +400,41 @@ t_12: f32[7, 13] = aten.t(mm_4)  # free: mm_4
 sum_3: f32[1, 13] = aten.sum.dim_IntList(threshold_backward_1, [0], True)  # free: threshold_backward_1
 view_2: f32[13] = aten.view(sum_3, [13])  # free: sum_3
 t_13: f32[13, 7] = aten.t(t_12)  # free: t_12
-pack: f32[304] = zero.pack([view, t_6, view_1, t_10, view_2, t_13], 4, [1, 9, 3, 36, 4, 23])  # free: view, t_6, view_1, t_10, view_2, t_13
-reduce_scatter_tensor: f32[76] = _c10d_functional.reduce_scatter_tensor(pack, 'avg', 4, WORLD)  # param: fc3.bias, fc3.weight, fc2.bias, fc2.weight, fc1.bias, fc1.weight; free: pack
-wait_tensor: f32[76] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
-split_with_sizes: (f32[1], f32[9], f32[3], f32[36], f32[4], f32[23]) = aten.split_with_sizes(wait_tensor, [1, 9, 3, 36, 4, 23])  # free: wait_tensor
-getitem: f32[1] = split_with_sizes[0]
-getitem_1: f32[9] = split_with_sizes[1]
-getitem_2: f32[3] = split_with_sizes[2]
-getitem_3: f32[36] = split_with_sizes[3]
-getitem_4: f32[4] = split_with_sizes[4]
-getitem_5: f32[23] = split_with_sizes[5]  # free: split_with_sizes
+pack: f32[576] = zero.pack([view, t_6, view_1, t_10, view_2, t_13], 4, [16, 16, 16, 48, 16, 32])  # free: view, t_6, view_1, t_10, view_2, t_13
+reduce_scatter_tensor: f32[144] = _c10d_functional.reduce_scatter_tensor(pack, 'avg', 4, WORLD)  # param: fc3.bias, fc3.weight, fc2.bias, fc2.weight, fc1.bias, fc1.weight; free: pack
+wait_tensor: f32[144] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
+split_with_sizes: (f32[16], f32[16], f32[16], f32[48], f32[16], f32[32]) = aten.split_with_sizes(wait_tensor, [16, 16, 16, 48, 16, 32])  # free: wait_tensor
+getitem: f32[16] = split_with_sizes[0]
+getitem_1: f32[16] = split_with_sizes[1]
+getitem_2: f32[16] = split_with_sizes[2]
+getitem_3: f32[48] = split_with_sizes[3]
+getitem_4: f32[16] = split_with_sizes[4]
+getitem_5: f32[32] = split_with_sizes[5]  # free: split_with_sizes
 return (getitem_5, getitem_4, None, getitem_3, getitem_2, getitem_1, getitem)""")
 
     def test_stage_2(self) -> None:
         forward, backward = mlp_graphs(2)
         self.assertExpectedInline(forward, """\
-input primals_1: f32[23]
-input primals_2: f32[4]
+input primals_1: f32[32]
+input primals_2: f32[16]
 input primals_3: f32[4, 7]
-input primals_4: f32[36]
-input primals_5: f32[3]
-input primals_6: f32[9]
-input primals_7: f32[1]
-all_gather_into_tensor_coalesced: (f32[92], f32[16], f32[144], f32[12], f32[36], f32[4]) = _c10d_functional.all_gather_into_tensor_coalesced([primals_1, primals_2, primals_4, primals_5, primals_6, primals_7], 4, WORLD)  # param: fc1.weight, fc1.bias, fc2.weight, fc2.bias, fc3.weight, fc3.bias; free: primals_1, primals_2, primals_4, primals_5, primals_6, primals_7
-getitem: f32[92] = all_gather_into_tensor_coalesced[0]
-getitem_1: f32[16] = all_gather_into_tensor_coalesced[1]
-getitem_2: f32[144] = all_gather_into_tensor_coalesced[2]
-getitem_3: f32[12] = all_gather_into_tensor_coalesced[3]
-getitem_4: f32[36] = all_gather_into_tensor_coalesced[4]
-getitem_5: f32[4] = all_gather_into_tensor_coalesced[5]  # free: all_gather_into_tensor_coalesced
-wait_tensor: f32[92] = _c10d_functional.wait_tensor(getitem)  # free: getitem
-wait_tensor_1: f32[16] = _c10d_functional.wait_tensor(getitem_1)  # free: getitem_1
-wait_tensor_2: f32[144] = _c10d_functional.wait_tensor(getitem_2)  # free: getitem_2
-wait_tensor_3: f32[12] = _c10d_functional.wait_tensor(getitem_3)  # free: getitem_3
-wait_tensor_4: f32[36] = _c10d_functional.wait_tensor(getitem_4)  # free: getitem_4
-wait_tensor_5: f32[4] = _c10d_functional.wait_tensor(getitem_5)  # free: getitem_5
+input primals_4: f32[48]
+input primals_5: f32[16]
+input primals_6: f32[16]
+input primals_7: f32[16]
+all_gather_into_tensor_coalesced: (f32[128], f32[64], f32[192], f32[64], f32[64], f32[64]) = _c10d_functional.all_gather_into_tensor_coalesced([primals_1, primals_2, primals_4, primals_5, primals_6, primals_7], 4, WORLD)  # param: fc1.weight, fc1.bias, fc2.weight, fc2.bias, fc3.weight, fc3.bias; free: primals_1, primals_2, primals_4, primals_5, primals_6, primals_7
+getitem: f32[128] = all_gather_into_tensor_coalesced[0]
+getitem_1: f32[64] = all_gather_into_tensor_coalesced[1]
+getitem_2: f32[192] = all_gather_into_tensor_coalesced[2]
+getitem_3: f32[64] = all_gather_into_tensor_coalesced[3]
+getitem_4: f32[64] = all_gather_into_tensor_coalesced[4]
+getitem_5: f32[64] = all_gather_into_tensor_coalesced[5]  # free: all_gather_into_tensor_coalesced
+wait_tensor: f32[128] = _c10d_functional.wait_tensor(getitem)  # free: getitem
+wait_tensor_1: f32[64] = _c10d_functional.wait_tensor(getitem_1)  # free: getitem_1
+wait_tensor_2: f32[192] = _c10d_functional.wait_tensor(getitem_2)  # free: getitem_2
+wait_tensor_3: f32[64] = _c10d_functional.wait_tensor(getitem_3)  # free: getitem_3
+wait_tensor_4: f32[64] = _c10d_functional.wait_tensor(getitem_4)  # free: getitem_4
+wait_tensor_5: f32[64] = _c10d_functional.wait_tensor(getitem_5)  # free: getitem_5
 slice_1: f32[91] = aten.slice.Tensor(wait_tensor, 0, 0, 91)  # free: wait_tensor
 view: f32[13, 7] = aten.view(slice_1, [13, 7])  # free: slice_1
 slice_2: f32[13] = aten.slice.Tensor(wait_tensor_1, 0, 0, 13)  # free: wait_tensor_1
@@ -498,16 +499,16 @@ t_12: f32[7, 13] = aten.t(mm_4)  # free: mm_4
 sum_3: f32[1, 13] = aten.sum.dim_IntList(threshold_backward_1, [0], True)  # free: threshold_backward_1
 view_2: f32[13] = aten.view(sum_3, [13])  # free: sum_3
 t_13: f32[13, 7] = aten.t(t_12)  # free: t_12
-pack: f32[304] = zero.pack([view, t_6, view_1, t_10, view_2, t_13], 4, [1, 9, 3, 36, 4, 23])  # free: view, t_6, view_1, t_10, view_2, t_13
-reduce_scatter_tensor: f32[76] = _c10d_functional.reduce_scatter_tensor(pack, 'avg', 4, WORLD)  # param: fc3.bias, fc3.weight, fc2.bias, fc2.weight, fc1.bias, fc1.weight; free: pack
-wait_tensor: f32[76] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
-split_with_sizes: (f32[1], f32[9], f32[3], f32[36], f32[4], f32[23]) = aten.split_with_sizes(wait_tensor, [1, 9, 3, 36, 4, 23])  # free: wait_tensor
-getitem: f32[1] = split_with_sizes[0]
-getitem_1: f32[9] = split_with_sizes[1]
-getitem_2: f32[3] = split_with_sizes[2]
-getitem_3: f32[36] = split_with_sizes[3]
-getitem_4: f32[4] = split_with_sizes[4]
-getitem_5: f32[23] = split_with_sizes[5]  # free: split_with_sizes
+pack: f32[576] = zero.pack([view, t_6, view_1, t_10, view_2, t_13], 4, [16, 16, 16, 48, 16, 32])  # free: view, t_6, view_1, t_10, view_2, t_13
+reduce_scatter_tensor: f32[144] = _c10d_functional.reduce_scatter_tensor(pack, 'avg', 4, WORLD)  # param: fc3.bias, fc3.weight, fc2.bias, fc2.weight, fc1.bias, fc1.weight; free: pack
+wait_tensor: f32[144] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
+split_with_sizes: (f32[16], f32[16], f32[16], f32[48], f32[16], f32[32]) = aten.split_with_sizes(wait_tensor, [16, 16, 16, 48, 16, 32])  # free: wait_tensor
+getitem: f32[16] = split_with_sizes[0]
+getitem_1: f32[16] = split_with_sizes[1]
+getitem_2: f32[16] = split_with_sizes[2]
+getitem_3: f32[48] = split_with_sizes[3]
+getitem_4: f32[16] = split_with_sizes[4]
+getitem_5: f32[32] = split_with_sizes[5]  # free: split_with_sizes
 return (getitem_5, getitem_4, None, getitem_3, getitem_2, getitem_1, getitem)""")
 
     def test_stage_2_snapshot_fails_on_changed_collective(self) -> None:
@@ -539,26 +540,26 @@ return (getitem_5, getitem_4, None, getitem_3, getitem_2, getitem_1, getitem)"""
     def test_stage_3(self) -> None:
         forward, backward = mlp_graphs(3)
         self.assertExpectedInline(forward, """\
-input primals_1: f32[23]
-input primals_2: f32[4]
+input primals_1: f32[32]
+input primals_2: f32[16]
 input primals_3: f32[4, 7]
-input primals_4: f32[36]
-input primals_5: f32[3]
-input primals_6: f32[9]
-input primals_7: f32[1]
-all_gather_into_tensor_coalesced: (f32[92], f32[16], f32[144], f32[12], f32[36], f32[4]) = _c10d_functional.all_gather_into_tensor_coalesced([primals_1, primals_2, primals_4, primals_5, primals_6, primals_7], 4, WORLD)  # param: fc1.weight, fc1.bias, fc2.weight, fc2.bias, fc3.weight, fc3.bias; free: primals_1, primals_2, primals_5, primals_7
-getitem: f32[92] = all_gather_into_tensor_coalesced[0]
-getitem_1: f32[16] = all_gather_into_tensor_coalesced[1]
-getitem_2: f32[144] = all_gather_into_tensor_coalesced[2]
-getitem_3: f32[12] = all_gather_into_tensor_coalesced[3]
-getitem_4: f32[36] = all_gather_into_tensor_coalesced[4]
-getitem_5: f32[4] = all_gather_into_tensor_coalesced[5]  # free: all_gather_into_tensor_coalesced
-wait_tensor: f32[92] = _c10d_functional.wait_tensor(getitem)  # free: getitem
-wait_tensor_1: f32[16] = _c10d_functional.wait_tensor(getitem_1)  # free: getitem_1
-wait_tensor_2: f32[144] = _c10d_functional.wait_tensor(getitem_2)  # free: getitem_2
-wait_tensor_3: f32[12] = _c10d_functional.wait_tensor(getitem_3)  # free: getitem_3
-wait_tensor_4: f32[36] = _c10d_functional.wait_tensor(getitem_4)  # free: getitem_4
-wait_tensor_5: f32[4] = _c10d_functional.wait_tensor(getitem_5)  # free: getitem_5
+input primals_4: f32[48]
+input primals_5: f32[16]
+input primals_6: f32[16]
+input primals_7: f32[16]
+all_gather_into_tensor_coalesced: (f32[128], f32[64], f32[192], f32[64], f32[64], f32[64]) = _c10d_functional.all_gather_into_tensor_coalesced([primals_1, primals_2, primals_4, primals_5, primals_6, primals_7], 4, WORLD)  # param: fc1.weight, fc1.bias, fc2.weight, fc2.bias, fc3.weight, fc3.bias; free: primals_1, primals_2, primals_5, primals_7
+getitem: f32[128] = all_gather_into_tensor_coalesced[0]
+getitem_1: f32[64] = all_gather_into_tensor_coalesced[1]
+getitem_2: f32[192] = all_gather_into_tensor_coalesced[2]
+getitem_3: f32[64] = all_gather_into_tensor_coalesced[3]
+getitem_4: f32[64] = all_gather_into_tensor_coalesced[4]
+getitem_5: f32[64] = all_gather_into_tensor_coalesced[5]  # free: all_gather_into_tensor_coalesced
+wait_tensor: f32[128] = _c10d_functional.wait_tensor(getitem)  # free: getitem
+wait_tensor_1: f32[64] = _c10d_functional.wait_tensor(getitem_1)  # free: getitem_1
+wait_tensor_2: f32[192] = _c10d_functional.wait_tensor(getitem_2)  # free: getitem_2
+wait_tensor_3: f32[64] = _c10d_functional.wait_tensor(getitem_3)  # free: getitem_3
+wait_tensor_4: f32[64] = _c10d_functional.wait_tensor(getitem_4)  # free: getitem_4
+wait_tensor_5: f32[64] = _c10d_functional.wait_tensor(getitem_5)  # free: getitem_5
 slice_1: f32[91] = aten.slice.Tensor(wait_tensor, 0, 0, 91)  # free: wait_tensor
 view: f32[13, 7] = aten.view(slice_1, [13, 7])  # free: slice_1
 slice_2: f32[13] = aten.slice.Tensor(wait_tensor_1, 0, 0, 13)  # free: wait_tensor_1
@@ -584,8 +585,8 @@ mean: f32[] = aten.mean(pow_1)  # free: pow_1
 return (mean, primals_3, primals_4, primals_6, relu, relu_1, addmm_2)""")
         self.assertExpectedInline(backward, """\
 input primals_3: f32[4, 7]
-input primals_4: f32[36]
-input primals_6: f32[9]
+input primals_4: f32[48]
+input primals_6: f32[16]
 input relu: f32[4, 13]
 input relu_1: f32[4, 11]
 input addmm_2: f32[4, 3]
@@ -595,11 +596,11 @@ div: f32[4, 3] = aten.div.Scalar(expand, 12)  # free: expand
 pow_2: f32[4, 3] = aten.pow.Tensor_Scalar(addmm_2, 1.0)  # free: addmm_2
 mul: f32[4, 3] = aten.mul.Scalar(pow_2, 2.0)  # free: pow_2
 mul_1: f32[4, 3] = aten.mul.Tensor(div, mul)  # free: div, mul
-all_gather_into_tensor_coalesced: (f32[36], f32[144]) = _c10d_functional.all_gather_into_tensor_coalesced([primals_6, primals_4], 4, WORLD)  # param: fc3.weight, fc2.weight; free: primals_6, primals_4
-getitem: f32[36] = all_gather_into_tensor_coalesced[0]
-getitem_1: f32[144] = all_gather_into_tensor_coalesced[1]  # free: all_gather_into_tensor_coalesced
-wait_tensor: f32[36] = _c10d_functional.wait_tensor(getitem)  # free: getitem
-wait_tensor_1: f32[144] = _c10d_functional.wait_tensor(getitem_1)  # free: getitem_1
+all_gather_into_tensor_coalesced: (f32[64], f32[192]) = _c10d_functional.all_gather_into_tensor_coalesced([primals_6, primals_4], 4, WORLD)  # param: fc3.weight, fc2.weight; free: primals_6, primals_4
+getitem: f32[64] = all_gather_into_tensor_coalesced[0]
+getitem_1: f32[192] = all_gather_into_tensor_coalesced[1]  # free: all_gather_into_tensor_coalesced
+wait_tensor: f32[64] = _c10d_functional.wait_tensor(getitem)  # free: getitem
+wait_tensor_1: f32[192] = _c10d_functional.wait_tensor(getitem_1)  # free: getitem_1
 slice_1: f32[33] = aten.slice.Tensor(wait_tensor, 0, 0, 33)  # free: wait_tensor
 view_3: f32[3, 11] = aten.view(slice_1, [3, 11])  # free: slice_1
 slice_2: f32[143] = aten.slice.Tensor(wait_tensor_1, 0, 0, 143)  # free: wait_tensor_1
@@ -634,16 +635,16 @@ t_12: f32[7, 13] = aten.t(mm_4)  # free: mm_4
 sum_3: f32[1, 13] = aten.sum.dim_IntList(threshold_backward_1, [0], True)  # free: threshold_backward_1
 view_2: f32[13] = aten.view(sum_3, [13])  # free: sum_3
 t_13: f32[13, 7] = aten.t(t_12)  # free: t_12
-pack: f32[304] = zero.pack([view, t_6, view_1, t_10, view_2, t_13], 4, [1, 9, 3, 36, 4, 23])  # free: view, t_6, view_1, t_10, view_2, t_13
-reduce_scatter_tensor: f32[76] = _c10d_functional.reduce_scatter_tensor(pack, 'avg', 4, WORLD)  # param: fc3.bias, fc3.weight, fc2.bias, fc2.weight, fc1.bias, fc1.weight; free: pack
-wait_tensor_2: f32[76] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
-split_with_sizes: (f32[1], f32[9], f32[3], f32[36], f32[4], f32[23]) = aten.split_with_sizes(wait_tensor_2, [1, 9, 3, 36, 4, 23])  # free: wait_tensor_2
-getitem_2: f32[1] = split_with_sizes[0]
-getitem_3: f32[9] = split_with_sizes[1]
-getitem_4: f32[3] = split_with_sizes[2]
-getitem_5: f32[36] = split_with_sizes[3]
-getitem_6: f32[4] = split_with_sizes[4]
-getitem_7: f32[23] = split_with_sizes[5]  # free: split_with_sizes
+pack: f32[576] = zero.pack([view, t_6, view_1, t_10, view_2, t_13], 4, [16, 16, 16, 48, 16, 32])  # free: view, t_6, view_1, t_10, view_2, t_13
+reduce_scatter_tensor: f32[144] = _c10d_functional.reduce_scatter_tensor(pack, 'avg', 4, WORLD)  # param: fc3.bias, fc3.weight, fc2.bias, fc2.weight, fc1.bias, fc1.weight; free: pack
+wait_tensor_2: f32[144] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
+split_with_sizes: (f32[16], f32[16], f32[16], f32[48], f32[16], f32[32]) = aten.split_with_sizes(wait_tensor_2, [16, 16, 16, 48, 16, 32])  # free: wait_tensor_2
+getitem_2: f32[16] = split_with_sizes[0]
+getitem_3: f32[16] = split_with_sizes[1]
+getitem_4: f32[16] = split_with_sizes[2]
+getitem_5: f32[48] = split_with_sizes[3]
+getitem_6: f32[16] = split_with_sizes[4]
+getitem_7: f32[32] = split_with_sizes[5]  # free: split_with_sizes
 return (getitem_7, getitem_6, None, getitem_5, getitem_4, getitem_3, getitem_2)""")
 
 
@@ -1081,119 +1082,135 @@ return (None, view_75, view_74, view_73, view_72, view_71, view_70, view_69, vie
 input primals_1: i64[2, 8]
 input primals_2: f32[128]
 input primals_3: f32[32]
-input primals_4: f32[4]
-input primals_5: f32[4]
+input primals_4: f32[16]
+input primals_5: f32[16]
 input primals_6: f32[192]
-input primals_7: f32[12]
+input primals_7: f32[16]
 input primals_8: f32[64]
-input primals_9: f32[4]
-input primals_10: f32[4]
-input primals_11: f32[4]
+input primals_9: f32[16]
+input primals_10: f32[16]
+input primals_11: f32[16]
 input primals_12: f32[256]
 input primals_13: f32[16]
 input primals_14: f32[256]
-input primals_15: f32[4]
-input primals_16: f32[4]
-input primals_17: f32[4]
+input primals_15: f32[16]
+input primals_16: f32[16]
+input primals_17: f32[16]
 input primals_18: f32[192]
-input primals_19: f32[12]
+input primals_19: f32[16]
 input primals_20: f32[64]
-input primals_21: f32[4]
-input primals_22: f32[4]
-input primals_23: f32[4]
+input primals_21: f32[16]
+input primals_22: f32[16]
+input primals_23: f32[16]
 input primals_24: f32[256]
 input primals_25: f32[16]
 input primals_26: f32[256]
-input primals_27: f32[4]
-input primals_28: f32[4]
-input primals_29: f32[4]
+input primals_27: f32[16]
+input primals_28: f32[16]
+input primals_29: f32[16]
 input primals_30: i64[2, 8]
-all_gather_into_tensor_coalesced: (f32[512], f32[128], f32[16], f32[16], f32[768], f32[48], f32[256], f32[16], f32[16], f32[16], f32[1024], f32[64], f32[1024], f32[16], f32[16], f32[16], f32[768], f32[48], f32[256], f32[16], f32[16], f32[16], f32[1024], f32[64], f32[1024], f32[16], f32[16], f32[16]) = _c10d_functional.all_gather_into_tensor_coalesced([primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15, primals_16, primals_17, primals_18, primals_19, primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26, primals_27, primals_28, primals_29], 4, WORLD)  # param: wte.weight, wpe.weight, blocks.0.ln1.weight, blocks.0.ln1.bias, blocks.0.attn.qkv.weight, blocks.0.attn.qkv.bias, blocks.0.attn.proj.weight, blocks.0.attn.proj.bias, blocks.0.ln2.weight, blocks.0.ln2.bias, blocks.0.fc.weight, blocks.0.fc.bias, blocks.0.out.weight, blocks.0.out.bias, blocks.1.ln1.weight, blocks.1.ln1.bias, blocks.1.attn.qkv.weight, blocks.1.attn.qkv.bias, blocks.1.attn.proj.weight, blocks.1.attn.proj.bias, blocks.1.ln2.weight, blocks.1.ln2.bias, blocks.1.fc.weight, blocks.1.fc.bias, blocks.1.out.weight, blocks.1.out.bias, ln_f.weight, ln_f.bias; free: primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15, primals_16, primals_17, primals_18, primals_19, primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26, primals_27, primals_28, primals_29
+all_gather_into_tensor_coalesced: (f32[512], f32[128], f32[64], f32[64], f32[768], f32[64], f32[256], f32[64], f32[64], f32[64], f32[1024], f32[64], f32[1024], f32[64], f32[64], f32[64], f32[768], f32[64], f32[256], f32[64], f32[64], f32[64], f32[1024], f32[64], f32[1024], f32[64], f32[64], f32[64]) = _c10d_functional.all_gather_into_tensor_coalesced([primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15, primals_16, primals_17, primals_18, primals_19, primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26, primals_27, primals_28, primals_29], 4, WORLD)  # param: wte.weight, wpe.weight, blocks.0.ln1.weight, blocks.0.ln1.bias, blocks.0.attn.qkv.weight, blocks.0.attn.qkv.bias, blocks.0.attn.proj.weight, blocks.0.attn.proj.bias, blocks.0.ln2.weight, blocks.0.ln2.bias, blocks.0.fc.weight, blocks.0.fc.bias, blocks.0.out.weight, blocks.0.out.bias, blocks.1.ln1.weight, blocks.1.ln1.bias, blocks.1.attn.qkv.weight, blocks.1.attn.qkv.bias, blocks.1.attn.proj.weight, blocks.1.attn.proj.bias, blocks.1.ln2.weight, blocks.1.ln2.bias, blocks.1.fc.weight, blocks.1.fc.bias, blocks.1.out.weight, blocks.1.out.bias, ln_f.weight, ln_f.bias; free: primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15, primals_16, primals_17, primals_18, primals_19, primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26, primals_27, primals_28, primals_29
 getitem_27: f32[512] = all_gather_into_tensor_coalesced[0]
 getitem_28: f32[128] = all_gather_into_tensor_coalesced[1]
-getitem_29: f32[16] = all_gather_into_tensor_coalesced[2]
-getitem_30: f32[16] = all_gather_into_tensor_coalesced[3]
+getitem_29: f32[64] = all_gather_into_tensor_coalesced[2]
+getitem_30: f32[64] = all_gather_into_tensor_coalesced[3]
 getitem_31: f32[768] = all_gather_into_tensor_coalesced[4]
-getitem_32: f32[48] = all_gather_into_tensor_coalesced[5]
+getitem_32: f32[64] = all_gather_into_tensor_coalesced[5]
 getitem_33: f32[256] = all_gather_into_tensor_coalesced[6]
-getitem_34: f32[16] = all_gather_into_tensor_coalesced[7]
-getitem_35: f32[16] = all_gather_into_tensor_coalesced[8]
-getitem_36: f32[16] = all_gather_into_tensor_coalesced[9]
+getitem_34: f32[64] = all_gather_into_tensor_coalesced[7]
+getitem_35: f32[64] = all_gather_into_tensor_coalesced[8]
+getitem_36: f32[64] = all_gather_into_tensor_coalesced[9]
 getitem_37: f32[1024] = all_gather_into_tensor_coalesced[10]
 getitem_38: f32[64] = all_gather_into_tensor_coalesced[11]
 getitem_39: f32[1024] = all_gather_into_tensor_coalesced[12]
-getitem_40: f32[16] = all_gather_into_tensor_coalesced[13]
-getitem_41: f32[16] = all_gather_into_tensor_coalesced[14]
-getitem_42: f32[16] = all_gather_into_tensor_coalesced[15]
+getitem_40: f32[64] = all_gather_into_tensor_coalesced[13]
+getitem_41: f32[64] = all_gather_into_tensor_coalesced[14]
+getitem_42: f32[64] = all_gather_into_tensor_coalesced[15]
 getitem_43: f32[768] = all_gather_into_tensor_coalesced[16]
-getitem_44: f32[48] = all_gather_into_tensor_coalesced[17]
+getitem_44: f32[64] = all_gather_into_tensor_coalesced[17]
 getitem_45: f32[256] = all_gather_into_tensor_coalesced[18]
-getitem_46: f32[16] = all_gather_into_tensor_coalesced[19]
-getitem_47: f32[16] = all_gather_into_tensor_coalesced[20]
-getitem_48: f32[16] = all_gather_into_tensor_coalesced[21]
+getitem_46: f32[64] = all_gather_into_tensor_coalesced[19]
+getitem_47: f32[64] = all_gather_into_tensor_coalesced[20]
+getitem_48: f32[64] = all_gather_into_tensor_coalesced[21]
 getitem_49: f32[1024] = all_gather_into_tensor_coalesced[22]
 getitem_50: f32[64] = all_gather_into_tensor_coalesced[23]
 getitem_51: f32[1024] = all_gather_into_tensor_coalesced[24]
-getitem_52: f32[16] = all_gather_into_tensor_coalesced[25]
-getitem_53: f32[16] = all_gather_into_tensor_coalesced[26]
-getitem_54: f32[16] = all_gather_into_tensor_coalesced[27]  # free: all_gather_into_tensor_coalesced
+getitem_52: f32[64] = all_gather_into_tensor_coalesced[25]
+getitem_53: f32[64] = all_gather_into_tensor_coalesced[26]
+getitem_54: f32[64] = all_gather_into_tensor_coalesced[27]  # free: all_gather_into_tensor_coalesced
 arange: i64[8] = aten.arange(8, device = device(type='cpu'), pin_memory = False)
 wait_tensor: f32[512] = _c10d_functional.wait_tensor(getitem_27)  # free: getitem_27
 wait_tensor_1: f32[128] = _c10d_functional.wait_tensor(getitem_28)  # free: getitem_28
-wait_tensor_2: f32[16] = _c10d_functional.wait_tensor(getitem_29)  # free: getitem_29
-wait_tensor_3: f32[16] = _c10d_functional.wait_tensor(getitem_30)  # free: getitem_30
+wait_tensor_2: f32[64] = _c10d_functional.wait_tensor(getitem_29)  # free: getitem_29
+wait_tensor_3: f32[64] = _c10d_functional.wait_tensor(getitem_30)  # free: getitem_30
 wait_tensor_4: f32[768] = _c10d_functional.wait_tensor(getitem_31)  # free: getitem_31
-wait_tensor_5: f32[48] = _c10d_functional.wait_tensor(getitem_32)  # free: getitem_32
+wait_tensor_5: f32[64] = _c10d_functional.wait_tensor(getitem_32)  # free: getitem_32
 wait_tensor_6: f32[256] = _c10d_functional.wait_tensor(getitem_33)  # free: getitem_33
-wait_tensor_7: f32[16] = _c10d_functional.wait_tensor(getitem_34)  # free: getitem_34
-wait_tensor_8: f32[16] = _c10d_functional.wait_tensor(getitem_35)  # free: getitem_35
-wait_tensor_9: f32[16] = _c10d_functional.wait_tensor(getitem_36)  # free: getitem_36
+wait_tensor_7: f32[64] = _c10d_functional.wait_tensor(getitem_34)  # free: getitem_34
+wait_tensor_8: f32[64] = _c10d_functional.wait_tensor(getitem_35)  # free: getitem_35
+wait_tensor_9: f32[64] = _c10d_functional.wait_tensor(getitem_36)  # free: getitem_36
 wait_tensor_10: f32[1024] = _c10d_functional.wait_tensor(getitem_37)  # free: getitem_37
 wait_tensor_11: f32[64] = _c10d_functional.wait_tensor(getitem_38)  # free: getitem_38
 wait_tensor_12: f32[1024] = _c10d_functional.wait_tensor(getitem_39)  # free: getitem_39
-wait_tensor_13: f32[16] = _c10d_functional.wait_tensor(getitem_40)  # free: getitem_40
-wait_tensor_14: f32[16] = _c10d_functional.wait_tensor(getitem_41)  # free: getitem_41
-wait_tensor_15: f32[16] = _c10d_functional.wait_tensor(getitem_42)  # free: getitem_42
+wait_tensor_13: f32[64] = _c10d_functional.wait_tensor(getitem_40)  # free: getitem_40
+wait_tensor_14: f32[64] = _c10d_functional.wait_tensor(getitem_41)  # free: getitem_41
+wait_tensor_15: f32[64] = _c10d_functional.wait_tensor(getitem_42)  # free: getitem_42
 wait_tensor_16: f32[768] = _c10d_functional.wait_tensor(getitem_43)  # free: getitem_43
-wait_tensor_17: f32[48] = _c10d_functional.wait_tensor(getitem_44)  # free: getitem_44
+wait_tensor_17: f32[64] = _c10d_functional.wait_tensor(getitem_44)  # free: getitem_44
 wait_tensor_18: f32[256] = _c10d_functional.wait_tensor(getitem_45)  # free: getitem_45
-wait_tensor_19: f32[16] = _c10d_functional.wait_tensor(getitem_46)  # free: getitem_46
-wait_tensor_20: f32[16] = _c10d_functional.wait_tensor(getitem_47)  # free: getitem_47
-wait_tensor_21: f32[16] = _c10d_functional.wait_tensor(getitem_48)  # free: getitem_48
+wait_tensor_19: f32[64] = _c10d_functional.wait_tensor(getitem_46)  # free: getitem_46
+wait_tensor_20: f32[64] = _c10d_functional.wait_tensor(getitem_47)  # free: getitem_47
+wait_tensor_21: f32[64] = _c10d_functional.wait_tensor(getitem_48)  # free: getitem_48
 wait_tensor_22: f32[1024] = _c10d_functional.wait_tensor(getitem_49)  # free: getitem_49
 wait_tensor_23: f32[64] = _c10d_functional.wait_tensor(getitem_50)  # free: getitem_50
 wait_tensor_24: f32[1024] = _c10d_functional.wait_tensor(getitem_51)  # free: getitem_51
-wait_tensor_25: f32[16] = _c10d_functional.wait_tensor(getitem_52)  # free: getitem_52
-wait_tensor_26: f32[16] = _c10d_functional.wait_tensor(getitem_53)  # free: getitem_53
-wait_tensor_27: f32[16] = _c10d_functional.wait_tensor(getitem_54)  # free: getitem_54
+wait_tensor_25: f32[64] = _c10d_functional.wait_tensor(getitem_52)  # free: getitem_52
+wait_tensor_26: f32[64] = _c10d_functional.wait_tensor(getitem_53)  # free: getitem_53
+wait_tensor_27: f32[64] = _c10d_functional.wait_tensor(getitem_54)  # free: getitem_54
 view_27: f32[32, 16] = aten.view(wait_tensor, [32, 16])  # free: wait_tensor
 view_28: f32[8, 16] = aten.view(wait_tensor_1, [8, 16])  # free: wait_tensor_1
-view_29: f32[16] = aten.view(wait_tensor_2, [16])  # free: wait_tensor_2
-view_30: f32[16] = aten.view(wait_tensor_3, [16])  # free: wait_tensor_3
+slice_1: f32[16] = aten.slice.Tensor(wait_tensor_2, 0, 0, 16)  # free: wait_tensor_2
+view_29: f32[16] = aten.view(slice_1, [16])  # free: slice_1
+slice_2: f32[16] = aten.slice.Tensor(wait_tensor_3, 0, 0, 16)  # free: wait_tensor_3
+view_30: f32[16] = aten.view(slice_2, [16])  # free: slice_2
 view_31: f32[48, 16] = aten.view(wait_tensor_4, [48, 16])  # free: wait_tensor_4
-view_32: f32[48] = aten.view(wait_tensor_5, [48])  # free: wait_tensor_5
+slice_3: f32[48] = aten.slice.Tensor(wait_tensor_5, 0, 0, 48)  # free: wait_tensor_5
+view_32: f32[48] = aten.view(slice_3, [48])  # free: slice_3
 view_33: f32[16, 16] = aten.view(wait_tensor_6, [16, 16])  # free: wait_tensor_6
-view_34: f32[16] = aten.view(wait_tensor_7, [16])  # free: wait_tensor_7
-view_35: f32[16] = aten.view(wait_tensor_8, [16])  # free: wait_tensor_8
-view_36: f32[16] = aten.view(wait_tensor_9, [16])  # free: wait_tensor_9
+slice_4: f32[16] = aten.slice.Tensor(wait_tensor_7, 0, 0, 16)  # free: wait_tensor_7
+view_34: f32[16] = aten.view(slice_4, [16])  # free: slice_4
+slice_5: f32[16] = aten.slice.Tensor(wait_tensor_8, 0, 0, 16)  # free: wait_tensor_8
+view_35: f32[16] = aten.view(slice_5, [16])  # free: slice_5
+slice_6: f32[16] = aten.slice.Tensor(wait_tensor_9, 0, 0, 16)  # free: wait_tensor_9
+view_36: f32[16] = aten.view(slice_6, [16])  # free: slice_6
 view_37: f32[64, 16] = aten.view(wait_tensor_10, [64, 16])  # free: wait_tensor_10
 view_38: f32[64] = aten.view(wait_tensor_11, [64])  # free: wait_tensor_11
 view_39: f32[16, 64] = aten.view(wait_tensor_12, [16, 64])  # free: wait_tensor_12
-view_40: f32[16] = aten.view(wait_tensor_13, [16])  # free: wait_tensor_13
-view_41: f32[16] = aten.view(wait_tensor_14, [16])  # free: wait_tensor_14
-view_42: f32[16] = aten.view(wait_tensor_15, [16])  # free: wait_tensor_15
+slice_7: f32[16] = aten.slice.Tensor(wait_tensor_13, 0, 0, 16)  # free: wait_tensor_13
+view_40: f32[16] = aten.view(slice_7, [16])  # free: slice_7
+slice_8: f32[16] = aten.slice.Tensor(wait_tensor_14, 0, 0, 16)  # free: wait_tensor_14
+view_41: f32[16] = aten.view(slice_8, [16])  # free: slice_8
+slice_9: f32[16] = aten.slice.Tensor(wait_tensor_15, 0, 0, 16)  # free: wait_tensor_15
+view_42: f32[16] = aten.view(slice_9, [16])  # free: slice_9
 view_43: f32[48, 16] = aten.view(wait_tensor_16, [48, 16])  # free: wait_tensor_16
-view_44: f32[48] = aten.view(wait_tensor_17, [48])  # free: wait_tensor_17
+slice_10: f32[48] = aten.slice.Tensor(wait_tensor_17, 0, 0, 48)  # free: wait_tensor_17
+view_44: f32[48] = aten.view(slice_10, [48])  # free: slice_10
 view_45: f32[16, 16] = aten.view(wait_tensor_18, [16, 16])  # free: wait_tensor_18
-view_46: f32[16] = aten.view(wait_tensor_19, [16])  # free: wait_tensor_19
-view_47: f32[16] = aten.view(wait_tensor_20, [16])  # free: wait_tensor_20
-view_48: f32[16] = aten.view(wait_tensor_21, [16])  # free: wait_tensor_21
+slice_11: f32[16] = aten.slice.Tensor(wait_tensor_19, 0, 0, 16)  # free: wait_tensor_19
+view_46: f32[16] = aten.view(slice_11, [16])  # free: slice_11
+slice_12: f32[16] = aten.slice.Tensor(wait_tensor_20, 0, 0, 16)  # free: wait_tensor_20
+view_47: f32[16] = aten.view(slice_12, [16])  # free: slice_12
+slice_13: f32[16] = aten.slice.Tensor(wait_tensor_21, 0, 0, 16)  # free: wait_tensor_21
+view_48: f32[16] = aten.view(slice_13, [16])  # free: slice_13
 view_49: f32[64, 16] = aten.view(wait_tensor_22, [64, 16])  # free: wait_tensor_22
 view_50: f32[64] = aten.view(wait_tensor_23, [64])  # free: wait_tensor_23
 view_51: f32[16, 64] = aten.view(wait_tensor_24, [16, 64])  # free: wait_tensor_24
-view_52: f32[16] = aten.view(wait_tensor_25, [16])  # free: wait_tensor_25
-view_53: f32[16] = aten.view(wait_tensor_26, [16])  # free: wait_tensor_26
-view_54: f32[16] = aten.view(wait_tensor_27, [16])  # free: wait_tensor_27
+slice_14: f32[16] = aten.slice.Tensor(wait_tensor_25, 0, 0, 16)  # free: wait_tensor_25
+view_52: f32[16] = aten.view(slice_14, [16])  # free: slice_14
+slice_15: f32[16] = aten.slice.Tensor(wait_tensor_26, 0, 0, 16)  # free: wait_tensor_26
+view_53: f32[16] = aten.view(slice_15, [16])  # free: slice_15
+slice_16: f32[16] = aten.slice.Tensor(wait_tensor_27, 0, 0, 16)  # free: wait_tensor_27
+view_54: f32[16] = aten.view(slice_16, [16])  # free: slice_16
 embedding: f32[2, 8, 16] = aten.embedding(view_27, primals_1)
 embedding_1: f32[8, 16] = aten.embedding(view_28, arange)  # free: view_28
 add: f32[2, 8, 16] = aten.add.Tensor(embedding, embedding_1)  # free: embedding, embedding_1
@@ -1514,36 +1531,36 @@ view_62: f32[8, 16] = aten.view(sum_9, [8, 16])  # free: sum_9
 embedding_dense_backward: f32[8, 16] = aten.embedding_dense_backward(view_62, arange, 8, -1, False)  # free: view_62, arange
 embedding_dense_backward_1: f32[32, 16] = aten.embedding_dense_backward(add_8, primals_1, 32, -1, False)  # free: add_8, primals_1
 add_9: f32[32, 16] = aten.add.Tensor(t_12, embedding_dense_backward_1)  # free: t_12, embedding_dense_backward_1
-pack: f32[7232] = zero.pack([getitem_29, getitem_28, view_31, t_16, view_34, t_20, getitem_32, getitem_31, view_37, t_24, view_44, t_28, getitem_38, getitem_37, view_47, t_32, view_50, t_36, getitem_41, getitem_40, view_53, t_40, view_60, t_44, getitem_47, getitem_46, embedding_dense_backward, add_9], 4, [4, 4, 4, 256, 16, 256, 4, 4, 4, 64, 12, 192, 4, 4, 4, 256, 16, 256, 4, 4, 4, 64, 12, 192, 4, 4, 32, 128])  # free: getitem_29, getitem_28, view_31, t_16, view_34, t_20, getitem_32, getitem_31, view_37, t_24, view_44, t_28, getitem_38, getitem_37, view_47, t_32, view_50, t_36, getitem_41, getitem_40, view_53, t_40, view_60, t_44, getitem_47, getitem_46, embedding_dense_backward, add_9
-reduce_scatter_tensor: f32[1808] = _c10d_functional.reduce_scatter_tensor(pack, 'avg', 4, WORLD)  # param: ln_f.bias, ln_f.weight, blocks.1.out.bias, blocks.1.out.weight, blocks.1.fc.bias, blocks.1.fc.weight, blocks.1.ln2.bias, blocks.1.ln2.weight, blocks.1.attn.proj.bias, blocks.1.attn.proj.weight, blocks.1.attn.qkv.bias, blocks.1.attn.qkv.weight, blocks.1.ln1.bias, blocks.1.ln1.weight, blocks.0.out.bias, blocks.0.out.weight, blocks.0.fc.bias, blocks.0.fc.weight, blocks.0.ln2.bias, blocks.0.ln2.weight, blocks.0.attn.proj.bias, blocks.0.attn.proj.weight, blocks.0.attn.qkv.bias, blocks.0.attn.qkv.weight, blocks.0.ln1.bias, blocks.0.ln1.weight, wpe.weight, wte.weight; free: pack
-wait_tensor: f32[1808] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
-split_with_sizes: (f32[4], f32[4], f32[4], f32[256], f32[16], f32[256], f32[4], f32[4], f32[4], f32[64], f32[12], f32[192], f32[4], f32[4], f32[4], f32[256], f32[16], f32[256], f32[4], f32[4], f32[4], f32[64], f32[12], f32[192], f32[4], f32[4], f32[32], f32[128]) = aten.split_with_sizes(wait_tensor, [4, 4, 4, 256, 16, 256, 4, 4, 4, 64, 12, 192, 4, 4, 4, 256, 16, 256, 4, 4, 4, 64, 12, 192, 4, 4, 32, 128])  # free: wait_tensor
-getitem: f32[4] = split_with_sizes[0]
-getitem_48: f32[4] = split_with_sizes[1]
-getitem_49: f32[4] = split_with_sizes[2]
+pack: f32[7936] = zero.pack([getitem_29, getitem_28, view_31, t_16, view_34, t_20, getitem_32, getitem_31, view_37, t_24, view_44, t_28, getitem_38, getitem_37, view_47, t_32, view_50, t_36, getitem_41, getitem_40, view_53, t_40, view_60, t_44, getitem_47, getitem_46, embedding_dense_backward, add_9], 4, [16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 32, 128])  # free: getitem_29, getitem_28, view_31, t_16, view_34, t_20, getitem_32, getitem_31, view_37, t_24, view_44, t_28, getitem_38, getitem_37, view_47, t_32, view_50, t_36, getitem_41, getitem_40, view_53, t_40, view_60, t_44, getitem_47, getitem_46, embedding_dense_backward, add_9
+reduce_scatter_tensor: f32[1984] = _c10d_functional.reduce_scatter_tensor(pack, 'avg', 4, WORLD)  # param: ln_f.bias, ln_f.weight, blocks.1.out.bias, blocks.1.out.weight, blocks.1.fc.bias, blocks.1.fc.weight, blocks.1.ln2.bias, blocks.1.ln2.weight, blocks.1.attn.proj.bias, blocks.1.attn.proj.weight, blocks.1.attn.qkv.bias, blocks.1.attn.qkv.weight, blocks.1.ln1.bias, blocks.1.ln1.weight, blocks.0.out.bias, blocks.0.out.weight, blocks.0.fc.bias, blocks.0.fc.weight, blocks.0.ln2.bias, blocks.0.ln2.weight, blocks.0.attn.proj.bias, blocks.0.attn.proj.weight, blocks.0.attn.qkv.bias, blocks.0.attn.qkv.weight, blocks.0.ln1.bias, blocks.0.ln1.weight, wpe.weight, wte.weight; free: pack
+wait_tensor: f32[1984] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
+split_with_sizes: (f32[16], f32[16], f32[16], f32[256], f32[16], f32[256], f32[16], f32[16], f32[16], f32[64], f32[16], f32[192], f32[16], f32[16], f32[16], f32[256], f32[16], f32[256], f32[16], f32[16], f32[16], f32[64], f32[16], f32[192], f32[16], f32[16], f32[32], f32[128]) = aten.split_with_sizes(wait_tensor, [16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 32, 128])  # free: wait_tensor
+getitem: f32[16] = split_with_sizes[0]
+getitem_48: f32[16] = split_with_sizes[1]
+getitem_49: f32[16] = split_with_sizes[2]
 getitem_3: f32[256] = split_with_sizes[3]
 getitem_4: f32[16] = split_with_sizes[4]
 getitem_5: f32[256] = split_with_sizes[5]
-getitem_6: f32[4] = split_with_sizes[6]
-getitem_8: f32[4] = split_with_sizes[7]
-getitem_11: f32[4] = split_with_sizes[8]
+getitem_6: f32[16] = split_with_sizes[6]
+getitem_8: f32[16] = split_with_sizes[7]
+getitem_11: f32[16] = split_with_sizes[8]
 getitem_14: f32[64] = split_with_sizes[9]
-getitem_15: f32[12] = split_with_sizes[10]
+getitem_15: f32[16] = split_with_sizes[10]
 getitem_16: f32[192] = split_with_sizes[11]
-getitem_17: f32[4] = split_with_sizes[12]
-getitem_19: f32[4] = split_with_sizes[13]
-getitem_22: f32[4] = split_with_sizes[14]
+getitem_17: f32[16] = split_with_sizes[12]
+getitem_19: f32[16] = split_with_sizes[13]
+getitem_22: f32[16] = split_with_sizes[14]
 getitem_25: f32[256] = split_with_sizes[15]
 getitem_50: f32[16] = split_with_sizes[16]
 getitem_51: f32[256] = split_with_sizes[17]
-getitem_52: f32[4] = split_with_sizes[18]
-getitem_53: f32[4] = split_with_sizes[19]
-getitem_54: f32[4] = split_with_sizes[20]
+getitem_52: f32[16] = split_with_sizes[18]
+getitem_53: f32[16] = split_with_sizes[19]
+getitem_54: f32[16] = split_with_sizes[20]
 getitem_55: f32[64] = split_with_sizes[21]
-getitem_56: f32[12] = split_with_sizes[22]
+getitem_56: f32[16] = split_with_sizes[22]
 getitem_57: f32[192] = split_with_sizes[23]
-getitem_58: f32[4] = split_with_sizes[24]
-getitem_59: f32[4] = split_with_sizes[25]
+getitem_58: f32[16] = split_with_sizes[24]
+getitem_59: f32[16] = split_with_sizes[25]
 getitem_60: f32[32] = split_with_sizes[26]
 getitem_61: f32[128] = split_with_sizes[27]  # free: split_with_sizes
 return (None, getitem_61, getitem_60, getitem_59, getitem_58, getitem_57, getitem_56, getitem_55, getitem_54, getitem_53, getitem_52, getitem_51, getitem_50, getitem_25, getitem_22, getitem_19, getitem_17, getitem_16, getitem_15, getitem_14, getitem_11, getitem_8, getitem_6, getitem_5, getitem_4, getitem_3, getitem_49, getitem_48, getitem, None)""")
@@ -1554,119 +1571,135 @@ return (None, getitem_61, getitem_60, getitem_59, getitem_58, getitem_57, getite
 input primals_1: i64[2, 8]
 input primals_2: f32[128]
 input primals_3: f32[32]
-input primals_4: f32[4]
-input primals_5: f32[4]
+input primals_4: f32[16]
+input primals_5: f32[16]
 input primals_6: f32[192]
-input primals_7: f32[12]
+input primals_7: f32[16]
 input primals_8: f32[64]
-input primals_9: f32[4]
-input primals_10: f32[4]
-input primals_11: f32[4]
+input primals_9: f32[16]
+input primals_10: f32[16]
+input primals_11: f32[16]
 input primals_12: f32[256]
 input primals_13: f32[16]
 input primals_14: f32[256]
-input primals_15: f32[4]
-input primals_16: f32[4]
-input primals_17: f32[4]
+input primals_15: f32[16]
+input primals_16: f32[16]
+input primals_17: f32[16]
 input primals_18: f32[192]
-input primals_19: f32[12]
+input primals_19: f32[16]
 input primals_20: f32[64]
-input primals_21: f32[4]
-input primals_22: f32[4]
-input primals_23: f32[4]
+input primals_21: f32[16]
+input primals_22: f32[16]
+input primals_23: f32[16]
 input primals_24: f32[256]
 input primals_25: f32[16]
 input primals_26: f32[256]
-input primals_27: f32[4]
-input primals_28: f32[4]
-input primals_29: f32[4]
+input primals_27: f32[16]
+input primals_28: f32[16]
+input primals_29: f32[16]
 input primals_30: i64[2, 8]
-all_gather_into_tensor_coalesced: (f32[512], f32[128], f32[16], f32[16], f32[768], f32[48], f32[256], f32[16], f32[16], f32[16], f32[1024], f32[64], f32[1024], f32[16], f32[16], f32[16], f32[768], f32[48], f32[256], f32[16], f32[16], f32[16], f32[1024], f32[64], f32[1024], f32[16], f32[16], f32[16]) = _c10d_functional.all_gather_into_tensor_coalesced([primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15, primals_16, primals_17, primals_18, primals_19, primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26, primals_27, primals_28, primals_29], 4, WORLD)  # param: wte.weight, wpe.weight, blocks.0.ln1.weight, blocks.0.ln1.bias, blocks.0.attn.qkv.weight, blocks.0.attn.qkv.bias, blocks.0.attn.proj.weight, blocks.0.attn.proj.bias, blocks.0.ln2.weight, blocks.0.ln2.bias, blocks.0.fc.weight, blocks.0.fc.bias, blocks.0.out.weight, blocks.0.out.bias, blocks.1.ln1.weight, blocks.1.ln1.bias, blocks.1.attn.qkv.weight, blocks.1.attn.qkv.bias, blocks.1.attn.proj.weight, blocks.1.attn.proj.bias, blocks.1.ln2.weight, blocks.1.ln2.bias, blocks.1.fc.weight, blocks.1.fc.bias, blocks.1.out.weight, blocks.1.out.bias, ln_f.weight, ln_f.bias; free: primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15, primals_16, primals_17, primals_18, primals_19, primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26, primals_27, primals_28, primals_29
+all_gather_into_tensor_coalesced: (f32[512], f32[128], f32[64], f32[64], f32[768], f32[64], f32[256], f32[64], f32[64], f32[64], f32[1024], f32[64], f32[1024], f32[64], f32[64], f32[64], f32[768], f32[64], f32[256], f32[64], f32[64], f32[64], f32[1024], f32[64], f32[1024], f32[64], f32[64], f32[64]) = _c10d_functional.all_gather_into_tensor_coalesced([primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15, primals_16, primals_17, primals_18, primals_19, primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26, primals_27, primals_28, primals_29], 4, WORLD)  # param: wte.weight, wpe.weight, blocks.0.ln1.weight, blocks.0.ln1.bias, blocks.0.attn.qkv.weight, blocks.0.attn.qkv.bias, blocks.0.attn.proj.weight, blocks.0.attn.proj.bias, blocks.0.ln2.weight, blocks.0.ln2.bias, blocks.0.fc.weight, blocks.0.fc.bias, blocks.0.out.weight, blocks.0.out.bias, blocks.1.ln1.weight, blocks.1.ln1.bias, blocks.1.attn.qkv.weight, blocks.1.attn.qkv.bias, blocks.1.attn.proj.weight, blocks.1.attn.proj.bias, blocks.1.ln2.weight, blocks.1.ln2.bias, blocks.1.fc.weight, blocks.1.fc.bias, blocks.1.out.weight, blocks.1.out.bias, ln_f.weight, ln_f.bias; free: primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15, primals_16, primals_17, primals_18, primals_19, primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26, primals_27, primals_28, primals_29
 getitem_27: f32[512] = all_gather_into_tensor_coalesced[0]
 getitem_28: f32[128] = all_gather_into_tensor_coalesced[1]
-getitem_29: f32[16] = all_gather_into_tensor_coalesced[2]
-getitem_30: f32[16] = all_gather_into_tensor_coalesced[3]
+getitem_29: f32[64] = all_gather_into_tensor_coalesced[2]
+getitem_30: f32[64] = all_gather_into_tensor_coalesced[3]
 getitem_31: f32[768] = all_gather_into_tensor_coalesced[4]
-getitem_32: f32[48] = all_gather_into_tensor_coalesced[5]
+getitem_32: f32[64] = all_gather_into_tensor_coalesced[5]
 getitem_33: f32[256] = all_gather_into_tensor_coalesced[6]
-getitem_34: f32[16] = all_gather_into_tensor_coalesced[7]
-getitem_35: f32[16] = all_gather_into_tensor_coalesced[8]
-getitem_36: f32[16] = all_gather_into_tensor_coalesced[9]
+getitem_34: f32[64] = all_gather_into_tensor_coalesced[7]
+getitem_35: f32[64] = all_gather_into_tensor_coalesced[8]
+getitem_36: f32[64] = all_gather_into_tensor_coalesced[9]
 getitem_37: f32[1024] = all_gather_into_tensor_coalesced[10]
 getitem_38: f32[64] = all_gather_into_tensor_coalesced[11]
 getitem_39: f32[1024] = all_gather_into_tensor_coalesced[12]
-getitem_40: f32[16] = all_gather_into_tensor_coalesced[13]
-getitem_41: f32[16] = all_gather_into_tensor_coalesced[14]
-getitem_42: f32[16] = all_gather_into_tensor_coalesced[15]
+getitem_40: f32[64] = all_gather_into_tensor_coalesced[13]
+getitem_41: f32[64] = all_gather_into_tensor_coalesced[14]
+getitem_42: f32[64] = all_gather_into_tensor_coalesced[15]
 getitem_43: f32[768] = all_gather_into_tensor_coalesced[16]
-getitem_44: f32[48] = all_gather_into_tensor_coalesced[17]
+getitem_44: f32[64] = all_gather_into_tensor_coalesced[17]
 getitem_45: f32[256] = all_gather_into_tensor_coalesced[18]
-getitem_46: f32[16] = all_gather_into_tensor_coalesced[19]
-getitem_47: f32[16] = all_gather_into_tensor_coalesced[20]
-getitem_48: f32[16] = all_gather_into_tensor_coalesced[21]
+getitem_46: f32[64] = all_gather_into_tensor_coalesced[19]
+getitem_47: f32[64] = all_gather_into_tensor_coalesced[20]
+getitem_48: f32[64] = all_gather_into_tensor_coalesced[21]
 getitem_49: f32[1024] = all_gather_into_tensor_coalesced[22]
 getitem_50: f32[64] = all_gather_into_tensor_coalesced[23]
 getitem_51: f32[1024] = all_gather_into_tensor_coalesced[24]
-getitem_52: f32[16] = all_gather_into_tensor_coalesced[25]
-getitem_53: f32[16] = all_gather_into_tensor_coalesced[26]
-getitem_54: f32[16] = all_gather_into_tensor_coalesced[27]  # free: all_gather_into_tensor_coalesced
+getitem_52: f32[64] = all_gather_into_tensor_coalesced[25]
+getitem_53: f32[64] = all_gather_into_tensor_coalesced[26]
+getitem_54: f32[64] = all_gather_into_tensor_coalesced[27]  # free: all_gather_into_tensor_coalesced
 arange: i64[8] = aten.arange(8, device = device(type='cpu'), pin_memory = False)
 wait_tensor: f32[512] = _c10d_functional.wait_tensor(getitem_27)  # free: getitem_27
 wait_tensor_1: f32[128] = _c10d_functional.wait_tensor(getitem_28)  # free: getitem_28
-wait_tensor_2: f32[16] = _c10d_functional.wait_tensor(getitem_29)  # free: getitem_29
-wait_tensor_3: f32[16] = _c10d_functional.wait_tensor(getitem_30)  # free: getitem_30
+wait_tensor_2: f32[64] = _c10d_functional.wait_tensor(getitem_29)  # free: getitem_29
+wait_tensor_3: f32[64] = _c10d_functional.wait_tensor(getitem_30)  # free: getitem_30
 wait_tensor_4: f32[768] = _c10d_functional.wait_tensor(getitem_31)  # free: getitem_31
-wait_tensor_5: f32[48] = _c10d_functional.wait_tensor(getitem_32)  # free: getitem_32
+wait_tensor_5: f32[64] = _c10d_functional.wait_tensor(getitem_32)  # free: getitem_32
 wait_tensor_6: f32[256] = _c10d_functional.wait_tensor(getitem_33)  # free: getitem_33
-wait_tensor_7: f32[16] = _c10d_functional.wait_tensor(getitem_34)  # free: getitem_34
-wait_tensor_8: f32[16] = _c10d_functional.wait_tensor(getitem_35)  # free: getitem_35
-wait_tensor_9: f32[16] = _c10d_functional.wait_tensor(getitem_36)  # free: getitem_36
+wait_tensor_7: f32[64] = _c10d_functional.wait_tensor(getitem_34)  # free: getitem_34
+wait_tensor_8: f32[64] = _c10d_functional.wait_tensor(getitem_35)  # free: getitem_35
+wait_tensor_9: f32[64] = _c10d_functional.wait_tensor(getitem_36)  # free: getitem_36
 wait_tensor_10: f32[1024] = _c10d_functional.wait_tensor(getitem_37)  # free: getitem_37
 wait_tensor_11: f32[64] = _c10d_functional.wait_tensor(getitem_38)  # free: getitem_38
 wait_tensor_12: f32[1024] = _c10d_functional.wait_tensor(getitem_39)  # free: getitem_39
-wait_tensor_13: f32[16] = _c10d_functional.wait_tensor(getitem_40)  # free: getitem_40
-wait_tensor_14: f32[16] = _c10d_functional.wait_tensor(getitem_41)  # free: getitem_41
-wait_tensor_15: f32[16] = _c10d_functional.wait_tensor(getitem_42)  # free: getitem_42
+wait_tensor_13: f32[64] = _c10d_functional.wait_tensor(getitem_40)  # free: getitem_40
+wait_tensor_14: f32[64] = _c10d_functional.wait_tensor(getitem_41)  # free: getitem_41
+wait_tensor_15: f32[64] = _c10d_functional.wait_tensor(getitem_42)  # free: getitem_42
 wait_tensor_16: f32[768] = _c10d_functional.wait_tensor(getitem_43)  # free: getitem_43
-wait_tensor_17: f32[48] = _c10d_functional.wait_tensor(getitem_44)  # free: getitem_44
+wait_tensor_17: f32[64] = _c10d_functional.wait_tensor(getitem_44)  # free: getitem_44
 wait_tensor_18: f32[256] = _c10d_functional.wait_tensor(getitem_45)  # free: getitem_45
-wait_tensor_19: f32[16] = _c10d_functional.wait_tensor(getitem_46)  # free: getitem_46
-wait_tensor_20: f32[16] = _c10d_functional.wait_tensor(getitem_47)  # free: getitem_47
-wait_tensor_21: f32[16] = _c10d_functional.wait_tensor(getitem_48)  # free: getitem_48
+wait_tensor_19: f32[64] = _c10d_functional.wait_tensor(getitem_46)  # free: getitem_46
+wait_tensor_20: f32[64] = _c10d_functional.wait_tensor(getitem_47)  # free: getitem_47
+wait_tensor_21: f32[64] = _c10d_functional.wait_tensor(getitem_48)  # free: getitem_48
 wait_tensor_22: f32[1024] = _c10d_functional.wait_tensor(getitem_49)  # free: getitem_49
 wait_tensor_23: f32[64] = _c10d_functional.wait_tensor(getitem_50)  # free: getitem_50
 wait_tensor_24: f32[1024] = _c10d_functional.wait_tensor(getitem_51)  # free: getitem_51
-wait_tensor_25: f32[16] = _c10d_functional.wait_tensor(getitem_52)  # free: getitem_52
-wait_tensor_26: f32[16] = _c10d_functional.wait_tensor(getitem_53)  # free: getitem_53
-wait_tensor_27: f32[16] = _c10d_functional.wait_tensor(getitem_54)  # free: getitem_54
+wait_tensor_25: f32[64] = _c10d_functional.wait_tensor(getitem_52)  # free: getitem_52
+wait_tensor_26: f32[64] = _c10d_functional.wait_tensor(getitem_53)  # free: getitem_53
+wait_tensor_27: f32[64] = _c10d_functional.wait_tensor(getitem_54)  # free: getitem_54
 view_27: f32[32, 16] = aten.view(wait_tensor, [32, 16])  # free: wait_tensor
 view_28: f32[8, 16] = aten.view(wait_tensor_1, [8, 16])  # free: wait_tensor_1
-view_29: f32[16] = aten.view(wait_tensor_2, [16])  # free: wait_tensor_2
-view_30: f32[16] = aten.view(wait_tensor_3, [16])  # free: wait_tensor_3
+slice_1: f32[16] = aten.slice.Tensor(wait_tensor_2, 0, 0, 16)  # free: wait_tensor_2
+view_29: f32[16] = aten.view(slice_1, [16])  # free: slice_1
+slice_2: f32[16] = aten.slice.Tensor(wait_tensor_3, 0, 0, 16)  # free: wait_tensor_3
+view_30: f32[16] = aten.view(slice_2, [16])  # free: slice_2
 view_31: f32[48, 16] = aten.view(wait_tensor_4, [48, 16])  # free: wait_tensor_4
-view_32: f32[48] = aten.view(wait_tensor_5, [48])  # free: wait_tensor_5
+slice_3: f32[48] = aten.slice.Tensor(wait_tensor_5, 0, 0, 48)  # free: wait_tensor_5
+view_32: f32[48] = aten.view(slice_3, [48])  # free: slice_3
 view_33: f32[16, 16] = aten.view(wait_tensor_6, [16, 16])  # free: wait_tensor_6
-view_34: f32[16] = aten.view(wait_tensor_7, [16])  # free: wait_tensor_7
-view_35: f32[16] = aten.view(wait_tensor_8, [16])  # free: wait_tensor_8
-view_36: f32[16] = aten.view(wait_tensor_9, [16])  # free: wait_tensor_9
+slice_4: f32[16] = aten.slice.Tensor(wait_tensor_7, 0, 0, 16)  # free: wait_tensor_7
+view_34: f32[16] = aten.view(slice_4, [16])  # free: slice_4
+slice_5: f32[16] = aten.slice.Tensor(wait_tensor_8, 0, 0, 16)  # free: wait_tensor_8
+view_35: f32[16] = aten.view(slice_5, [16])  # free: slice_5
+slice_6: f32[16] = aten.slice.Tensor(wait_tensor_9, 0, 0, 16)  # free: wait_tensor_9
+view_36: f32[16] = aten.view(slice_6, [16])  # free: slice_6
 view_37: f32[64, 16] = aten.view(wait_tensor_10, [64, 16])  # free: wait_tensor_10
 view_38: f32[64] = aten.view(wait_tensor_11, [64])  # free: wait_tensor_11
 view_39: f32[16, 64] = aten.view(wait_tensor_12, [16, 64])  # free: wait_tensor_12
-view_40: f32[16] = aten.view(wait_tensor_13, [16])  # free: wait_tensor_13
-view_41: f32[16] = aten.view(wait_tensor_14, [16])  # free: wait_tensor_14
-view_42: f32[16] = aten.view(wait_tensor_15, [16])  # free: wait_tensor_15
+slice_7: f32[16] = aten.slice.Tensor(wait_tensor_13, 0, 0, 16)  # free: wait_tensor_13
+view_40: f32[16] = aten.view(slice_7, [16])  # free: slice_7
+slice_8: f32[16] = aten.slice.Tensor(wait_tensor_14, 0, 0, 16)  # free: wait_tensor_14
+view_41: f32[16] = aten.view(slice_8, [16])  # free: slice_8
+slice_9: f32[16] = aten.slice.Tensor(wait_tensor_15, 0, 0, 16)  # free: wait_tensor_15
+view_42: f32[16] = aten.view(slice_9, [16])  # free: slice_9
 view_43: f32[48, 16] = aten.view(wait_tensor_16, [48, 16])  # free: wait_tensor_16
-view_44: f32[48] = aten.view(wait_tensor_17, [48])  # free: wait_tensor_17
+slice_10: f32[48] = aten.slice.Tensor(wait_tensor_17, 0, 0, 48)  # free: wait_tensor_17
+view_44: f32[48] = aten.view(slice_10, [48])  # free: slice_10
 view_45: f32[16, 16] = aten.view(wait_tensor_18, [16, 16])  # free: wait_tensor_18
-view_46: f32[16] = aten.view(wait_tensor_19, [16])  # free: wait_tensor_19
-view_47: f32[16] = aten.view(wait_tensor_20, [16])  # free: wait_tensor_20
-view_48: f32[16] = aten.view(wait_tensor_21, [16])  # free: wait_tensor_21
+slice_11: f32[16] = aten.slice.Tensor(wait_tensor_19, 0, 0, 16)  # free: wait_tensor_19
+view_46: f32[16] = aten.view(slice_11, [16])  # free: slice_11
+slice_12: f32[16] = aten.slice.Tensor(wait_tensor_20, 0, 0, 16)  # free: wait_tensor_20
+view_47: f32[16] = aten.view(slice_12, [16])  # free: slice_12
+slice_13: f32[16] = aten.slice.Tensor(wait_tensor_21, 0, 0, 16)  # free: wait_tensor_21
+view_48: f32[16] = aten.view(slice_13, [16])  # free: slice_13
 view_49: f32[64, 16] = aten.view(wait_tensor_22, [64, 16])  # free: wait_tensor_22
 view_50: f32[64] = aten.view(wait_tensor_23, [64])  # free: wait_tensor_23
 view_51: f32[16, 64] = aten.view(wait_tensor_24, [16, 64])  # free: wait_tensor_24
-view_52: f32[16] = aten.view(wait_tensor_25, [16])  # free: wait_tensor_25
-view_53: f32[16] = aten.view(wait_tensor_26, [16])  # free: wait_tensor_26
-view_54: f32[16] = aten.view(wait_tensor_27, [16])  # free: wait_tensor_27
+slice_14: f32[16] = aten.slice.Tensor(wait_tensor_25, 0, 0, 16)  # free: wait_tensor_25
+view_52: f32[16] = aten.view(slice_14, [16])  # free: slice_14
+slice_15: f32[16] = aten.slice.Tensor(wait_tensor_26, 0, 0, 16)  # free: wait_tensor_26
+view_53: f32[16] = aten.view(slice_15, [16])  # free: slice_15
+slice_16: f32[16] = aten.slice.Tensor(wait_tensor_27, 0, 0, 16)  # free: wait_tensor_27
+view_54: f32[16] = aten.view(slice_16, [16])  # free: slice_16
 embedding: f32[2, 8, 16] = aten.embedding(view_27, primals_1)
 embedding_1: f32[8, 16] = aten.embedding(view_28, arange)  # free: view_28
 add: f32[2, 8, 16] = aten.add.Tensor(embedding, embedding_1)  # free: embedding, embedding_1
@@ -1987,36 +2020,36 @@ view_62: f32[8, 16] = aten.view(sum_9, [8, 16])  # free: sum_9
 embedding_dense_backward: f32[8, 16] = aten.embedding_dense_backward(view_62, arange, 8, -1, False)  # free: view_62, arange
 embedding_dense_backward_1: f32[32, 16] = aten.embedding_dense_backward(add_8, primals_1, 32, -1, False)  # free: add_8, primals_1
 add_9: f32[32, 16] = aten.add.Tensor(t_12, embedding_dense_backward_1)  # free: t_12, embedding_dense_backward_1
-pack: f32[7232] = zero.pack([getitem_29, getitem_28, view_31, t_16, view_34, t_20, getitem_32, getitem_31, view_37, t_24, view_44, t_28, getitem_38, getitem_37, view_47, t_32, view_50, t_36, getitem_41, getitem_40, view_53, t_40, view_60, t_44, getitem_47, getitem_46, embedding_dense_backward, add_9], 4, [4, 4, 4, 256, 16, 256, 4, 4, 4, 64, 12, 192, 4, 4, 4, 256, 16, 256, 4, 4, 4, 64, 12, 192, 4, 4, 32, 128])  # free: getitem_29, getitem_28, view_31, t_16, view_34, t_20, getitem_32, getitem_31, view_37, t_24, view_44, t_28, getitem_38, getitem_37, view_47, t_32, view_50, t_36, getitem_41, getitem_40, view_53, t_40, view_60, t_44, getitem_47, getitem_46, embedding_dense_backward, add_9
-reduce_scatter_tensor: f32[1808] = _c10d_functional.reduce_scatter_tensor(pack, 'avg', 4, WORLD)  # param: ln_f.bias, ln_f.weight, blocks.1.out.bias, blocks.1.out.weight, blocks.1.fc.bias, blocks.1.fc.weight, blocks.1.ln2.bias, blocks.1.ln2.weight, blocks.1.attn.proj.bias, blocks.1.attn.proj.weight, blocks.1.attn.qkv.bias, blocks.1.attn.qkv.weight, blocks.1.ln1.bias, blocks.1.ln1.weight, blocks.0.out.bias, blocks.0.out.weight, blocks.0.fc.bias, blocks.0.fc.weight, blocks.0.ln2.bias, blocks.0.ln2.weight, blocks.0.attn.proj.bias, blocks.0.attn.proj.weight, blocks.0.attn.qkv.bias, blocks.0.attn.qkv.weight, blocks.0.ln1.bias, blocks.0.ln1.weight, wpe.weight, wte.weight; free: pack
-wait_tensor: f32[1808] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
-split_with_sizes: (f32[4], f32[4], f32[4], f32[256], f32[16], f32[256], f32[4], f32[4], f32[4], f32[64], f32[12], f32[192], f32[4], f32[4], f32[4], f32[256], f32[16], f32[256], f32[4], f32[4], f32[4], f32[64], f32[12], f32[192], f32[4], f32[4], f32[32], f32[128]) = aten.split_with_sizes(wait_tensor, [4, 4, 4, 256, 16, 256, 4, 4, 4, 64, 12, 192, 4, 4, 4, 256, 16, 256, 4, 4, 4, 64, 12, 192, 4, 4, 32, 128])  # free: wait_tensor
-getitem: f32[4] = split_with_sizes[0]
-getitem_48: f32[4] = split_with_sizes[1]
-getitem_49: f32[4] = split_with_sizes[2]
+pack: f32[7936] = zero.pack([getitem_29, getitem_28, view_31, t_16, view_34, t_20, getitem_32, getitem_31, view_37, t_24, view_44, t_28, getitem_38, getitem_37, view_47, t_32, view_50, t_36, getitem_41, getitem_40, view_53, t_40, view_60, t_44, getitem_47, getitem_46, embedding_dense_backward, add_9], 4, [16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 32, 128])  # free: getitem_29, getitem_28, view_31, t_16, view_34, t_20, getitem_32, getitem_31, view_37, t_24, view_44, t_28, getitem_38, getitem_37, view_47, t_32, view_50, t_36, getitem_41, getitem_40, view_53, t_40, view_60, t_44, getitem_47, getitem_46, embedding_dense_backward, add_9
+reduce_scatter_tensor: f32[1984] = _c10d_functional.reduce_scatter_tensor(pack, 'avg', 4, WORLD)  # param: ln_f.bias, ln_f.weight, blocks.1.out.bias, blocks.1.out.weight, blocks.1.fc.bias, blocks.1.fc.weight, blocks.1.ln2.bias, blocks.1.ln2.weight, blocks.1.attn.proj.bias, blocks.1.attn.proj.weight, blocks.1.attn.qkv.bias, blocks.1.attn.qkv.weight, blocks.1.ln1.bias, blocks.1.ln1.weight, blocks.0.out.bias, blocks.0.out.weight, blocks.0.fc.bias, blocks.0.fc.weight, blocks.0.ln2.bias, blocks.0.ln2.weight, blocks.0.attn.proj.bias, blocks.0.attn.proj.weight, blocks.0.attn.qkv.bias, blocks.0.attn.qkv.weight, blocks.0.ln1.bias, blocks.0.ln1.weight, wpe.weight, wte.weight; free: pack
+wait_tensor: f32[1984] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
+split_with_sizes: (f32[16], f32[16], f32[16], f32[256], f32[16], f32[256], f32[16], f32[16], f32[16], f32[64], f32[16], f32[192], f32[16], f32[16], f32[16], f32[256], f32[16], f32[256], f32[16], f32[16], f32[16], f32[64], f32[16], f32[192], f32[16], f32[16], f32[32], f32[128]) = aten.split_with_sizes(wait_tensor, [16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 32, 128])  # free: wait_tensor
+getitem: f32[16] = split_with_sizes[0]
+getitem_48: f32[16] = split_with_sizes[1]
+getitem_49: f32[16] = split_with_sizes[2]
 getitem_3: f32[256] = split_with_sizes[3]
 getitem_4: f32[16] = split_with_sizes[4]
 getitem_5: f32[256] = split_with_sizes[5]
-getitem_6: f32[4] = split_with_sizes[6]
-getitem_8: f32[4] = split_with_sizes[7]
-getitem_11: f32[4] = split_with_sizes[8]
+getitem_6: f32[16] = split_with_sizes[6]
+getitem_8: f32[16] = split_with_sizes[7]
+getitem_11: f32[16] = split_with_sizes[8]
 getitem_14: f32[64] = split_with_sizes[9]
-getitem_15: f32[12] = split_with_sizes[10]
+getitem_15: f32[16] = split_with_sizes[10]
 getitem_16: f32[192] = split_with_sizes[11]
-getitem_17: f32[4] = split_with_sizes[12]
-getitem_19: f32[4] = split_with_sizes[13]
-getitem_22: f32[4] = split_with_sizes[14]
+getitem_17: f32[16] = split_with_sizes[12]
+getitem_19: f32[16] = split_with_sizes[13]
+getitem_22: f32[16] = split_with_sizes[14]
 getitem_25: f32[256] = split_with_sizes[15]
 getitem_50: f32[16] = split_with_sizes[16]
 getitem_51: f32[256] = split_with_sizes[17]
-getitem_52: f32[4] = split_with_sizes[18]
-getitem_53: f32[4] = split_with_sizes[19]
-getitem_54: f32[4] = split_with_sizes[20]
+getitem_52: f32[16] = split_with_sizes[18]
+getitem_53: f32[16] = split_with_sizes[19]
+getitem_54: f32[16] = split_with_sizes[20]
 getitem_55: f32[64] = split_with_sizes[21]
-getitem_56: f32[12] = split_with_sizes[22]
+getitem_56: f32[16] = split_with_sizes[22]
 getitem_57: f32[192] = split_with_sizes[23]
-getitem_58: f32[4] = split_with_sizes[24]
-getitem_59: f32[4] = split_with_sizes[25]
+getitem_58: f32[16] = split_with_sizes[24]
+getitem_59: f32[16] = split_with_sizes[25]
 getitem_60: f32[32] = split_with_sizes[26]
 getitem_61: f32[128] = split_with_sizes[27]  # free: split_with_sizes
 return (None, getitem_61, getitem_60, getitem_59, getitem_58, getitem_57, getitem_56, getitem_55, getitem_54, getitem_53, getitem_52, getitem_51, getitem_50, getitem_25, getitem_22, getitem_19, getitem_17, getitem_16, getitem_15, getitem_14, getitem_11, getitem_8, getitem_6, getitem_5, getitem_4, getitem_3, getitem_49, getitem_48, getitem, None)""")
@@ -2027,119 +2060,135 @@ return (None, getitem_61, getitem_60, getitem_59, getitem_58, getitem_57, getite
 input primals_1: i64[2, 8]
 input primals_2: f32[128]
 input primals_3: f32[32]
-input primals_4: f32[4]
-input primals_5: f32[4]
+input primals_4: f32[16]
+input primals_5: f32[16]
 input primals_6: f32[192]
-input primals_7: f32[12]
+input primals_7: f32[16]
 input primals_8: f32[64]
-input primals_9: f32[4]
-input primals_10: f32[4]
-input primals_11: f32[4]
+input primals_9: f32[16]
+input primals_10: f32[16]
+input primals_11: f32[16]
 input primals_12: f32[256]
 input primals_13: f32[16]
 input primals_14: f32[256]
-input primals_15: f32[4]
-input primals_16: f32[4]
-input primals_17: f32[4]
+input primals_15: f32[16]
+input primals_16: f32[16]
+input primals_17: f32[16]
 input primals_18: f32[192]
-input primals_19: f32[12]
+input primals_19: f32[16]
 input primals_20: f32[64]
-input primals_21: f32[4]
-input primals_22: f32[4]
-input primals_23: f32[4]
+input primals_21: f32[16]
+input primals_22: f32[16]
+input primals_23: f32[16]
 input primals_24: f32[256]
 input primals_25: f32[16]
 input primals_26: f32[256]
-input primals_27: f32[4]
-input primals_28: f32[4]
-input primals_29: f32[4]
+input primals_27: f32[16]
+input primals_28: f32[16]
+input primals_29: f32[16]
 input primals_30: i64[2, 8]
 arange: i64[8] = aten.arange(8, device = device(type='cpu'), pin_memory = False)
-all_gather_into_tensor_coalesced: (f32[512], f32[128], f32[16], f32[16], f32[768], f32[48], f32[256], f32[16], f32[16], f32[16], f32[1024], f32[64], f32[1024], f32[16], f32[16], f32[16], f32[768], f32[48], f32[256], f32[16], f32[16], f32[16], f32[1024], f32[64], f32[1024], f32[16], f32[16], f32[16]) = _c10d_functional.all_gather_into_tensor_coalesced([primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15, primals_16, primals_17, primals_18, primals_19, primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26, primals_27, primals_28, primals_29], 4, WORLD)  # param: wte.weight, wpe.weight, blocks.0.ln1.weight, blocks.0.ln1.bias, blocks.0.attn.qkv.weight, blocks.0.attn.qkv.bias, blocks.0.attn.proj.weight, blocks.0.attn.proj.bias, blocks.0.ln2.weight, blocks.0.ln2.bias, blocks.0.fc.weight, blocks.0.fc.bias, blocks.0.out.weight, blocks.0.out.bias, blocks.1.ln1.weight, blocks.1.ln1.bias, blocks.1.attn.qkv.weight, blocks.1.attn.qkv.bias, blocks.1.attn.proj.weight, blocks.1.attn.proj.bias, blocks.1.ln2.weight, blocks.1.ln2.bias, blocks.1.fc.weight, blocks.1.fc.bias, blocks.1.out.weight, blocks.1.out.bias, ln_f.weight, ln_f.bias; free: primals_3, primals_7, primals_9, primals_13, primals_15, primals_19, primals_21, primals_25, primals_27
+all_gather_into_tensor_coalesced: (f32[512], f32[128], f32[64], f32[64], f32[768], f32[64], f32[256], f32[64], f32[64], f32[64], f32[1024], f32[64], f32[1024], f32[64], f32[64], f32[64], f32[768], f32[64], f32[256], f32[64], f32[64], f32[64], f32[1024], f32[64], f32[1024], f32[64], f32[64], f32[64]) = _c10d_functional.all_gather_into_tensor_coalesced([primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15, primals_16, primals_17, primals_18, primals_19, primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26, primals_27, primals_28, primals_29], 4, WORLD)  # param: wte.weight, wpe.weight, blocks.0.ln1.weight, blocks.0.ln1.bias, blocks.0.attn.qkv.weight, blocks.0.attn.qkv.bias, blocks.0.attn.proj.weight, blocks.0.attn.proj.bias, blocks.0.ln2.weight, blocks.0.ln2.bias, blocks.0.fc.weight, blocks.0.fc.bias, blocks.0.out.weight, blocks.0.out.bias, blocks.1.ln1.weight, blocks.1.ln1.bias, blocks.1.attn.qkv.weight, blocks.1.attn.qkv.bias, blocks.1.attn.proj.weight, blocks.1.attn.proj.bias, blocks.1.ln2.weight, blocks.1.ln2.bias, blocks.1.fc.weight, blocks.1.fc.bias, blocks.1.out.weight, blocks.1.out.bias, ln_f.weight, ln_f.bias; free: primals_3, primals_7, primals_9, primals_13, primals_15, primals_19, primals_21, primals_25, primals_27
 getitem_27: f32[512] = all_gather_into_tensor_coalesced[0]
 getitem_28: f32[128] = all_gather_into_tensor_coalesced[1]
-getitem_29: f32[16] = all_gather_into_tensor_coalesced[2]
-getitem_30: f32[16] = all_gather_into_tensor_coalesced[3]
+getitem_29: f32[64] = all_gather_into_tensor_coalesced[2]
+getitem_30: f32[64] = all_gather_into_tensor_coalesced[3]
 getitem_31: f32[768] = all_gather_into_tensor_coalesced[4]
-getitem_32: f32[48] = all_gather_into_tensor_coalesced[5]
+getitem_32: f32[64] = all_gather_into_tensor_coalesced[5]
 getitem_33: f32[256] = all_gather_into_tensor_coalesced[6]
-getitem_34: f32[16] = all_gather_into_tensor_coalesced[7]
-getitem_35: f32[16] = all_gather_into_tensor_coalesced[8]
-getitem_36: f32[16] = all_gather_into_tensor_coalesced[9]
+getitem_34: f32[64] = all_gather_into_tensor_coalesced[7]
+getitem_35: f32[64] = all_gather_into_tensor_coalesced[8]
+getitem_36: f32[64] = all_gather_into_tensor_coalesced[9]
 getitem_37: f32[1024] = all_gather_into_tensor_coalesced[10]
 getitem_38: f32[64] = all_gather_into_tensor_coalesced[11]
 getitem_39: f32[1024] = all_gather_into_tensor_coalesced[12]
-getitem_40: f32[16] = all_gather_into_tensor_coalesced[13]
-getitem_41: f32[16] = all_gather_into_tensor_coalesced[14]
-getitem_42: f32[16] = all_gather_into_tensor_coalesced[15]
+getitem_40: f32[64] = all_gather_into_tensor_coalesced[13]
+getitem_41: f32[64] = all_gather_into_tensor_coalesced[14]
+getitem_42: f32[64] = all_gather_into_tensor_coalesced[15]
 getitem_43: f32[768] = all_gather_into_tensor_coalesced[16]
-getitem_44: f32[48] = all_gather_into_tensor_coalesced[17]
+getitem_44: f32[64] = all_gather_into_tensor_coalesced[17]
 getitem_45: f32[256] = all_gather_into_tensor_coalesced[18]
-getitem_46: f32[16] = all_gather_into_tensor_coalesced[19]
-getitem_47: f32[16] = all_gather_into_tensor_coalesced[20]
-getitem_48: f32[16] = all_gather_into_tensor_coalesced[21]
+getitem_46: f32[64] = all_gather_into_tensor_coalesced[19]
+getitem_47: f32[64] = all_gather_into_tensor_coalesced[20]
+getitem_48: f32[64] = all_gather_into_tensor_coalesced[21]
 getitem_49: f32[1024] = all_gather_into_tensor_coalesced[22]
 getitem_50: f32[64] = all_gather_into_tensor_coalesced[23]
 getitem_51: f32[1024] = all_gather_into_tensor_coalesced[24]
-getitem_52: f32[16] = all_gather_into_tensor_coalesced[25]
-getitem_53: f32[16] = all_gather_into_tensor_coalesced[26]
-getitem_54: f32[16] = all_gather_into_tensor_coalesced[27]  # free: all_gather_into_tensor_coalesced
+getitem_52: f32[64] = all_gather_into_tensor_coalesced[25]
+getitem_53: f32[64] = all_gather_into_tensor_coalesced[26]
+getitem_54: f32[64] = all_gather_into_tensor_coalesced[27]  # free: all_gather_into_tensor_coalesced
 wait_tensor: f32[512] = _c10d_functional.wait_tensor(getitem_27)  # free: getitem_27
 wait_tensor_1: f32[128] = _c10d_functional.wait_tensor(getitem_28)  # free: getitem_28
-wait_tensor_2: f32[16] = _c10d_functional.wait_tensor(getitem_29)  # free: getitem_29
-wait_tensor_3: f32[16] = _c10d_functional.wait_tensor(getitem_30)  # free: getitem_30
+wait_tensor_2: f32[64] = _c10d_functional.wait_tensor(getitem_29)  # free: getitem_29
+wait_tensor_3: f32[64] = _c10d_functional.wait_tensor(getitem_30)  # free: getitem_30
 wait_tensor_4: f32[768] = _c10d_functional.wait_tensor(getitem_31)  # free: getitem_31
-wait_tensor_5: f32[48] = _c10d_functional.wait_tensor(getitem_32)  # free: getitem_32
+wait_tensor_5: f32[64] = _c10d_functional.wait_tensor(getitem_32)  # free: getitem_32
 wait_tensor_6: f32[256] = _c10d_functional.wait_tensor(getitem_33)  # free: getitem_33
-wait_tensor_7: f32[16] = _c10d_functional.wait_tensor(getitem_34)  # free: getitem_34
-wait_tensor_8: f32[16] = _c10d_functional.wait_tensor(getitem_35)  # free: getitem_35
-wait_tensor_9: f32[16] = _c10d_functional.wait_tensor(getitem_36)  # free: getitem_36
+wait_tensor_7: f32[64] = _c10d_functional.wait_tensor(getitem_34)  # free: getitem_34
+wait_tensor_8: f32[64] = _c10d_functional.wait_tensor(getitem_35)  # free: getitem_35
+wait_tensor_9: f32[64] = _c10d_functional.wait_tensor(getitem_36)  # free: getitem_36
 wait_tensor_10: f32[1024] = _c10d_functional.wait_tensor(getitem_37)  # free: getitem_37
 wait_tensor_11: f32[64] = _c10d_functional.wait_tensor(getitem_38)  # free: getitem_38
 wait_tensor_12: f32[1024] = _c10d_functional.wait_tensor(getitem_39)  # free: getitem_39
-wait_tensor_13: f32[16] = _c10d_functional.wait_tensor(getitem_40)  # free: getitem_40
-wait_tensor_14: f32[16] = _c10d_functional.wait_tensor(getitem_41)  # free: getitem_41
-wait_tensor_15: f32[16] = _c10d_functional.wait_tensor(getitem_42)  # free: getitem_42
+wait_tensor_13: f32[64] = _c10d_functional.wait_tensor(getitem_40)  # free: getitem_40
+wait_tensor_14: f32[64] = _c10d_functional.wait_tensor(getitem_41)  # free: getitem_41
+wait_tensor_15: f32[64] = _c10d_functional.wait_tensor(getitem_42)  # free: getitem_42
 wait_tensor_16: f32[768] = _c10d_functional.wait_tensor(getitem_43)  # free: getitem_43
-wait_tensor_17: f32[48] = _c10d_functional.wait_tensor(getitem_44)  # free: getitem_44
+wait_tensor_17: f32[64] = _c10d_functional.wait_tensor(getitem_44)  # free: getitem_44
 wait_tensor_18: f32[256] = _c10d_functional.wait_tensor(getitem_45)  # free: getitem_45
-wait_tensor_19: f32[16] = _c10d_functional.wait_tensor(getitem_46)  # free: getitem_46
-wait_tensor_20: f32[16] = _c10d_functional.wait_tensor(getitem_47)  # free: getitem_47
-wait_tensor_21: f32[16] = _c10d_functional.wait_tensor(getitem_48)  # free: getitem_48
+wait_tensor_19: f32[64] = _c10d_functional.wait_tensor(getitem_46)  # free: getitem_46
+wait_tensor_20: f32[64] = _c10d_functional.wait_tensor(getitem_47)  # free: getitem_47
+wait_tensor_21: f32[64] = _c10d_functional.wait_tensor(getitem_48)  # free: getitem_48
 wait_tensor_22: f32[1024] = _c10d_functional.wait_tensor(getitem_49)  # free: getitem_49
 wait_tensor_23: f32[64] = _c10d_functional.wait_tensor(getitem_50)  # free: getitem_50
 wait_tensor_24: f32[1024] = _c10d_functional.wait_tensor(getitem_51)  # free: getitem_51
-wait_tensor_25: f32[16] = _c10d_functional.wait_tensor(getitem_52)  # free: getitem_52
-wait_tensor_26: f32[16] = _c10d_functional.wait_tensor(getitem_53)  # free: getitem_53
-wait_tensor_27: f32[16] = _c10d_functional.wait_tensor(getitem_54)  # free: getitem_54
+wait_tensor_25: f32[64] = _c10d_functional.wait_tensor(getitem_52)  # free: getitem_52
+wait_tensor_26: f32[64] = _c10d_functional.wait_tensor(getitem_53)  # free: getitem_53
+wait_tensor_27: f32[64] = _c10d_functional.wait_tensor(getitem_54)  # free: getitem_54
 view_27: f32[32, 16] = aten.view(wait_tensor, [32, 16])  # free: wait_tensor
 view_28: f32[8, 16] = aten.view(wait_tensor_1, [8, 16])  # free: wait_tensor_1
-view_29: f32[16] = aten.view(wait_tensor_2, [16])  # free: wait_tensor_2
-view_30: f32[16] = aten.view(wait_tensor_3, [16])  # free: wait_tensor_3
+slice_1: f32[16] = aten.slice.Tensor(wait_tensor_2, 0, 0, 16)  # free: wait_tensor_2
+view_29: f32[16] = aten.view(slice_1, [16])  # free: slice_1
+slice_2: f32[16] = aten.slice.Tensor(wait_tensor_3, 0, 0, 16)  # free: wait_tensor_3
+view_30: f32[16] = aten.view(slice_2, [16])  # free: slice_2
 view_31: f32[48, 16] = aten.view(wait_tensor_4, [48, 16])  # free: wait_tensor_4
-view_32: f32[48] = aten.view(wait_tensor_5, [48])  # free: wait_tensor_5
+slice_3: f32[48] = aten.slice.Tensor(wait_tensor_5, 0, 0, 48)  # free: wait_tensor_5
+view_32: f32[48] = aten.view(slice_3, [48])  # free: slice_3
 view_33: f32[16, 16] = aten.view(wait_tensor_6, [16, 16])  # free: wait_tensor_6
-view_34: f32[16] = aten.view(wait_tensor_7, [16])  # free: wait_tensor_7
-view_35: f32[16] = aten.view(wait_tensor_8, [16])  # free: wait_tensor_8
-view_36: f32[16] = aten.view(wait_tensor_9, [16])  # free: wait_tensor_9
+slice_4: f32[16] = aten.slice.Tensor(wait_tensor_7, 0, 0, 16)  # free: wait_tensor_7
+view_34: f32[16] = aten.view(slice_4, [16])  # free: slice_4
+slice_5: f32[16] = aten.slice.Tensor(wait_tensor_8, 0, 0, 16)  # free: wait_tensor_8
+view_35: f32[16] = aten.view(slice_5, [16])  # free: slice_5
+slice_6: f32[16] = aten.slice.Tensor(wait_tensor_9, 0, 0, 16)  # free: wait_tensor_9
+view_36: f32[16] = aten.view(slice_6, [16])  # free: slice_6
 view_37: f32[64, 16] = aten.view(wait_tensor_10, [64, 16])  # free: wait_tensor_10
 view_38: f32[64] = aten.view(wait_tensor_11, [64])  # free: wait_tensor_11
 view_39: f32[16, 64] = aten.view(wait_tensor_12, [16, 64])  # free: wait_tensor_12
-view_40: f32[16] = aten.view(wait_tensor_13, [16])  # free: wait_tensor_13
-view_41: f32[16] = aten.view(wait_tensor_14, [16])  # free: wait_tensor_14
-view_42: f32[16] = aten.view(wait_tensor_15, [16])  # free: wait_tensor_15
+slice_7: f32[16] = aten.slice.Tensor(wait_tensor_13, 0, 0, 16)  # free: wait_tensor_13
+view_40: f32[16] = aten.view(slice_7, [16])  # free: slice_7
+slice_8: f32[16] = aten.slice.Tensor(wait_tensor_14, 0, 0, 16)  # free: wait_tensor_14
+view_41: f32[16] = aten.view(slice_8, [16])  # free: slice_8
+slice_9: f32[16] = aten.slice.Tensor(wait_tensor_15, 0, 0, 16)  # free: wait_tensor_15
+view_42: f32[16] = aten.view(slice_9, [16])  # free: slice_9
 view_43: f32[48, 16] = aten.view(wait_tensor_16, [48, 16])  # free: wait_tensor_16
-view_44: f32[48] = aten.view(wait_tensor_17, [48])  # free: wait_tensor_17
+slice_10: f32[48] = aten.slice.Tensor(wait_tensor_17, 0, 0, 48)  # free: wait_tensor_17
+view_44: f32[48] = aten.view(slice_10, [48])  # free: slice_10
 view_45: f32[16, 16] = aten.view(wait_tensor_18, [16, 16])  # free: wait_tensor_18
-view_46: f32[16] = aten.view(wait_tensor_19, [16])  # free: wait_tensor_19
-view_47: f32[16] = aten.view(wait_tensor_20, [16])  # free: wait_tensor_20
-view_48: f32[16] = aten.view(wait_tensor_21, [16])  # free: wait_tensor_21
+slice_11: f32[16] = aten.slice.Tensor(wait_tensor_19, 0, 0, 16)  # free: wait_tensor_19
+view_46: f32[16] = aten.view(slice_11, [16])  # free: slice_11
+slice_12: f32[16] = aten.slice.Tensor(wait_tensor_20, 0, 0, 16)  # free: wait_tensor_20
+view_47: f32[16] = aten.view(slice_12, [16])  # free: slice_12
+slice_13: f32[16] = aten.slice.Tensor(wait_tensor_21, 0, 0, 16)  # free: wait_tensor_21
+view_48: f32[16] = aten.view(slice_13, [16])  # free: slice_13
 view_49: f32[64, 16] = aten.view(wait_tensor_22, [64, 16])  # free: wait_tensor_22
 view_50: f32[64] = aten.view(wait_tensor_23, [64])  # free: wait_tensor_23
 view_51: f32[16, 64] = aten.view(wait_tensor_24, [16, 64])  # free: wait_tensor_24
-view_52: f32[16] = aten.view(wait_tensor_25, [16])  # free: wait_tensor_25
-view_53: f32[16] = aten.view(wait_tensor_26, [16])  # free: wait_tensor_26
-view_54: f32[16] = aten.view(wait_tensor_27, [16])  # free: wait_tensor_27
+slice_14: f32[16] = aten.slice.Tensor(wait_tensor_25, 0, 0, 16)  # free: wait_tensor_25
+view_52: f32[16] = aten.view(slice_14, [16])  # free: slice_14
+slice_15: f32[16] = aten.slice.Tensor(wait_tensor_26, 0, 0, 16)  # free: wait_tensor_26
+view_53: f32[16] = aten.view(slice_15, [16])  # free: slice_15
+slice_16: f32[16] = aten.slice.Tensor(wait_tensor_27, 0, 0, 16)  # free: wait_tensor_27
+view_54: f32[16] = aten.view(slice_16, [16])  # free: slice_16
 embedding: f32[2, 8, 16] = aten.embedding(view_27, primals_1)
 embedding_1: f32[8, 16] = aten.embedding(view_28, arange)  # free: view_28
 add: f32[2, 8, 16] = aten.add.Tensor(embedding, embedding_1)  # free: embedding, embedding_1
@@ -2249,24 +2298,24 @@ return (getitem_25, primals_1, primals_2, primals_4, primals_5, primals_6, prima
         self.assertExpectedInline(backward, """\
 input primals_1: i64[2, 8]
 input primals_2: f32[128]
-input primals_4: f32[4]
-input primals_5: f32[4]
+input primals_4: f32[16]
+input primals_5: f32[16]
 input primals_6: f32[192]
 input primals_8: f32[64]
-input primals_10: f32[4]
-input primals_11: f32[4]
+input primals_10: f32[16]
+input primals_11: f32[16]
 input primals_12: f32[256]
 input primals_14: f32[256]
-input primals_16: f32[4]
-input primals_17: f32[4]
+input primals_16: f32[16]
+input primals_17: f32[16]
 input primals_18: f32[192]
 input primals_20: f32[64]
-input primals_22: f32[4]
-input primals_23: f32[4]
+input primals_22: f32[16]
+input primals_23: f32[16]
 input primals_24: f32[256]
 input primals_26: f32[256]
-input primals_28: f32[4]
-input primals_29: f32[4]
+input primals_28: f32[16]
+input primals_29: f32[16]
 input arange: i64[8]
 input add: f32[2, 8, 16]
 input getitem_1: f32[2, 8, 1]
@@ -2317,64 +2366,74 @@ view_28: f32[16, 32] = aten.view(view_27, [16, 32])  # free: view_27
 t_9: f32[32, 16] = aten.t(view_28)
 mm_1: f32[32, 16] = aten.mm(t_9, view_24)  # free: t_9, view_24
 t_10: f32[16, 32] = aten.t(mm_1)  # free: mm_1
-all_gather_into_tensor_coalesced: (f32[512], f32[16], f32[16], f32[1024], f32[1024], f32[16], f32[16], f32[256], f32[768], f32[16], f32[16], f32[1024], f32[1024], f32[16], f32[16], f32[256], f32[768], f32[16], f32[16]) = _c10d_functional.all_gather_into_tensor_coalesced([primals_2, primals_28, primals_29, primals_26, primals_24, primals_22, primals_23, primals_20, primals_18, primals_16, primals_17, primals_14, primals_12, primals_10, primals_11, primals_8, primals_6, primals_4, primals_5], 4, WORLD)  # param: wte.weight, ln_f.weight, ln_f.bias, blocks.1.out.weight, blocks.1.fc.weight, blocks.1.ln2.weight, blocks.1.ln2.bias, blocks.1.attn.proj.weight, blocks.1.attn.qkv.weight, blocks.1.ln1.weight, blocks.1.ln1.bias, blocks.0.out.weight, blocks.0.fc.weight, blocks.0.ln2.weight, blocks.0.ln2.bias, blocks.0.attn.proj.weight, blocks.0.attn.qkv.weight, blocks.0.ln1.weight, blocks.0.ln1.bias; free: primals_2, primals_28, primals_29, primals_26, primals_24, primals_22, primals_23, primals_20, primals_18, primals_16, primals_17, primals_14, primals_12, primals_10, primals_11, primals_8, primals_6, primals_4, primals_5
+all_gather_into_tensor_coalesced: (f32[512], f32[64], f32[64], f32[1024], f32[1024], f32[64], f32[64], f32[256], f32[768], f32[64], f32[64], f32[1024], f32[1024], f32[64], f32[64], f32[256], f32[768], f32[64], f32[64]) = _c10d_functional.all_gather_into_tensor_coalesced([primals_2, primals_28, primals_29, primals_26, primals_24, primals_22, primals_23, primals_20, primals_18, primals_16, primals_17, primals_14, primals_12, primals_10, primals_11, primals_8, primals_6, primals_4, primals_5], 4, WORLD)  # param: wte.weight, ln_f.weight, ln_f.bias, blocks.1.out.weight, blocks.1.fc.weight, blocks.1.ln2.weight, blocks.1.ln2.bias, blocks.1.attn.proj.weight, blocks.1.attn.qkv.weight, blocks.1.ln1.weight, blocks.1.ln1.bias, blocks.0.out.weight, blocks.0.fc.weight, blocks.0.ln2.weight, blocks.0.ln2.bias, blocks.0.attn.proj.weight, blocks.0.attn.qkv.weight, blocks.0.ln1.weight, blocks.0.ln1.bias; free: primals_2, primals_28, primals_29, primals_26, primals_24, primals_22, primals_23, primals_20, primals_18, primals_16, primals_17, primals_14, primals_12, primals_10, primals_11, primals_8, primals_6, primals_4, primals_5
 getitem: f32[512] = all_gather_into_tensor_coalesced[0]
-getitem_48: f32[16] = all_gather_into_tensor_coalesced[1]
-getitem_49: f32[16] = all_gather_into_tensor_coalesced[2]
+getitem_48: f32[64] = all_gather_into_tensor_coalesced[1]
+getitem_49: f32[64] = all_gather_into_tensor_coalesced[2]
 getitem_3: f32[1024] = all_gather_into_tensor_coalesced[3]
 getitem_4: f32[1024] = all_gather_into_tensor_coalesced[4]
-getitem_5: f32[16] = all_gather_into_tensor_coalesced[5]
-getitem_6: f32[16] = all_gather_into_tensor_coalesced[6]
+getitem_5: f32[64] = all_gather_into_tensor_coalesced[5]
+getitem_6: f32[64] = all_gather_into_tensor_coalesced[6]
 getitem_8: f32[256] = all_gather_into_tensor_coalesced[7]
 getitem_11: f32[768] = all_gather_into_tensor_coalesced[8]
-getitem_14: f32[16] = all_gather_into_tensor_coalesced[9]
-getitem_15: f32[16] = all_gather_into_tensor_coalesced[10]
+getitem_14: f32[64] = all_gather_into_tensor_coalesced[9]
+getitem_15: f32[64] = all_gather_into_tensor_coalesced[10]
 getitem_16: f32[1024] = all_gather_into_tensor_coalesced[11]
 getitem_17: f32[1024] = all_gather_into_tensor_coalesced[12]
-getitem_19: f32[16] = all_gather_into_tensor_coalesced[13]
-getitem_22: f32[16] = all_gather_into_tensor_coalesced[14]
+getitem_19: f32[64] = all_gather_into_tensor_coalesced[13]
+getitem_22: f32[64] = all_gather_into_tensor_coalesced[14]
 getitem_25: f32[256] = all_gather_into_tensor_coalesced[15]
 getitem_50: f32[768] = all_gather_into_tensor_coalesced[16]
-getitem_51: f32[16] = all_gather_into_tensor_coalesced[17]
-getitem_52: f32[16] = all_gather_into_tensor_coalesced[18]  # free: all_gather_into_tensor_coalesced
+getitem_51: f32[64] = all_gather_into_tensor_coalesced[17]
+getitem_52: f32[64] = all_gather_into_tensor_coalesced[18]  # free: all_gather_into_tensor_coalesced
 wait_tensor: f32[512] = _c10d_functional.wait_tensor(getitem)  # free: getitem
-wait_tensor_1: f32[16] = _c10d_functional.wait_tensor(getitem_48)  # free: getitem_48
-wait_tensor_2: f32[16] = _c10d_functional.wait_tensor(getitem_49)  # free: getitem_49
+wait_tensor_1: f32[64] = _c10d_functional.wait_tensor(getitem_48)  # free: getitem_48
+wait_tensor_2: f32[64] = _c10d_functional.wait_tensor(getitem_49)  # free: getitem_49
 wait_tensor_3: f32[1024] = _c10d_functional.wait_tensor(getitem_3)  # free: getitem_3
 wait_tensor_4: f32[1024] = _c10d_functional.wait_tensor(getitem_4)  # free: getitem_4
-wait_tensor_5: f32[16] = _c10d_functional.wait_tensor(getitem_5)  # free: getitem_5
-wait_tensor_6: f32[16] = _c10d_functional.wait_tensor(getitem_6)  # free: getitem_6
+wait_tensor_5: f32[64] = _c10d_functional.wait_tensor(getitem_5)  # free: getitem_5
+wait_tensor_6: f32[64] = _c10d_functional.wait_tensor(getitem_6)  # free: getitem_6
 wait_tensor_7: f32[256] = _c10d_functional.wait_tensor(getitem_8)  # free: getitem_8
 wait_tensor_8: f32[768] = _c10d_functional.wait_tensor(getitem_11)  # free: getitem_11
-wait_tensor_9: f32[16] = _c10d_functional.wait_tensor(getitem_14)  # free: getitem_14
-wait_tensor_10: f32[16] = _c10d_functional.wait_tensor(getitem_15)  # free: getitem_15
+wait_tensor_9: f32[64] = _c10d_functional.wait_tensor(getitem_14)  # free: getitem_14
+wait_tensor_10: f32[64] = _c10d_functional.wait_tensor(getitem_15)  # free: getitem_15
 wait_tensor_11: f32[1024] = _c10d_functional.wait_tensor(getitem_16)  # free: getitem_16
 wait_tensor_12: f32[1024] = _c10d_functional.wait_tensor(getitem_17)  # free: getitem_17
-wait_tensor_13: f32[16] = _c10d_functional.wait_tensor(getitem_19)  # free: getitem_19
-wait_tensor_14: f32[16] = _c10d_functional.wait_tensor(getitem_22)  # free: getitem_22
+wait_tensor_13: f32[64] = _c10d_functional.wait_tensor(getitem_19)  # free: getitem_19
+wait_tensor_14: f32[64] = _c10d_functional.wait_tensor(getitem_22)  # free: getitem_22
 wait_tensor_15: f32[256] = _c10d_functional.wait_tensor(getitem_25)  # free: getitem_25
 wait_tensor_16: f32[768] = _c10d_functional.wait_tensor(getitem_50)  # free: getitem_50
-wait_tensor_17: f32[16] = _c10d_functional.wait_tensor(getitem_51)  # free: getitem_51
-wait_tensor_18: f32[16] = _c10d_functional.wait_tensor(getitem_52)  # free: getitem_52
+wait_tensor_17: f32[64] = _c10d_functional.wait_tensor(getitem_51)  # free: getitem_51
+wait_tensor_18: f32[64] = _c10d_functional.wait_tensor(getitem_52)  # free: getitem_52
 view_63: f32[32, 16] = aten.view(wait_tensor, [32, 16])  # free: wait_tensor
-view_1: f32[16] = aten.view(wait_tensor_1, [16])  # free: wait_tensor_1
-view_2: f32[16] = aten.view(wait_tensor_2, [16])  # free: wait_tensor_2
+slice_1: f32[16] = aten.slice.Tensor(wait_tensor_1, 0, 0, 16)  # free: wait_tensor_1
+view_1: f32[16] = aten.view(slice_1, [16])  # free: slice_1
+slice_2: f32[16] = aten.slice.Tensor(wait_tensor_2, 0, 0, 16)  # free: wait_tensor_2
+view_2: f32[16] = aten.view(slice_2, [16])  # free: slice_2
 view_3: f32[16, 64] = aten.view(wait_tensor_3, [16, 64])  # free: wait_tensor_3
 view_4: f32[64, 16] = aten.view(wait_tensor_4, [64, 16])  # free: wait_tensor_4
-view_5: f32[16] = aten.view(wait_tensor_5, [16])  # free: wait_tensor_5
-view_7: f32[16] = aten.view(wait_tensor_6, [16])  # free: wait_tensor_6
+slice_3: f32[16] = aten.slice.Tensor(wait_tensor_5, 0, 0, 16)  # free: wait_tensor_5
+view_5: f32[16] = aten.view(slice_3, [16])  # free: slice_3
+slice_4: f32[16] = aten.slice.Tensor(wait_tensor_6, 0, 0, 16)  # free: wait_tensor_6
+view_7: f32[16] = aten.view(slice_4, [16])  # free: slice_4
 view_11: f32[16, 16] = aten.view(wait_tensor_7, [16, 16])  # free: wait_tensor_7
 view_13: f32[48, 16] = aten.view(wait_tensor_8, [48, 16])  # free: wait_tensor_8
-view_14: f32[16] = aten.view(wait_tensor_9, [16])  # free: wait_tensor_9
-view_15: f32[16] = aten.view(wait_tensor_10, [16])  # free: wait_tensor_10
+slice_5: f32[16] = aten.slice.Tensor(wait_tensor_9, 0, 0, 16)  # free: wait_tensor_9
+view_14: f32[16] = aten.view(slice_5, [16])  # free: slice_5
+slice_6: f32[16] = aten.slice.Tensor(wait_tensor_10, 0, 0, 16)  # free: wait_tensor_10
+view_15: f32[16] = aten.view(slice_6, [16])  # free: slice_6
 view_16: f32[16, 64] = aten.view(wait_tensor_11, [16, 64])  # free: wait_tensor_11
 view_17: f32[64, 16] = aten.view(wait_tensor_12, [64, 16])  # free: wait_tensor_12
-view_19: f32[16] = aten.view(wait_tensor_13, [16])  # free: wait_tensor_13
-view_23: f32[16] = aten.view(wait_tensor_14, [16])  # free: wait_tensor_14
+slice_7: f32[16] = aten.slice.Tensor(wait_tensor_13, 0, 0, 16)  # free: wait_tensor_13
+view_19: f32[16] = aten.view(slice_7, [16])  # free: slice_7
+slice_8: f32[16] = aten.slice.Tensor(wait_tensor_14, 0, 0, 16)  # free: wait_tensor_14
+view_23: f32[16] = aten.view(slice_8, [16])  # free: slice_8
 view_25: f32[16, 16] = aten.view(wait_tensor_15, [16, 16])  # free: wait_tensor_15
 view_64: f32[48, 16] = aten.view(wait_tensor_16, [48, 16])  # free: wait_tensor_16
-view_65: f32[16] = aten.view(wait_tensor_17, [16])  # free: wait_tensor_17
-view_66: f32[16] = aten.view(wait_tensor_18, [16])  # free: wait_tensor_18
+slice_9: f32[16] = aten.slice.Tensor(wait_tensor_17, 0, 0, 16)  # free: wait_tensor_17
+view_65: f32[16] = aten.view(slice_9, [16])  # free: slice_9
+slice_10: f32[16] = aten.slice.Tensor(wait_tensor_18, 0, 0, 16)  # free: wait_tensor_18
+view_66: f32[16] = aten.view(slice_10, [16])  # free: slice_10
 t_8: f32[16, 32] = aten.t(view_63)  # free: view_63
 t_11: f32[32, 16] = aten.t(t_8)  # free: t_8
 mm_2: f32[16, 16] = aten.mm(view_28, t_11)  # free: view_28, t_11
@@ -2527,39 +2586,55 @@ view_62: f32[8, 16] = aten.view(sum_9, [8, 16])  # free: sum_9
 embedding_dense_backward: f32[8, 16] = aten.embedding_dense_backward(view_62, arange, 8, -1, False)  # free: view_62, arange
 embedding_dense_backward_1: f32[32, 16] = aten.embedding_dense_backward(add_8, primals_1, 32, -1, False)  # free: add_8, primals_1
 add_9: f32[32, 16] = aten.add.Tensor(t_12, embedding_dense_backward_1)  # free: t_12, embedding_dense_backward_1
-pack: f32[7232] = zero.pack([getitem_29, getitem_28, view_31, t_16, view_34, t_20, getitem_32, getitem_31, view_37, t_24, view_44, t_28, getitem_38, getitem_37, view_47, t_32, view_50, t_36, getitem_41, getitem_40, view_53, t_40, view_60, t_44, getitem_47, getitem_46, embedding_dense_backward, add_9], 4, [4, 4, 4, 256, 16, 256, 4, 4, 4, 64, 12, 192, 4, 4, 4, 256, 16, 256, 4, 4, 4, 64, 12, 192, 4, 4, 32, 128])  # free: getitem_29, getitem_28, view_31, t_16, view_34, t_20, getitem_32, getitem_31, view_37, t_24, view_44, t_28, getitem_38, getitem_37, view_47, t_32, view_50, t_36, getitem_41, getitem_40, view_53, t_40, view_60, t_44, getitem_47, getitem_46, embedding_dense_backward, add_9
-reduce_scatter_tensor: f32[1808] = _c10d_functional.reduce_scatter_tensor(pack, 'avg', 4, WORLD)  # param: ln_f.bias, ln_f.weight, blocks.1.out.bias, blocks.1.out.weight, blocks.1.fc.bias, blocks.1.fc.weight, blocks.1.ln2.bias, blocks.1.ln2.weight, blocks.1.attn.proj.bias, blocks.1.attn.proj.weight, blocks.1.attn.qkv.bias, blocks.1.attn.qkv.weight, blocks.1.ln1.bias, blocks.1.ln1.weight, blocks.0.out.bias, blocks.0.out.weight, blocks.0.fc.bias, blocks.0.fc.weight, blocks.0.ln2.bias, blocks.0.ln2.weight, blocks.0.attn.proj.bias, blocks.0.attn.proj.weight, blocks.0.attn.qkv.bias, blocks.0.attn.qkv.weight, blocks.0.ln1.bias, blocks.0.ln1.weight, wpe.weight, wte.weight; free: pack
-wait_tensor_19: f32[1808] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
-split_with_sizes: (f32[4], f32[4], f32[4], f32[256], f32[16], f32[256], f32[4], f32[4], f32[4], f32[64], f32[12], f32[192], f32[4], f32[4], f32[4], f32[256], f32[16], f32[256], f32[4], f32[4], f32[4], f32[64], f32[12], f32[192], f32[4], f32[4], f32[32], f32[128]) = aten.split_with_sizes(wait_tensor_19, [4, 4, 4, 256, 16, 256, 4, 4, 4, 64, 12, 192, 4, 4, 4, 256, 16, 256, 4, 4, 4, 64, 12, 192, 4, 4, 32, 128])  # free: wait_tensor_19
-getitem_53: f32[4] = split_with_sizes[0]
-getitem_54: f32[4] = split_with_sizes[1]
-getitem_55: f32[4] = split_with_sizes[2]
+pack: f32[7936] = zero.pack([getitem_29, getitem_28, view_31, t_16, view_34, t_20, getitem_32, getitem_31, view_37, t_24, view_44, t_28, getitem_38, getitem_37, view_47, t_32, view_50, t_36, getitem_41, getitem_40, view_53, t_40, view_60, t_44, getitem_47, getitem_46, embedding_dense_backward, add_9], 4, [16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 32, 128])  # free: getitem_29, getitem_28, view_31, t_16, view_34, t_20, getitem_32, getitem_31, view_37, t_24, view_44, t_28, getitem_38, getitem_37, view_47, t_32, view_50, t_36, getitem_41, getitem_40, view_53, t_40, view_60, t_44, getitem_47, getitem_46, embedding_dense_backward, add_9
+reduce_scatter_tensor: f32[1984] = _c10d_functional.reduce_scatter_tensor(pack, 'avg', 4, WORLD)  # param: ln_f.bias, ln_f.weight, blocks.1.out.bias, blocks.1.out.weight, blocks.1.fc.bias, blocks.1.fc.weight, blocks.1.ln2.bias, blocks.1.ln2.weight, blocks.1.attn.proj.bias, blocks.1.attn.proj.weight, blocks.1.attn.qkv.bias, blocks.1.attn.qkv.weight, blocks.1.ln1.bias, blocks.1.ln1.weight, blocks.0.out.bias, blocks.0.out.weight, blocks.0.fc.bias, blocks.0.fc.weight, blocks.0.ln2.bias, blocks.0.ln2.weight, blocks.0.attn.proj.bias, blocks.0.attn.proj.weight, blocks.0.attn.qkv.bias, blocks.0.attn.qkv.weight, blocks.0.ln1.bias, blocks.0.ln1.weight, wpe.weight, wte.weight; free: pack
+wait_tensor_19: f32[1984] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
+split_with_sizes: (f32[16], f32[16], f32[16], f32[256], f32[16], f32[256], f32[16], f32[16], f32[16], f32[64], f32[16], f32[192], f32[16], f32[16], f32[16], f32[256], f32[16], f32[256], f32[16], f32[16], f32[16], f32[64], f32[16], f32[192], f32[16], f32[16], f32[32], f32[128]) = aten.split_with_sizes(wait_tensor_19, [16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 32, 128])  # free: wait_tensor_19
+getitem_53: f32[16] = split_with_sizes[0]
+getitem_54: f32[16] = split_with_sizes[1]
+getitem_55: f32[16] = split_with_sizes[2]
 getitem_56: f32[256] = split_with_sizes[3]
 getitem_57: f32[16] = split_with_sizes[4]
 getitem_58: f32[256] = split_with_sizes[5]
-getitem_59: f32[4] = split_with_sizes[6]
-getitem_60: f32[4] = split_with_sizes[7]
-getitem_61: f32[4] = split_with_sizes[8]
+getitem_59: f32[16] = split_with_sizes[6]
+getitem_60: f32[16] = split_with_sizes[7]
+getitem_61: f32[16] = split_with_sizes[8]
 getitem_62: f32[64] = split_with_sizes[9]
-getitem_63: f32[12] = split_with_sizes[10]
+getitem_63: f32[16] = split_with_sizes[10]
 getitem_64: f32[192] = split_with_sizes[11]
-getitem_65: f32[4] = split_with_sizes[12]
-getitem_66: f32[4] = split_with_sizes[13]
-getitem_67: f32[4] = split_with_sizes[14]
+getitem_65: f32[16] = split_with_sizes[12]
+getitem_66: f32[16] = split_with_sizes[13]
+getitem_67: f32[16] = split_with_sizes[14]
 getitem_68: f32[256] = split_with_sizes[15]
 getitem_69: f32[16] = split_with_sizes[16]
 getitem_70: f32[256] = split_with_sizes[17]
-getitem_71: f32[4] = split_with_sizes[18]
-getitem_72: f32[4] = split_with_sizes[19]
-getitem_73: f32[4] = split_with_sizes[20]
+getitem_71: f32[16] = split_with_sizes[18]
+getitem_72: f32[16] = split_with_sizes[19]
+getitem_73: f32[16] = split_with_sizes[20]
 getitem_74: f32[64] = split_with_sizes[21]
-getitem_75: f32[12] = split_with_sizes[22]
+getitem_75: f32[16] = split_with_sizes[22]
 getitem_76: f32[192] = split_with_sizes[23]
-getitem_77: f32[4] = split_with_sizes[24]
-getitem_78: f32[4] = split_with_sizes[25]
+getitem_77: f32[16] = split_with_sizes[24]
+getitem_78: f32[16] = split_with_sizes[25]
 getitem_79: f32[32] = split_with_sizes[26]
 getitem_80: f32[128] = split_with_sizes[27]  # free: split_with_sizes
 return (None, getitem_80, getitem_79, getitem_78, getitem_77, getitem_76, getitem_75, getitem_74, getitem_73, getitem_72, getitem_71, getitem_70, getitem_69, getitem_68, getitem_67, getitem_66, getitem_65, getitem_64, getitem_63, getitem_62, getitem_61, getitem_60, getitem_59, getitem_58, getitem_57, getitem_56, getitem_55, getitem_54, getitem_53, None)""")
+
+
+
+class TestMemoryBudgetZero(FakeGroupTestCase):
+    """memory_budget=0 is plain stage 3: the pinned graphs above, node for node. A budget above
+    the model's size changes them (the forward returns gathered weights, the backward gathers
+    nothing), so the setting does reach the pass and the equality is not vacuous."""
+
+    def test_budget_0_lowers_the_graphs_of_plain_stage_3(self) -> None:
+        plain = {graphs: graphs(3) for graphs in (mlp_graphs, gpt_graphs)}
+        for graphs, expected in plain.items():
+            self.assertEqual(graphs(3, memory_budget=0), expected)
+        forward, backward = mlp_graphs(3, memory_budget=2**30)
+        self.assertNotEqual(forward, plain[mlp_graphs][0])
+        self.assertNotIn("all_gather", backward)
+        self.assertIn("all_gather", plain[mlp_graphs][1])
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from zerocompile.passes.lowering import ALL_TO_ALL_REDUCE_SCATTER, NATIVE_REDUCE
 from zerocompile.passes.markers import REDUCE_GRAD, UNSHARD
 from zerocompile.passes.merge_unshards import merge_repeated_unshards
 from zerocompile.passes.recompute_gathers import tag_gathers_for_recompute
-from zerocompile.passes.stages import STAGES, stage_policy
+from zerocompile.passes.stages import STAGES, padded_numel, shard_numel, stage_policy
 
 funcol = torch.ops._c10d_functional
 ABSENT = "no-such-group"  # resolving it would raise: the passes must never ask
@@ -34,7 +34,19 @@ def test_the_table_says_what_the_zero_paper_and_our_design_say():
         2: (True, True, True, False, "reduce_scatter"),
         3: (True, False, False, False, "reduce_scatter"),
     }
-    assert [stage_policy(s).local_numel(10, WORLD) for s in range(4)] == [10, 4, 4, 4]
+    assert [stage_policy(s).local_numel(10, WORLD) for s in range(4)] == [10, 16, 16, 16]
+
+
+def test_shards_are_the_fewest_whole_16_element_blocks_that_cover_the_parameter():
+    """Rank r's chunk of a gather starts at element r * shard: 16-byte aligned for int8 codes
+    (1 byte) and so for every wider dtype; no more padding than that needs."""
+    for world_size in range(1, 10):
+        for numel in range(0, 300):
+            shard = shard_numel(numel, world_size)
+            assert shard % 16 == 0, (numel, world_size, shard)
+            assert shard * world_size >= numel, (numel, world_size, shard)
+            assert shard == 0 or (shard - 16) * world_size < numel, (numel, world_size, shard)
+            assert padded_numel(numel, world_size) == shard * world_size
 
 
 def _step_graph(stage: int, flavour: str) -> fx.GraphModule:

@@ -17,6 +17,7 @@ from torch import nn
 
 import zerocompile as zc
 from zerocompile.backend import compiled_graphs
+from models import UnevenMLP
 from ranks import run_on_ranks
 
 STAGES = (0, 1, 2, 3)
@@ -162,3 +163,48 @@ def test_ledger_predicts_the_bytes_sent(reports, stage: int, world_size: int) ->
     r = reports[world_size][stage]
     predicted = sum(graph.ledger.sent_bytes for graph in r["graphs"])
     assert r["sent_per_step"] == pytest.approx(predicted, rel=0.05)
+
+
+def shard_layout(rank: int, world_size: int) -> dict[tuple, dict]:
+    """Per (stage, dtype, parameter) of an uneven MLP: what this rank holds, and whether an
+    all-gather of every rank's shard gives back the parameter followed by zeros."""
+    layout = {}
+    for stage in STAGES:
+        for dtype in (torch.float32, torch.bfloat16):
+            torch.manual_seed(0)
+            model = UnevenMLP().to(dtype)
+            full = {name: p.detach().reshape(-1).clone() for name, p in model.named_parameters()}
+            zc.shard(model, stage=stage)
+            for name, param in model.named_parameters():
+                info = zc.sharding.shard_info(param)
+                entry = {"shape": info.shape, "numel": info.numel, "shard_numel": info.shard_numel}
+                entry["held"] = tuple(param.shape)
+                if info.policy.shards_parameters:
+                    gathered = param.new_empty(info.shard_numel * world_size)
+                    dist.all_gather_into_tensor(gathered, param.detach())
+                    entry["gathers_back"] = bool(
+                        torch.equal(gathered[: info.numel], full[name]) and not gathered[info.numel :].any()
+                    )
+                layout[stage, dtype, name] = entry
+    return layout
+
+
+def test_shards_of_uneven_parameters_are_16_byte_aligned_chunks() -> None:
+    """Every shard holds a multiple of 16 elements, so in an all-gather's output rank r's chunk
+    starts at byte r * shard * itemsize, a multiple of 16 for int8 codes (1 byte) and every wider
+    dtype; the chunks are rank-ordered slices of the flat parameter, zero padded, and the padding
+    is no more than the alignment needs (rank 1 holds only padding of the 3-element bias). Stage 0
+    keeps each parameter whole, unpadded."""
+    world_size = 2
+    layout = run_on_ranks(world_size, shard_layout)
+    for rank, held in enumerate(layout):
+        for (stage, _dtype, name), entry in held.items():
+            numel, shard = entry["numel"], entry["shard_numel"]
+            where = (rank, stage, name, entry)
+            if stage == 0:
+                assert shard == numel and entry["held"] == entry["shape"], where
+                continue
+            assert entry["held"] == (shard,), where
+            assert all(r * shard * itemsize % 16 == 0 for r in range(world_size) for itemsize in (1, 2, 4)), where
+            assert (shard - 16) * world_size < numel <= shard * world_size, where
+            assert entry["gathers_back"], where

@@ -1,9 +1,12 @@
 """Benchmark zerocompile's stages against DDP, FSDP2 and ZeroRedundancyOptimizer, side by side.
 
 ZeRO's promise is DDP-like speed at a fraction of the memory, and on a shared machine the only
-fair comparison is one run: this runs every mode in turn, each in --ranks freshly spawned gloo
-ranks on 127.0.0.1, on the same GPT (same seed, same initial weights, the same global batches of
-random tokens, each rank its slice) with fp32 AdamW:
+fair comparison is one run: this runs every mode in turn, each in --ranks freshly spawned ranks on
+127.0.0.1 (gloo; nccl where CUDA is available, as zc.init_distributed chooses), on the same GPT
+(same seed, same initial weights, the same global batches of random tokens, each rank its slice)
+with fp32 AdamW. Models, batches and losses live on --device (default: the process group's device,
+cuda:LOCAL_RANK under NCCL, else cpu); the initial weights and the tokens are drawn on the CPU, so
+every device starts from the same ones.
 
   ddp              DistributedDataParallel, eager
   ddp-compile      torch.compile(DDP(model)), default Inductor
@@ -15,10 +18,16 @@ random tokens, each rank its slice) with fp32 AdamW:
   zero0 .. zero3   zerocompile.shard(model, stage=s) + torch.compile(model, backend="zero")
   zero0-bf16 ..    the same with param_dtype=torch.bfloat16 (fp32 master shards, bf16 on the
   zero3-bf16       wire and in compute)
+  zero3-int8       stage 3 with gather_quant="int8" and reduce_quant="int8" (ZeRO++'s qwZ + qgZ:
+                   int8 blocks of 256 on the wire, fp32 master shards and compute)
+  zero3-budget     stage 3 with memory_budget = half the model's fp32 parameter bytes: the
+                   parameters used last in the forward stay gathered for the backward, the others
+                   are gathered again (between zero2's and zero3's traffic)
 
 How each figure is measured, per mode, after --warmup untimed steps (the first one compiles):
   step time   every step (forward, backward, optimizer step) starts after a barrier; the step
-              time is the slowest rank's, and the table shows the median over --steps steps
+              time is the slowest rank's, and the table shows the median over --steps steps (on
+              an accelerator each phase ends when the device has finished its queued work)
   compile     first warm-up step minus the median step; each mode compiles into its own fresh
               Inductor cache, so compile times are cold and comparable across modes and runs
   peak RSS    VmHWM over the timed steps (reset through /proc/self/clear_refs before them; where
@@ -32,7 +41,8 @@ How each figure is measured, per mode, after --warmup untimed steps (the first o
               slower, so times from such a run are not comparable.
   sent        bytes written by the rank (/proc/self/io wchar) around one step: gloo's socket
               writes, i.e. everything sent, not what we think we send; median over the timed
-              steps, largest rank
+              steps, largest rank. Host-side, like peak RSS: NCCL's GPU transfers do not pass
+              through write(), and GPU memory is not measured
   model state bytes this rank holds in parameters, gradients and optimizer state after the last
               optimizer step (largest rank): zerocompile.model_state_bytes for ours; for the
               others the local tensors, for FSDP2 the local shards of its DTensors
@@ -94,6 +104,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import zerocompile as zc
 from zerocompile.distributed import (
+    default_backend,
     exit_spawned_rank,
     free_loopback_port,
     inherited_environment,
@@ -102,6 +113,7 @@ from zerocompile.distributed import (
 from zerocompile.tools import gpt as gpt_module
 from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
 from zerocompile.tools.rss import reset_peak_rss, status_bytes
+from zerocompile.tools.train import add_device_argument, chosen_device
 
 MB = 1e6
 LEARNING_RATE = 3e-4
@@ -176,7 +188,7 @@ def _zero_redundancy(model: GPT) -> Prepared:
 
 def _fsdp2(compiled: bool) -> Callable[[GPT], Prepared]:
     def build(model: GPT) -> Prepared:
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -187,15 +199,19 @@ def _fsdp2(compiled: bool) -> Callable[[GPT], Prepared]:
     return build
 
 
-def _zero(stage: int, param_dtype: torch.dtype | None = None) -> Callable[[GPT], Prepared]:
+def _zero(stage: int, **settings: Any) -> Callable[[GPT], Prepared]:
     def build(model: GPT) -> Prepared:
         optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-        settings = {} if param_dtype is None else {"param_dtype": param_dtype}
         zc.shard(model, stage=stage, **settings)
         runner = torch.compile(model, backend="zero")
         return Prepared(runner, optimizer, lambda: zc.model_state_bytes(model, optimizer))
 
     return build
+
+
+def _zero3_half_budget(model: GPT) -> Prepared:
+    """Stage 3 with `memory_budget` half the model's gathered (fp32) bytes."""
+    return _zero(3, memory_budget=sum(p.numel() * p.element_size() for p in model.parameters()) // 2)(model)
 
 
 MODES: dict[str, Mode] = {
@@ -208,7 +224,9 @@ MODES: dict[str, Mode] = {
         Mode("fsdp2", _fsdp2(compiled=False)),
         Mode("fsdp2-compile", _fsdp2(compiled=True)),
         *(Mode(f"zero{stage}", _zero(stage)) for stage in range(4)),
-        *(Mode(f"zero{stage}-bf16", _zero(stage, torch.bfloat16)) for stage in range(4)),
+        *(Mode(f"zero{stage}-bf16", _zero(stage, param_dtype=torch.bfloat16)) for stage in range(4)),
+        Mode("zero3-int8", _zero(3, gather_quant="int8", reduce_quant="int8")),
+        Mode("zero3-budget", _zero3_half_budget),
     ]
 }
 
@@ -239,7 +257,7 @@ def _interleave_list(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `zerocompile bench`; size, steps and warm-up default to --quick's when it is given."""
-    parser.add_argument("--ranks", type=_positive_int, default=2, help="gloo ranks to spawn (default 2)")
+    parser.add_argument("--ranks", type=_positive_int, default=2, help="ranks to spawn (default 2)")
     parser.add_argument(
         "--model-size",
         choices=sorted(SIZES),
@@ -275,6 +293,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default {','.join(DEFAULT_INTERLEAVE)}; --quick: none); 'none' to skip",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the tokens (default 0)")
+    add_device_argument(parser, "every mode's model, batches and loss")
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -302,6 +321,7 @@ class Settings:
     modes: tuple[str, ...]
     interleave: tuple[str, ...]
     cache_root: str
+    device: torch.device | None  # None: each rank's process group device
 
     @property
     def config(self) -> GPTConfig:
@@ -324,7 +344,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     machine = {"node": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__}
     print(
         f"zerocompile bench on {machine['node']} ({machine['cpu_count']} CPUs, torch {machine['torch']}): "
-        f"{args.ranks} gloo ranks, GPT {model_size} (Φ = {phi:,}), global batch {args.batch_size} x "
+        f"{args.ranks} {default_backend()} ranks, GPT {model_size} (Φ = {phi:,}), global batch {args.batch_size} x "
         f"{SIZES[model_size].block_size} tokens, fp32 AdamW, {args.warmup or warmup} warm-up + "
         f"{args.steps or steps} timed steps per mode",
         flush=True,
@@ -340,6 +360,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             modes=tuple(args.modes),
             interleave=tuple(args.interleave if args.interleave is not None else () if args.quick else DEFAULT_INTERLEAVE),
             cache_root=tmp,
+            device=args.device,
         )
         measured = {}
         with inherited_environment(EXACT_RSS_ENVIRONMENT if args.exact_rss else {}):
@@ -354,7 +375,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     summary = {
         "machine": machine,
         "settings": {
-            **{k: v for k, v in dataclasses.asdict(settings).items() if k not in ("modes", "interleave", "cache_root")},
+            **{
+                k: v
+                for k, v in dataclasses.asdict(settings).items()
+                if k not in ("modes", "interleave", "cache_root", "device")
+            },
+            "device": None if args.device is None else str(args.device),  # None: the process group's
+            "backend": default_backend(),
             "phi": phi,
             "block_size": settings.config.block_size,
             "optimizer": f"torch.optim.AdamW(lr={LEARNING_RATE}), fp32",
@@ -416,11 +443,12 @@ def _spawned_rank(rank: int, name: str, settings: Settings, port: int, results_f
 def _interleaved_rank(rank: int, settings: Settings, port: int, results_file: str) -> None:
     """Time the --interleave modes side by side on this rank (see the module docstring)."""
     with _rank_session(rank, settings, port, "interleaved"):
+        device = chosen_device(settings.device)
         prepared = {}
         for name in settings.interleave:
             torch.manual_seed(settings.seed)
-            prepared[name] = MODES[name].build(_gpt_class_of_its_own(name)(settings.config))
-        batches = {name: _RandomBatches(settings.config, settings, rank) for name in settings.interleave}
+            prepared[name] = MODES[name].build(_gpt_class_of_its_own(name)(settings.config).to(device))
+        batches = {name: _RandomBatches(settings.config, settings, rank, device) for name in settings.interleave}
         times: dict[str, list[float]] = {name: [] for name in settings.interleave}
         phases: dict[str, list[tuple[float, float, float]]] = {name: [] for name in settings.interleave}
         for round_ in range(settings.warmup + settings.steps):
@@ -502,9 +530,10 @@ def _run_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
 
 
 def _measure_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
+    device = chosen_device(settings.device)
     torch.manual_seed(settings.seed)
-    prepared = mode.build(GPT(settings.config))
-    batches = _RandomBatches(settings.config, settings, rank)
+    prepared = mode.build(GPT(settings.config).to(device))
+    batches = _RandomBatches(settings.config, settings, rank, device)
     warmup = [_one_step(prepared, batches) for _ in range(settings.warmup)]
     rss_source = "VmHWM" if reset_peak_rss() else "ru_maxrss"
     rss_before = status_bytes("VmRSS")
@@ -525,6 +554,7 @@ def _measure_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
         "rss_before": rss_before,
         "rss_source": rss_source,
         "load": load,
+        "device": str(device),
     }
 
 
@@ -544,32 +574,46 @@ def _one_step(prepared: Prepared, batches: _RandomBatches) -> Step:
     """
     prepared.optimizer.zero_grad(set_to_none=True)
     inputs, targets = batches.next()
+    _finish_queued_work(inputs.device)
     dist.barrier()
     written = _wchar()
     start = time.perf_counter()
     loss = prepared.runner(inputs, targets)
+    _finish_queued_work(inputs.device)
     forward_done = time.perf_counter()
     loss.backward()
+    _finish_queued_work(inputs.device)
     backward_done = time.perf_counter()
     prepared.optimizer.step()
+    _finish_queued_work(inputs.device)
     end = time.perf_counter()
     phases = (forward_done - start, backward_done - forward_done, end - backward_done)
     return Step(end - start, phases, _wchar() - written, loss.detach())
 
 
-class _RandomBatches:
-    """The same global batches of random tokens on every rank and in every mode; this rank's rows."""
+def _finish_queued_work(device: torch.device) -> None:
+    """Wait until `device` has run what was queued on it: an accelerator runs kernels after the
+    call that launched them returns, and a phase's time must include them. The CPU runs them in
+    the call."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
 
-    def __init__(self, config: GPTConfig, settings: Settings, rank: int) -> None:
+
+class _RandomBatches:
+    """The same global batches of random tokens on every rank and in every mode; this rank's rows,
+    on `device` (drawn on the CPU: the same tokens whatever the device)."""
+
+    def __init__(self, config: GPTConfig, settings: Settings, rank: int, device: torch.device) -> None:
         self.generator = torch.Generator().manual_seed(settings.seed)
         self.shape = (settings.batch_size, config.block_size + 1)
         self.vocab_size = config.vocab_size
         per_rank = settings.batch_size // settings.ranks
         self.rows = slice(rank * per_rank, (rank + 1) * per_rank)
+        self.device = device
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = torch.randint(self.vocab_size, self.shape, generator=self.generator)[self.rows]
-        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        return tokens[:, :-1].contiguous().to(self.device), tokens[:, 1:].contiguous().to(self.device)
 
 
 def _wchar() -> int:
@@ -659,7 +703,8 @@ def markdown_table(summary: dict[str, Any]) -> str:
     machine, settings, theory = summary["machine"], summary["settings"], summary["theory"]
     lines = [
         f"`zerocompile bench` on {machine['node']} ({machine['cpu_count']} CPUs, torch {machine['torch']}), "
-        f"{settings['ranks']} gloo ranks, GPT {settings['model_size']} (Φ = {settings['phi']:,}, tied embeddings), "
+        f"{settings['ranks']} {settings['backend']} ranks, GPT {settings['model_size']} "
+        f"(Φ = {settings['phi']:,}, tied embeddings), "
         f"global batch {settings['batch_size']} x {settings['block_size']} tokens, {settings['optimizer']}, "
         f"{settings['warmup']} warm-up + {settings['steps']} timed steps per mode, malloc {settings['malloc']}"
         + (" (--quick: times mean nothing)" if settings["quick"] else "")
@@ -768,7 +813,8 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
     time_axis.invert_yaxis()
     machine, settings = summary["machine"], summary["settings"]
     figure.suptitle(
-        f"{machine['node']}, {machine['cpu_count']} CPUs, torch {machine['torch']}: {settings['ranks']} gloo ranks, "
+        f"{machine['node']}, {machine['cpu_count']} CPUs, torch {machine['torch']}: "
+        f"{settings['ranks']} {settings['backend']} ranks, "
         f"GPT {settings['model_size']} (Φ = {settings['phi']:,}), fp32 AdamW",
         fontsize="medium",
     )

@@ -8,8 +8,10 @@
 
 Per graph (Dynamo fragment x forward/backward, per rank): each collective with the parameter FQNs
 it serves, bytes in and predicted bytes sent, dtype, bucket, the compute it overlaps and the node
-after which a gathered buffer is freed. Per rank: bytes gathered, reduced and sent per step, the
-peak of gathered buffers and the model state the collectives imply.
+after which a gathered buffer is freed; and the gathered parameters kept from the forward for the
+backward (stages 1-2: all the backward reads; stage 3: those its memory_budget keeps). Per rank:
+bytes gathered, reduced and sent per step, the peak of gathered buffers (kept ones included), the
+bytes kept and the model state the collectives imply.
 
 A collective's parameters are summarised on one line (see `collapse_fqns`): names differing only
 in a numeric index share braces, blocks.{0,1}.attn.qkv.weight, with runs written a..b,
@@ -110,6 +112,8 @@ def rank_summary(graphs: dict[str, dict]) -> dict[str, int]:
         "reduced": sum(g["reduced_bytes"] for g in graphs.values()),
         "sent": sum(g["sent_bytes"] for g in graphs.values()),
         "peak_gathered": max((g["peak_gathered_bytes"] for g in graphs.values()), default=0),
+        # A forward's kept parameters are its backward's: count them once, from the forwards.
+        "kept": sum(g.get("kept_bytes", 0) for g in graphs.values() if g["kind"] == "forward"),
         **model_state(graphs),
     }
 
@@ -225,6 +229,12 @@ def graph_lines(name: str, ledger: dict, all_fqns: Collection[str], verbose: boo
         f"sent {_mb(ledger['sent_bytes'])}; peak gathered {_mb(ledger['peak_gathered_bytes'])}, "
         f"peak unreduced gradients {_mb(ledger['peak_unreduced_grad_bytes'])}"
     )
+    if ledger.get("kept_params"):
+        verb = "saves" if ledger["kind"] == "forward" else "receives"
+        lines.append(
+            f"    {verb} gathered for the backward ({_mb(ledger['kept_bytes'])}): "
+            + collapse_fqns(ledger["kept_params"], all_fqns)
+        )
     return lines
 
 
@@ -238,7 +248,7 @@ def report(ranks: dict[str, dict[str, dict]], verbose: bool = False) -> str:
         s = rank_summary(graphs)
         lines.append(
             f"  per step: gathered {_mb(s['gathered'])}, reduced {_mb(s['reduced'])}, sent {_mb(s['sent'])}; "
-            f"peak gathered {_mb(s['peak_gathered'])}"
+            f"peak gathered {_mb(s['peak_gathered'])}, kept for the backward {_mb(s['kept'])}"
         )
         lines.append(
             f"  model state implied: params {_mb(s['params'])}, grads {_mb(s['grads'])}, "

@@ -12,9 +12,10 @@ Answers "how much will N ranks need" before anything is launched, in two ways:
       What zerocompile does. Imports FACTORY from MODULE (a callable taking no arguments that
       returns an nn.Module), calls it under `torch.device("meta")` so no parameter is allocated,
       counts parameters as zerocompile.shard() does (tied ones once; frozen ones held and gathered,
-      but without gradient or optimizer state), pads each to a multiple of N as shard() does, and
-      prints per stage what a rank holds between steps (what zc.model_state_bytes reports), the
-      full-size tensors alive inside a step, and the bytes it sends per step.
+      but without gradient or optimizer state), pads each to N shards of a multiple of 16
+      elements as shard() does, and prints per stage what a rank holds between steps (what
+      zc.model_state_bytes reports), the full-size tensors alive inside a step, and the bytes it
+      sends per step.
 
 Precision. --params follows the paper: --param-dtype (default bf16) is the dtype of parameters and
 gradients, --optimizer-bytes K the optimizer state per parameter, by default 12 with bf16/fp16
@@ -60,7 +61,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from zerocompile.passes.lowering import padded_numel
+from zerocompile.config import ZeroConfig
+from zerocompile.passes.stages import padded_numel, shard_numel
 
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -123,6 +125,29 @@ class ZeroPrecision:
         """Optimizer bytes per element of a trainable parameter."""
         return 2 * param.element_bytes if self.optimizer_bytes is None else self.optimizer_bytes
 
+    # int8 collectives (ZeroConfig.gather_quant / reduce_quant): elements per fp32 scale; 0: exact.
+    gather_quant_block: int = 0
+    reduce_quant_block: int = 0
+
+    def gathered_wire_bytes(self, param: CountedParameter, ranks: int) -> int:
+        """Bytes of all N ranks' parts of one all-gather of `param` (stages 1-3)."""
+        if self.gather_quant_block and param.dtype.is_floating_point:
+            return ranks * int8_row_bytes(shard_numel(param.numel, ranks), self.gather_quant_block)
+        return self.compute_bytes(param) * padded_numel(param.numel, ranks)
+
+    def reduced_wire_bytes(self, param: CountedParameter, ranks: int) -> int:
+        """Bytes of all N rows of one reduce-scatter of `param`'s gradient (stages 1-3; quantised
+        at stage 0 too, as the first half of its all-reduce, in the same shards)."""
+        if self.reduce_quant_block:
+            return ranks * int8_row_bytes(shard_numel(param.numel, ranks), self.reduce_quant_block)
+        return self.reduce_bytes(param) * padded_numel(param.numel, ranks)
+
+
+def int8_row_bytes(numel: int, block: int) -> int:
+    """One rank's int8 row of `numel` values: an fp32 scale per block of `block`, then the codes."""
+    blocks = -(-numel // block)
+    return 4 * blocks + block * blocks
+
 
 @dataclasses.dataclass(frozen=True)
 class StagePlan:
@@ -139,10 +164,15 @@ class StagePlan:
     gathered_is_lower_bound: bool = False
     full_grads_is_lower_bound: bool = False
     sent_is_upper_bound: bool = False
+    memory_budget: int | None = None  # stage 3 with ZeroConfig.memory_budget (--memory-budget)
 
     @property
     def total(self) -> float:
         return self.params + self.grads + self.optimizer
+
+    @property
+    def label(self) -> str:
+        return str(self.stage) if self.memory_budget is None else f"3, budget {format_bytes(self.memory_budget)}"
 
     def as_json(self) -> dict[str, Any]:
         """Exact bytes for --json; the bound flags travel with the numbers they qualify."""
@@ -159,6 +189,8 @@ class StagePlan:
         }
         if self.formula:
             record["formula"] = self.formula
+        if self.memory_budget is not None:
+            record["memory_budget"] = self.memory_budget
         if self.gathered_in_step is not None:
             record["gathered_in_step_bytes"] = self.gathered_in_step
             record["gathered_is_lower_bound"] = self.gathered_is_lower_bound
@@ -203,6 +235,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="optimizer state bytes per trainable parameter (--params: default 12 with bf16/fp16, the paper's "
         "mixed-precision Adam, 8 with fp32; --model: default Adam's two moments in each shard's dtype, 8 for fp32)",
     )
+    parser.add_argument(
+        "--gather-quant", choices=["int8"], help="with --model, zerocompile's gather_quant: parameters gathered as int8 blocks"
+    )
+    parser.add_argument(
+        "--reduce-quant", choices=["int8"], help="with --model, zerocompile's reduce_quant: gradients reduced as int8 blocks"
+    )
+    parser.add_argument(
+        "--quant-block",
+        type=_block_size,
+        default=ZeroConfig.quant_block,
+        metavar="B",
+        help=f"elements per int8 scale (default {ZeroConfig.quant_block}, ZeroConfig's)",
+    )
+    parser.add_argument(
+        "--memory-budget",
+        type=_budget_bytes,
+        metavar="BYTES",
+        help="with --model, zerocompile's memory_budget: one more stage-3 row, keeping up to BYTES of gathered "
+        "parameters from the forward for the backward instead of gathering them again",
+    )
     parser.add_argument("--json", action="store_true", help="print exact byte counts as JSON instead of a table")
 
 
@@ -224,6 +276,26 @@ def _rank_count(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"the number of ranks must be at least 1, got {value}")
     return value
+
+
+def _block_size(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of elements per scale, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--quant-block must be at least 1 element per scale, got {value}")
+    return value
+
+
+def _budget_bytes(text: str) -> int:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of bytes such as 2e9, got {text!r}") from None
+    if not value.is_integer() or value < 0:
+        raise argparse.ArgumentTypeError(f"--memory-budget must be a whole number of bytes >= 0, got {text}")
+    return int(value)
 
 
 def _optimizer_bytes(text: str) -> float:
@@ -386,6 +458,10 @@ def model_plan(counted: CountedModel, ranks: int, precision: ZeroPrecision) -> l
     Sent per step: stage 0 all-reduces trainable gradients (2(N-1)/N of each, in reduce_dtype);
     stages 1-3 all-gather each padded parameter (in param_dtype) and reduce-scatter each padded
     trainable gradient (in reduce_dtype), (N-1)/N of each; stage 3 gathers again in the backward.
+    Quantised, each rank's part is an int8 row instead (`int8_row_bytes`), counted per parameter
+    (a bucket's reduction quantises its shards as one row: the same bytes when the block divides
+    the 16-aligned shards, a few scales fewer otherwise), and stage 0's all-reduce is a quantised
+    reduce-scatter plus an all-gather of the quantised means, (N-1)/N of the rows each.
     """
     n = ranks
     spread = (n - 1) / n
@@ -399,7 +475,10 @@ def model_plan(counted: CountedModel, ranks: int, precision: ZeroPrecision) -> l
             params=sum(param.element_bytes * param.numel for param in parameters),
             grads=sum(param.element_bytes * param.numel for param in trainable),
             optimizer=sum(state(param) * param.numel for param in trainable),
-            sent_per_step=2 * spread * sum(reduce(param) * param.numel for param in trainable),
+            sent_per_step=2 * spread * sum(
+                precision.reduced_wire_bytes(param, n) if precision.reduce_quant_block else reduce(param) * param.numel
+                for param in trainable
+            ),
             gathered_in_step=0,
             full_grads_in_step=0,  # the held gradients are the full ones
         )
@@ -415,7 +494,10 @@ def model_plan(counted: CountedModel, ranks: int, precision: ZeroPrecision) -> l
                 grads=sum(param.element_bytes * (padded[param.fqn] // n) for param in trainable),
                 optimizer=sum(state(param) * (padded[param.fqn] // n) for param in trainable),
                 sent_per_step=spread
-                * (gathers * sum(gathered) + sum(reduce(param) * padded[param.fqn] for param in trainable)),
+                * (
+                    gathers * sum(precision.gathered_wire_bytes(param, n) for param in parameters)
+                    + sum(precision.reduced_wire_bytes(param, n) for param in trainable)
+                ),
                 gathered_in_step=max(gathered) if stage == 3 else sum(gathered),
                 full_grads_in_step=sum(full_grads) if stage == 1 else max(full_grads, default=0),
                 gathered_is_lower_bound=stage == 3,
@@ -424,6 +506,30 @@ def model_plan(counted: CountedModel, ranks: int, precision: ZeroPrecision) -> l
             )
         )
     return plans
+
+
+def budget_plan(
+    counted: CountedModel, ranks: int, precision: ZeroPrecision, stage2: StagePlan, stage3: StagePlan, budget: int
+) -> StagePlan:
+    """Stage 3 with `memory_budget=budget`: held as stage 3, sending less by what the budget keeps.
+
+    The joint pass keeps, first fit, parameters the backward reads within `budget` bytes of full
+    tensors in the compute dtype, and the backward does not gather those again. A budget holding
+    every parameter leaves nothing to gather again: stage 2's traffic (exact under stage 2's
+    condition, every parameter used). A smaller one either keeps every parameter the backward
+    reads, or left one out that did not fit, so the kept ones add up to more than the budget minus
+    the largest parameter: stage 3's traffic less at least (N-1)/N of their gathered bytes, an
+    upper bound (which parameters the backward reads is the traced graph's).
+    """
+    n = ranks
+    full = {param.fqn: precision.compute_bytes(param) * param.numel for param in counted.parameters}
+    if budget >= sum(full.values()):
+        return dataclasses.replace(stage3, sent_per_step=stage2.sent_per_step, sent_is_upper_bound=False, memory_budget=budget)
+    # The fewest bytes a gather sends per byte of full tensor (padding and int8 scales vary by parameter).
+    per_byte = min(precision.gathered_wire_bytes(param, n) / full[param.fqn] for param in counted.parameters if param.numel)
+    saved = (n - 1) / n * per_byte * max(0, budget - max(full.values()))
+    sent = max(stage2.sent_per_step, stage3.sent_per_step - saved)
+    return dataclasses.replace(stage3, sent_per_step=sent, sent_is_upper_bound=True, memory_budget=budget)
 
 
 # ------------------------------------------------------------------------------------- output
@@ -500,11 +606,16 @@ def _zero_precision_lines(counted: CountedModel, precision: ZeroPrecision) -> li
         optimizer = f"K = {k} B per trainable parameter (Adam's two moments in {own})"
     compute = precision.param_dtype or own
     reduce = precision.reduce_dtype or compute
+    gathered = f"int8 blocks of {precision.gather_quant_block} + fp32 scales" if precision.gather_quant_block else compute
+    if precision.reduce_quant_block:
+        reduced = f"int8 blocks of {precision.reduce_quant_block} + fp32 scales, summed in fp32"
+    else:
+        reduced = f"{reduce} (reduce_dtype={_setting(precision.reduce_dtype)})"
     return [
         f"held whatever param_dtype and reduce_dtype are: shards and their gradients in the model's own {own}, "
         f"optimizer state {optimizer}; 1 GB = 10^9 bytes",
-        f"moved: parameters gathered and computed in {compute} (param_dtype={_setting(precision.param_dtype)}), "
-        f"gradients reduced in {reduce} (reduce_dtype={_setting(precision.reduce_dtype)}), landing in {own}",
+        f"moved: parameters gathered as {gathered} and computed in {compute} "
+        f"(param_dtype={_setting(precision.param_dtype)}), gradients reduced as {reduced}, landing in {own}",
     ]
 
 
@@ -525,7 +636,7 @@ def model_report(counted: CountedModel, ranks: int, precision: ZeroPrecision, pl
     header = ["stage", "params", "grads", "optimizer", "held", "+gathered in step", "+full grads in step", "sent/step"]
     rows = [
         [
-            str(s.stage),
+            s.label,
             *map(format_bytes, (s.params, s.grads, s.optimizer, s.total)),
             _bounded(s.gathered_in_step, lower=s.gathered_is_lower_bound) if s.stage else "-",
             _bounded(s.full_grads_in_step, lower=s.full_grads_is_lower_bound) if s.stage else "(held)",
@@ -551,7 +662,7 @@ def model_report(counted: CountedModel, ranks: int, precision: ZeroPrecision, pl
         "",
         (
             "per rank. params, grads, optimizer, held: between steps, what zc.model_state_bytes reports after "
-            "optimizer.step(); stages 1-3 hold shards padded to a multiple of N, as zc.shard() pads them."
+            "optimizer.step(); stages 1-3 hold shards of a multiple of 16 elements, as zc.shard() pads them."
         ),
         (
             "+gathered in step: whole parameters alive inside a step. Stages 1-2 gather every parameter at the "
@@ -571,6 +682,15 @@ def model_report(counted: CountedModel, ranks: int, precision: ZeroPrecision, pl
             "embedding's weight) is not gathered again."
         ),
     ]
+    for s in plans:
+        if s.memory_budget is not None:
+            lines.append(
+                f"3, budget {format_bytes(s.memory_budget)} (memory_budget={s.memory_budget}): held as stage 3; the "
+                "backward does not gather again the parameters it reads that the budget keeps (full, in the compute "
+                "dtype, first fit). A budget holding every parameter sends stage 2's bytes; a smaller one at most "
+                "stage 3's less (N-1)/N of the budget minus the largest parameter. Kept parameters stay gathered "
+                "from the forward into the backward, on top of stage 3's window; per compiled graph (graph breaks)."
+            )
     if precision.param_dtype and any(DTYPE_NAMES.get(p.dtype) != precision.param_dtype for p in counted.parameters):
         lines.append(
             f"With param_dtype={_setting(precision.param_dtype)}, stage 0 also casts each parameter to "
@@ -617,11 +737,22 @@ def run(args: argparse.Namespace) -> int:
 def plan(args: argparse.Namespace) -> str:
     """The text `zerocompile plan` prints for these arguments (a table, or JSON with --json)."""
     if args.params is not None:
+        if args.memory_budget is not None:
+            raise PlanError(
+                "--memory-budget is zerocompile's setting, and which parameters it keeps depends on their sizes, "
+                "which the paper's accounting (--params) does not have: plan a model with --model to see it"
+            )
         if args.reduce_dtype is not None:
             raise PlanError(
                 "--reduce-dtype is zerocompile's setting, and the paper's accounting (--params) has one dtype "
                 "for parameters and gradients: plan a model with --model to see it"
             )
+        for flag, value in (("--gather-quant", args.gather_quant), ("--reduce-quant", args.reduce_quant)):
+            if value is not None:
+                raise PlanError(
+                    f"{flag} is zerocompile's setting, and the paper's accounting (--params) sends parameters and "
+                    "gradients in their dtype: plan a model with --model to see it"
+                )
         precision = precision_from(args.param_dtype or PAPER_PARAM_DTYPE, args.optimizer_bytes)
         plans = paper_plan(args.params, args.ranks, precision)
         if args.json:
@@ -629,8 +760,14 @@ def plan(args: argparse.Namespace) -> str:
             return json.dumps({**record, "stages": [p.as_json() for p in plans]}, indent=2)
         return paper_report(args.params, args.ranks, precision, plans)
     counted = count_model(build_on_meta(load_factory(args.model), args.model), args.model)
-    precision = ZeroPrecision(args.param_dtype, args.reduce_dtype, args.optimizer_bytes)
+    precision = ZeroPrecision(
+        args.param_dtype, args.reduce_dtype, args.optimizer_bytes,
+        gather_quant_block=args.quant_block if args.gather_quant else 0,
+        reduce_quant_block=args.quant_block if args.reduce_quant else 0,
+    )
     plans = model_plan(counted, args.ranks, precision)
+    if args.memory_budget is not None:
+        plans.append(budget_plan(counted, args.ranks, precision, plans[2], plans[3], args.memory_budget))
     if args.json:
         return json.dumps(model_json(counted, args.ranks, precision, plans), indent=2)
     return model_report(counted, args.ranks, precision, plans)

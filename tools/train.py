@@ -59,6 +59,22 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def add_device_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """`--device`, shared by the tools that put their tensors on one device: `what` lives there."""
+    parser.add_argument(
+        "--device",
+        type=torch.device,
+        default=None,
+        help=f"where {what} live (default: the process group's device, cuda:LOCAL_RANK under NCCL, else cpu)",
+    )
+
+
+def chosen_device(requested: torch.device | None) -> torch.device:
+    """`--device` if given, else where the world group's collectives take tensors: the GPU
+    `init_distributed` made current under NCCL, else the CPU. Call it after `init_distributed`."""
+    return requested if requested is not None else group_device(dist.group.WORLD)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `zerocompile train`; the defaults finish in well under 2 minutes on 2 cores."""
     parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=3, help="ZeRO stage (default 3)")
@@ -104,18 +120,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="inductor generates code; eager runs the rewritten graphs op by op and compiles fast",
     )
     parser.add_argument("--log-every", type=_positive_int, default=10, help="print every this many steps (default 10)")
-    parser.add_argument(
-        "--device",
-        type=torch.device,
-        default=None,
-        help="where the model, batches and sampling live (default: the process group's device, "
-        "cuda:LOCAL_RANK under NCCL, else cpu)",
-    )
+    add_device_argument(parser, "the model, batches and sampling")
     parser.add_argument(
         "--param-dtype",
         choices=sorted(PARAM_DTYPES),
         default="float32",
         help="compute and all-gather dtype; master shards stay float32 (default float32)",
+    )
+    parser.add_argument(
+        "--quant",
+        choices=["int8"],
+        help="gather parameters and reduce gradients as int8 blocks (ZeroConfig gather_quant and reduce_quant; "
+        "default: exact)",
     )
     parser.add_argument(
         "--grad-accum",
@@ -204,10 +220,13 @@ def _train_loop(args: argparse.Namespace, rank: int, world_size: int) -> list[fl
         raise ValueError("--no-sync only changes gradient accumulation: give --grad-accum 2 or more")
     config = SIZES[args.model_size]
     text = load_text()
-    device = args.device if args.device is not None else group_device(dist.group.WORLD)
+    device = chosen_device(args.device)
     model = _build(config, args.build, device)
     torch.manual_seed(args.seed)  # the initial weights: GPT._init_weights applied from this state
-    zc.shard(model, stage=args.stage, param_dtype=PARAM_DTYPES[args.param_dtype], init=GPT._init_weights)
+    zc.shard(
+        model, stage=args.stage, param_dtype=PARAM_DTYPES[args.param_dtype], init=GPT._init_weights,
+        gather_quant=args.quant, reduce_quant=args.quant,
+    )
     if args.load_weights is not None:
         zc.load_weights(model, args.load_weights)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)

@@ -43,16 +43,17 @@ class AccumulationSlot:
         self.local: torch.Tensor | None = None
         self.pending: torch.Tensor | None = None
 
-    def marker(self, shard: nn.Parameter, markers: tuple) -> torch.Tensor:
+    def marker(self, shard: nn.Parameter, markers: tuple, quantised: dict[str, int]) -> torch.Tensor:
         """The marker a module property returns for `shard`; `markers` are the marker's arguments
-        after the shard, in `UnshardArgs` order (the backend fills in the FQN)."""
+        after the shard, in `UnshardArgs` order (the backend fills in the FQN), `quantised` its
+        quantisation keywords."""
         if self.local is not None:
-            return UNSHARD(self.local, *markers, local=True)
+            return UNSHARD(self.local, *markers, local=True, **quantised)
         if self.pending is not None and torch.is_grad_enabled():
             # Taken, so exactly one backward (the next with gradients on) adds it.
             pending, self.pending = self.pending, None
-            return UNSHARD(shard, *markers, pending=pending)
-        return UNSHARD(shard, *markers)
+            return UNSHARD(shard, *markers, pending=pending, **quantised)
+        return UNSHARD(shard, *markers, **quantised)
 
 
 class GradientSync:

@@ -44,7 +44,7 @@ from zerocompile.passes.ledger import GraphLedger
 from zerocompile.passes.lower_markers import lower_markers
 from zerocompile.passes.markers import UnshardArgs, is_reduce_grad, is_unshard, reduce_grad_args, unshard_args
 from zerocompile.passes.merge_unshards import merge_repeated_unshards
-from zerocompile.passes.recompute_gathers import tag_gathers_for_recompute
+from zerocompile.passes.recompute_gathers import KEPT, tag_gathers_for_recompute
 from zerocompile.sharding import ShardInfo, shard_info
 
 
@@ -115,9 +115,8 @@ def zero_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[st
     lowering = Lowering(directory, config.bucket_bytes, config.prefetch)
     if config.compiler == "eager":
         lower = functools.partial(_lower_and_run_eagerly, lowering=lowering, context=context)
-        compiled = aot_autograd(
-            fw_compiler=lower, bw_compiler=lower, partition_fn=functools.partial(_partition, directory=directory)
-        )(gm, example_inputs)
+        partition = functools.partial(_partition, directory=directory, memory_budget=config.memory_budget)
+        compiled = aot_autograd(fw_compiler=lower, bw_compiler=lower, partition_fn=partition)(gm, example_inputs)
         return _explained(compiled, context, "forward")
     from torch._inductor.compile_fx import compile_fx
 
@@ -125,7 +124,7 @@ def zero_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[st
 
     lowering = dataclasses.replace(lowering, decompositions=select_decomp_table())
     config_patches = {
-        "joint_custom_pre_pass": TagGathersForRecompute(directory),
+        "joint_custom_pre_pass": TagGathersForRecompute(directory, config.memory_budget),
         "post_grad_custom_pre_pass": LowerMarkers(lowering),
         # Inductor's peak-memory reordering sinks each all-gather to its wait, undoing the prefetch
         # order lower_markers chose (which already bounds the gathered memory): keep our order.
@@ -146,6 +145,12 @@ def _check_ranks_agree(graph: fx.Graph, config: ZeroConfig) -> guard.GraphContex
         "bucket_bytes": config.bucket_bytes,
         "prefetch": config.prefetch,
         "compiler": config.compiler,
+        "memory_budget": config.memory_budget,
+        # The markers carry the block sizes, but one rank sending int8 rows where another sends
+        # floats would garble both: compared here with the other settings.
+        "gather_quant": config.gather_quant,
+        "reduce_quant": config.reduce_quant,
+        "quant_block": config.quant_block,
         "torch": torch.__version__,
     }
     compile_id = CompileContext.current_compile_id()
@@ -253,15 +258,17 @@ def _name_markers_in(gm: fx.GraphModule, values: dict[fx.Node, Any]) -> None:
     gm.recompile()
 
 
-def _tag_and_dump(graph: fx.Graph, directory: str | None) -> None:
+def _tag_and_dump(graph: fx.Graph, directory: str | None, memory_budget: int | None) -> None:
     with dynamo_timed("zerocompile.tag_gathers_for_recompute", log_pt2_compile_event=True):
         dump.emit_graph(directory, "joint", "before", "tag_gathers_for_recompute", graph)
-        tag_gathers_for_recompute(graph)
+        tag_gathers_for_recompute(graph, memory_budget)
         dump.emit_graph(directory, "joint", "after", "tag_gathers_for_recompute", graph)
 
 
-def _partition(joint: fx.GraphModule, joint_inputs: Any, *, directory: str | None, **kwargs: Any):
-    _tag_and_dump(joint.graph, directory)
+def _partition(
+    joint: fx.GraphModule, joint_inputs: Any, *, directory: str | None, memory_budget: int | None, **kwargs: Any
+):
+    _tag_and_dump(joint.graph, directory, memory_budget)
     with dynamo_timed("zerocompile.min_cut_rematerialization_partition", log_pt2_compile_event=True):
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
@@ -306,7 +313,7 @@ def _lower_and_record(graph: fx.Graph, lowering: Lowering) -> None:
 
 
 # The node metadata the recorded facts are worked out from (see `analysis` and `ledger`).
-_FACT_META = ("val", "zero_params")
+_FACT_META = ("val", "zero_params", "zero_reduction", KEPT)
 
 
 def _facts_only_copy(graph: fx.Graph) -> fx.Graph:
@@ -343,14 +350,17 @@ def _passes_source_hash() -> str:
 class TagGathersForRecompute(CustomGraphPass):
     """Inductor joint-graph hook running `tag_gathers_for_recompute`."""
 
-    def __init__(self, directory: str | None) -> None:
+    def __init__(self, directory: str | None, memory_budget: int | None) -> None:
         self.directory = directory
+        self.memory_budget = memory_budget
 
     def __call__(self, graph: fx.Graph) -> None:
-        _tag_and_dump(graph, self.directory)
+        _tag_and_dump(graph, self.directory, self.memory_budget)
 
     def uuid(self) -> str:
-        return "tag_gathers_for_recompute-" + _passes_source_hash()
+        # The budget decides which gathers are tagged: a graph cached under another budget saves
+        # other parameters.
+        return f"tag_gathers_for_recompute-{self.memory_budget}-" + _passes_source_hash()
 
 
 class LowerMarkers(CustomGraphPass):

@@ -2,8 +2,9 @@
 
 Every parameter-shaped tensor (parameter, optimizer state such as `exp_avg`, EMA) is presented to
 torch.distributed.checkpoint (DCP) as its full *flat* tensor of `numel` elements: at stages 1-3 a
-DTensor sharded on dim 0 whose local part is the valid (unpadded) prefix of this rank's shard, at
-stage 0 (or unsharded) the whole tensor, replicated. The flat global tensor is the same whatever
+DTensor sharded on dim 0 whose local part is the valid (unpadded) prefix of this rank's shard (at
+its offset, which torch.chunk's split would not give: see `_global_view`), at stage 0 (or
+unsharded) the whole tensor, replicated. The flat global tensor is the same whatever
 wrote it, so resharding between stages and world sizes is DCP's planner's job, not ours: a rank
 loading reads exactly the byte ranges that overlap its shard. Files are DCP's Hugging Face
 (safetensors) format plus JSON: loading unpickles nothing (see `checkpoint_files`).
@@ -86,11 +87,15 @@ def _global_view(local: torch.Tensor, info: ShardInfo | None) -> torch.Tensor:
     if not _is_sharded(info):
         return local.detach().view(-1)
     from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
-    # Shard(0) of a flat [numel] tensor splits as torch.chunk does: rank r holds
-    # [r*shard_numel, (r+1)*shard_numel), the last ranks shorter or empty -- our shards unpadded.
+    # Rank r holds [r * shard_numel, (r + 1) * shard_numel) of the flat tensor, the last ranks
+    # shorter or empty. Shard(0) alone would tell DCP torch.chunk's split, whose chunks are not
+    # rounded up to our 16-element alignment; the wrapper (torch's own, for shards DTensor's
+    # placements cannot describe) gives DCP this rank's offset and size instead.
+    offset = min(info.shard_offset, info.numel)
     return DTensor.from_local(
-        local.detach()[: _valid_numel(info)],
+        LocalShardsWrapper([local.detach()[: _valid_numel(info)]], [(offset,)]),
         _mesh(_resolve(info.group_name), local.device.type),
         [Shard(0)],
         run_check=False,

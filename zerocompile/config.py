@@ -16,8 +16,20 @@ from zerocompile.distributed import backend_for, group_device
 from zerocompile.passes.stages import stage_policy
 
 # Fields that only steer the graph passes, so `options=` of one compile may change them.
-COMPILE_TIME_FIELDS = ("compiler", "dump_dir", "bucket_bytes", "prefetch", "check_ranks")
+COMPILE_TIME_FIELDS = ("compiler", "dump_dir", "bucket_bytes", "prefetch", "check_ranks", "memory_budget")
 COMPILERS = ("inductor", "eager")
+# `bucket_bytes=None` resolves to the default of the backend that runs the group's collectives on
+# the parameters' device (see `default_bucket_bytes`).
+# gloo, measured (12m GPT, stage 3, 2 gloo CPU ranks, one process per setting): 4 / 8 / 16 MiB gave
+# 0.552 / 0.522 / 0.596 s per step and 579 / 596 / 615 MB peak RSS (FSDP2+compile: 0.639 s,
+# 563 MB). Step times are within noise of each other; the smallest window wins on memory.
+GLOO_BUCKET_BYTES = 4 * 2**20
+# Every other backend (nccl first): DDP's default bucket_cap_mb=25, the size PyTorch tuned its
+# gradient buckets to on NCCL. Not measured here (no GPU). On NVLink a collective of a few MiB is
+# latency-bound, so gloo's 4 MiB would leave bandwidth unused; at stage 3 this also bounds the
+# window of gathered parameters, 25 MiB of full tensors.
+ACCELERATOR_BUCKET_BYTES = 25 * 2**20
+QUANTISATIONS = (None, "int8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +44,11 @@ class ZeroConfig:
         ZEROCOMPILE_DUMP environment variable; read them with `zerocompile dump DIR`).
     bucket_bytes: parameters used one after another share one all-gather, and gradients produced
         one after another one reduce-scatter, up to this many bytes of full tensors (0: one
-        collective per parameter). At stage 3 it bounds the gathered window.
+        collective per parameter). At stage 3 it bounds the gathered window. None (the default):
+        the default of the backend that runs the group's collectives on the parameters' device,
+        decided by `shard()` (which stores the number in the config it keeps): 4 MiB on gloo
+        (measured on CPU ranks), 25 MiB on nccl and any other backend (DDP's default bucket size,
+        not measured here).
     prefetch: how many buckets ahead of their use all-gathers start (0: none), i.e. how many are
         in flight at once; reductions then also stay in flight until the next one starts. At
         most 1 on gloo (see `refuse_concurrent_gloo_gathers`).
@@ -47,6 +63,25 @@ class ZeroConfig:
     trim_heap: on a CPU group, give the heap's free pages back to the kernel every few optimizer
         steps (glibc `malloc_trim`), so fragmentation does not creep into RSS; see
         `zerocompile.heap`. No effect on accelerators.
+    gather_quant: "int8" sends parameters to the all-gathers block-quantised (ZeRO++'s qwZ):
+        each rank quantises its shard in blocks of `quant_block` elements (symmetric int8, one
+        fp32 scale per block) and every rank dequantises what it receives into the compute
+        dtype. The shards (master weights) and the optimizer never see quantised values. None:
+        exact gathers. No effect at stage 0 (nothing is gathered).
+    reduce_quant: "int8" reduces gradients block-quantised (ZeRO++'s qgZ): each rank quantises
+        the chunk bound for each peer, one all-to-all, and the receiver dequantises and sums in
+        fp32, so quantisation error is paid once per rank. Stage 0's all-reduce becomes that
+        reduce-scatter plus an all-gather of the quantised result. None: exact reductions.
+    quant_block: elements per quantisation block (one scale each) for both quantisations.
+    memory_budget: stage 3 only: bytes of gathered parameters a rank may keep from the
+        forward for the backward instead of gathering them again; chosen statically from each
+        compiled graph, identically on every rank. None (or 0): re-gather everything (plain
+        stage 3); above the model's size, nothing is re-gathered (stage 2's traffic with stage
+        3's sharded state between steps). Kept are parameters the backward reads, those used
+        last in the forward first (`passes.recompute_gathers.choose_kept`), so a step's gathered
+        peak stays near the budget plus one bucket window. The budget is per compiled graph:
+        each graph of a model split by graph breaks (or compiled block by block) chooses within
+        the whole budget on its own, so k graphs may keep up to k times it.
     broadcast_buffers: as DDP's (and its default): forwards first take group rank 0's buffers,
         inside the compiled graph, by DDP's rule (the first forward, and each after one that
         prepared a gradient reduction); False leaves each rank's buffers its own after `shard()`'s
@@ -57,16 +92,17 @@ class ZeroConfig:
     group: dist.ProcessGroup | None = None
     compiler: str = "inductor"
     dump_dir: str | None = None
-    # Measured (12m GPT, stage 3, 2 gloo ranks, one process per setting): 4 / 8 / 16 MiB gave
-    # 0.552 / 0.522 / 0.596 s per step and 579 / 596 / 615 MB peak RSS (FSDP2+compile: 0.639 s,
-    # 563 MB). Step times are within noise of each other; the smallest window wins on memory.
-    bucket_bytes: int = 4 * 2**20
+    bucket_bytes: int | None = None
     prefetch: int = 1
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     check_ranks: bool = True
     trim_heap: bool = True
     broadcast_buffers: bool = True
+    gather_quant: str | None = None
+    reduce_quant: str | None = None
+    quant_block: int = 256
+    memory_budget: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -83,7 +119,25 @@ class ZeroConfig:
         for name in ("check_ranks", "trim_heap", "broadcast_buffers"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.bucket_bytes < 0 or self.prefetch < 0:
+        for name in ("gather_quant", "reduce_quant"):
+            if getattr(self, name) not in QUANTISATIONS:
+                raise ValueError(f"{name} must be one of {list(QUANTISATIONS)}, got {getattr(self, name)!r}")
+        if isinstance(self.quant_block, bool) or not isinstance(self.quant_block, int) or self.quant_block < 1:
+            raise ValueError(
+                f"quant_block must be an int >= 1 (elements per quantisation scale; default 256), got {self.quant_block!r}"
+            )
+        if self.memory_budget is not None:
+            if isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, int) or self.memory_budget < 0:
+                raise ValueError(
+                    f"memory_budget must be None or a number of bytes >= 0 (gathered parameters kept for the "
+                    f"backward at stage 3), got {self.memory_budget!r}"
+                )
+            if self.memory_budget and self.stage != 3:
+                raise ValueError(
+                    f"memory_budget applies to stage 3 only (stages 1-2 keep every gathered parameter for the "
+                    f"backward already), got stage {self.stage}: leave memory_budget=None or use stage=3"
+                )
+        if (self.bucket_bytes is not None and self.bucket_bytes < 0) or self.prefetch < 0:
             raise ValueError(
                 f"bucket_bytes and prefetch must be >= 0, got {self.bucket_bytes} and {self.prefetch}"
             )
@@ -98,7 +152,25 @@ class ZeroConfig:
                 f"unknown option(s) {unknown} for backend='zero'; valid options: "
                 f"{list(COMPILE_TIME_FIELDS)} (the stage and group are set by zerocompile.shard())"
             )
+        if "bucket_bytes" in options and options["bucket_bytes"] is None:
+            # The backend's default is decided by shard(), which knows the group and device.
+            raise ValueError(
+                "options={'bucket_bytes': None}: give a number of bytes; the backend's default "
+                f"({self.bucket_bytes} for this model) is what applies without the option"
+            )
         return dataclasses.replace(self, **options)
+
+    def for_backend(self, backend: str) -> ZeroConfig:
+        """This config with `bucket_bytes=None` replaced by `backend`'s default ("gloo", "nccl",
+        ...: the backend that runs the group's collectives on the parameters' device)."""
+        if self.bucket_bytes is not None:
+            return self
+        return dataclasses.replace(self, bucket_bytes=default_bucket_bytes(backend))
+
+
+def default_bucket_bytes(backend: str) -> int:
+    """`bucket_bytes` when the config leaves it None: gloo's measured 4 MiB, else DDP's 25 MiB."""
+    return GLOO_BUCKET_BYTES if backend == "gloo" else ACCELERATOR_BUCKET_BYTES
 
 
 def refuse_concurrent_gloo_gathers(config: ZeroConfig, group: dist.ProcessGroup) -> None:

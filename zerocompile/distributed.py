@@ -96,6 +96,11 @@ def process_group_timeout(group: dist.ProcessGroup | None = None) -> timedelta:
     return dist.distributed_c10d._get_process_group_store(group).timeout
 
 
+def default_backend() -> str:
+    """The backend `init_distributed` starts when given none: nccl where CUDA is available, else gloo."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
 def init_distributed(backend: str | None = None, timeout: timedelta | None = None) -> tuple[int, int]:
     """Initialise torch.distributed and return (rank, world_size).
 
@@ -112,7 +117,7 @@ def init_distributed(backend: str | None = None, timeout: timedelta | None = Non
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = default_backend()
     kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
     launched = _launcher_environment()
     rank, world_size, local_rank = launched if launched is not None else (0, 1, 0)

@@ -23,7 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from zerocompile.accumulation import GradientSync
 from zerocompile.buffers import broadcast_buffers_in_forward
 from zerocompile.config import ZeroConfig, config_from_kwargs, refuse_concurrent_gloo_gathers
-from zerocompile.distributed import group_device, reduce_scatter_flavour
+from zerocompile.distributed import backend_for, group_device, reduce_scatter_flavour
 from zerocompile.heap import trim_heap_while_alive
 from zerocompile.meta_init import built_on_meta, check_meta_model, local_slice, materialise_sharded
 from zerocompile.optimizers import refuse_unsupported_optimizer
@@ -103,6 +103,9 @@ def shard(
         refuse_unsupported_optimizer(optimizer, {config.stage})
     group = config.group if config.group is not None else dist.group.WORLD
     refuse_concurrent_gloo_gathers(config, group)
+    # Every parameter is on one device (checked above); a meta-built model lands on the group's.
+    device = group_device(group) if on_meta else next((p.device for p in model.parameters()), group_device(group))
+    config = config.for_backend(backend_for(group, device))
     group_name = group.group_name
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -110,15 +113,12 @@ def shard(
     policy = stage_policy(config.stage)
     owners = _parameter_owners(model)
     infos = {}
-    flavours: dict[torch.device, str] = {}
+    flavour = reduce_scatter_flavour(group, device)
     for param, places in owners.items():
         names = tuple(f"{prefix}{'.' if prefix else ''}{attr}" for prefix, _module, attr in places)
-        device = group_device(group) if on_meta else param.device
-        if device not in flavours:
-            flavours[device] = reduce_scatter_flavour(group, device)
         infos[param] = ShardInfo(
             names[0], names, tuple(param.shape), param.numel(), policy.local_numel(param.numel(), world_size),
-            group_name, rank, world_size, flavours[device], config,
+            group_name, rank, world_size, flavour, config,
         )
     if on_meta:
         shard_numels = {param: info.shard_numel if policy.shards_parameters else None for param, info in infos.items()}
@@ -321,12 +321,12 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
             # is traced and guarded at every use of every parameter. Walking param._zero's
             # ShardInfo, config and stage policy instead was a fifth of Dynamo's work on a GPT
             # (Python calls while tracing a 12-layer one: 5.7M, 4.6M with this lookup).
-            shard, sharded, markers = self._zero_access[name]
+            shard, sharded, markers, quantised = self._zero_access[name]
             # An identity test and a shape comparison: under torch.compile they are decided while
             # tracing (a changed shape fails a guard and retraces), so compiled steps pay nothing.
             if param is not shard or tuple(param.shape) != sharded:
                 _raise_changed_after_shard(self, name, param)
-            return self._zero_slots[name].marker(param, markers)
+            return self._zero_slots[name].marker(param, markers, quantised)
 
         return property(full_parameter, doc=f"the full `{name}`, gathered from its shards")
 
@@ -349,13 +349,27 @@ def _make_module_unshard_on_access(
         # (or split by graph breaks) would then compile a graph of its own. The backend fills it in.
         markers = (*info.marker_args(), "", config.param_dtype, config.reduce_dtype)
         # The property's one lookup: the Parameter, its sharded shape, its marker's arguments.
-        access[name] = (shard, sharded_shape(info), markers)
+        access[name] = (shard, sharded_shape(info), markers, _quantisation_arguments(config, shard.dtype))
     module._zero_slots = slots
     module._zero_access = access
     module._zero_sync = sync  # one per model: what no_sync(model) enters and exits
     module.__class__ = _sharded_class(type(module), names)
     module.register_load_state_dict_pre_hook(_keep_this_ranks_slice_of_full_tensors)
     module.register_state_dict_post_hook(notice)
+
+
+def _quantisation_arguments(config: ZeroConfig, dtype: torch.dtype) -> dict[str, int]:
+    """The markers' quantisation keywords: block sizes of the collectives `config` quantises,
+    left out where exact (so default graphs read as before). A parameter that is not floating
+    point (an integer table) travels exactly: int8 codes would round it."""
+    arguments = {}
+    if not dtype.is_floating_point:
+        return arguments
+    if config.gather_quant and stage_policy(config.stage).shards_parameters:
+        arguments["gather_quant_block"] = config.quant_block
+    if config.reduce_quant:
+        arguments["reduce_quant_block"] = config.quant_block
+    return arguments
 
 
 def _keep_this_ranks_slice_of_full_tensors(
