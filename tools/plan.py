@@ -268,24 +268,23 @@ def _parameter_count(text: str) -> int:
     return int(value)
 
 
-def _rank_count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of ranks, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"the number of ranks must be at least 1, got {value}")
-    return value
+def _whole_number_at_least_one(unit: str, name: str) -> Callable[[str], int]:
+    """An argparse type: a whole number of `unit` (ranks, elements per scale), 1 or more."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number of {unit}, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be at least 1, got {value}")
+        return value
+
+    return parse
 
 
-def _block_size(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of elements per scale, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--quant-block must be at least 1 element per scale, got {value}")
-    return value
+_rank_count = _whole_number_at_least_one("ranks", "the number of ranks")
+_block_size = _whole_number_at_least_one("elements per scale", "--quant-block")
 
 
 def _budget_bytes(text: str) -> int:
@@ -606,16 +605,19 @@ def _zero_precision_lines(counted: CountedModel, precision: ZeroPrecision) -> li
         optimizer = f"K = {k} B per trainable parameter (Adam's two moments in {own})"
     compute = precision.param_dtype or own
     reduce = precision.reduce_dtype or compute
-    gathered = f"int8 blocks of {precision.gather_quant_block} + fp32 scales" if precision.gather_quant_block else compute
-    if precision.reduce_quant_block:
-        reduced = f"int8 blocks of {precision.reduce_quant_block} + fp32 scales, summed in fp32"
+    if precision.gather_quant_block:
+        gathered = f"gathered as int8 blocks of {precision.gather_quant_block} + fp32 scales and computed in {compute}"
     else:
-        reduced = f"{reduce} (reduce_dtype={_setting(precision.reduce_dtype)})"
+        gathered = f"gathered and computed in {compute}"
+    if precision.reduce_quant_block:
+        reduced = f"reduced as int8 blocks of {precision.reduce_quant_block} + fp32 scales, summed in fp32"
+    else:
+        reduced = f"reduced in {reduce} (reduce_dtype={_setting(precision.reduce_dtype)})"
     return [
         f"held whatever param_dtype and reduce_dtype are: shards and their gradients in the model's own {own}, "
         f"optimizer state {optimizer}; 1 GB = 10^9 bytes",
-        f"moved: parameters gathered as {gathered} and computed in {compute} "
-        f"(param_dtype={_setting(precision.param_dtype)}), gradients reduced as {reduced}, landing in {own}",
+        f"moved: parameters {gathered} "
+        f"(param_dtype={_setting(precision.param_dtype)}), gradients {reduced}, landing in {own}",
     ]
 
 
