@@ -164,28 +164,29 @@ def gathered_live_intervals(graph: fx.Graph, size: Callable[[torch.Tensor], int]
             frontier.extend(derived.get(value, ()))
         return chain
 
-    def last_use(roots: list[fx.Node]) -> int:
-        return max((position[user] for n in chain_of(roots) for user in n.users), default=position[roots[0]])
+    def last_use(roots: list[fx.Node], chain: list[fx.Node]) -> int:
+        return max((position[user] for n in chain for user in n.users), default=position[roots[0]])
 
     intervals = []
     for node in graph.nodes:
         if not _is_gather(node):
             continue
         for buffer in outputs_of(node):
+            chain = chain_of([buffer])
             # The largest form the parameter takes: the buffer itself, or, gathered as int8
             # codes, its dequantised values (fp32 before a cast to the compute dtype).
             largest = max(
-                (size(value.meta["val"]) for value in chain_of([buffer]) if isinstance(value.meta.get("val"), torch.Tensor)),
+                (size(value.meta["val"]) for value in chain if isinstance(value.meta.get("val"), torch.Tensor)),
                 default=size(buffer.meta["val"]),
             )
-            intervals.append((position[node], last_use([buffer]), largest))
+            intervals.append((position[node], last_use([buffer], chain), largest))
     # A backward's kept inputs are alive from its start; one buffer per parameter, though the
     # forward may have saved it in two shapes.
     kept: dict[str, list[fx.Node]] = {}
     for node in kept_inputs(graph):
         kept.setdefault(node.meta[KEPT], []).append(node)
     for inputs in kept.values():
-        intervals.append((position[inputs[0]], last_use(inputs), max(size(node.meta["val"]) for node in inputs)))
+        intervals.append((position[inputs[0]], last_use(inputs, chain_of(inputs)), max(size(node.meta["val"]) for node in inputs)))
     return intervals
 
 
