@@ -47,7 +47,7 @@ def main() -> None:
     args = parse_args()
 
     # 1.1 Start torch.distributed from torchrun's or srun's environment (alone: a one-rank group).
-    rank, world_size = zc.init_distributed()
+    rank, world_size = zc.init_distributed(device=args.device)
     if args.batch_size % world_size:
         raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the {world_size} ranks")
     rows = slice(rank * args.batch_size // world_size, (rank + 1) * args.batch_size // world_size)

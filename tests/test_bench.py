@@ -148,8 +148,8 @@ def test_bench_help_documents_the_device_default() -> None:
     result = subprocess.run(["zerocompile", "bench", "--help"], check=False, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     documented = (
-        "--device DEVICE where every mode's model, batches and loss live (default: the process group's device, "
-        "cuda:LOCAL_RANK under NCCL, else cpu)"
+        "--device DEVICE where every mode's model, batches and loss live, and which backend the ranks start "
+        "(cpu: gloo, cuda: nccl; default: cuda:LOCAL_RANK under NCCL, which runs where CUDA exists, else cpu)"
     )
     assert documented in " ".join(result.stdout.split()), result.stdout
 

@@ -21,6 +21,7 @@ from the shards.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import math
@@ -544,7 +545,11 @@ def _cuda(device: torch.device | int) -> torch.device:
 
 
 def _start(
-    monkeypatch: pytest.MonkeyPatch, environment: dict[str, str], gpus_visible: int, backend: str | None = None
+    monkeypatch: pytest.MonkeyPatch,
+    environment: dict[str, str],
+    gpus_visible: int,
+    backend: str | None = None,
+    device: str | None = None,
 ) -> Started:
     """init_distributed() under `environment` in a process that sees `gpus_visible` GPUs."""
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
@@ -558,7 +563,7 @@ def _start(
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus_visible)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: started.current_device.append(_cuda(device)))
     monkeypatch.setattr(dist, "init_process_group", lambda *args, **kw: started.init_process_group.append((args, kw)))
-    zc.init_distributed(backend)
+    zc.init_distributed(backend, device=device)
     return started
 
 
@@ -587,6 +592,44 @@ def test_alone_with_a_gpu_binds_cuda_0(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_gloo_binds_no_gpu_even_if_there_is_one(monkeypatch: pytest.MonkeyPatch) -> None:
     started = _start(monkeypatch, LAUNCHERS["torchrun"], gpus_visible=1, backend="gloo")
     assert started.current_device == [] and "device_id" not in started.init_process_group[0][1]
+
+
+def test_a_cpu_device_starts_gloo_on_a_machine_with_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`zerocompile train --device cpu` on a GPU node: NCCL would refuse the CPU model's broadcast."""
+    started = _start(monkeypatch, LAUNCHERS["torchrun"], gpus_visible=2, device="cpu")
+    ((args, kwargs),) = started.init_process_group
+    assert args == ("gloo",) and "device_id" not in kwargs and started.current_device == []
+    assert _start(monkeypatch, LAUNCHERS["torchrun"], gpus_visible=2, device="cuda").init_process_group[0][0] == ("nccl",)
+
+
+@pytest.mark.parametrize("tool", ["train", "bench"])
+def test_the_tools_start_the_backend_of_their_device(monkeypatch: pytest.MonkeyPatch, tool: str) -> None:
+    """Each tool hands its --device to init_distributed (stopped there: nothing else runs)."""
+    from zerocompile.tools import bench, train
+
+    asked: list[Any] = []
+
+    class Started(Exception):
+        pass
+
+    def init_distributed(*args: Any, **kwargs: Any) -> None:
+        asked.append(kwargs.get("device"))
+        raise Started
+
+    monkeypatch.setattr(zc, "init_distributed", init_distributed)
+    with pytest.raises(Started):
+        if tool == "train":
+            parser = argparse.ArgumentParser()
+            train.add_arguments(parser)
+            train.train_this_rank(parser.parse_args(["--device", "cpu"]))
+        else:
+            settings = bench.Settings(
+                ranks=2, model_size="tiny", steps=1, warmup=1, batch_size=2, seed=0, modes=(),
+                interleave=(), cache_root="unused", device=torch.device("cpu"),
+            )  # fmt: skip
+            with bench._rank_session(0, settings, port=0, cache_name="unused"):
+                pass
+    assert asked == [torch.device("cpu")]
 
 
 def test_nccl_without_a_visible_gpu_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,7 +27,9 @@ def test_train_help_documents_the_device_default() -> None:
     result = subprocess.run(["zerocompile", "train", "--help"], check=False, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert re.search(r"--device DEVICE\s+where the model, batches and sampling live", result.stdout), result.stdout
-    assert "cuda:LOCAL_RANK under NCCL, else cpu" in " ".join(result.stdout.split()), result.stdout
+    assert "(cpu: gloo, cuda: nccl; default: cuda:LOCAL_RANK under NCCL, which runs where CUDA exists, else cpu)" in " ".join(
+        result.stdout.split()
+    ), result.stdout
 
 
 def test_whole_build_lands_on_the_device() -> None:

@@ -344,7 +344,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     machine = {"node": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__}
     print(
         f"zerocompile bench on {machine['node']} ({machine['cpu_count']} CPUs, torch {machine['torch']}): "
-        f"{args.ranks} {default_backend()} ranks, GPT {model_size} (Φ = {phi:,}), global batch {args.batch_size} x "
+        f"{args.ranks} {default_backend(args.device)} ranks, GPT {model_size} (Φ = {phi:,}), global batch {args.batch_size} x "
         f"{SIZES[model_size].block_size} tokens, fp32 AdamW, {args.warmup or warmup} warm-up + "
         f"{args.steps or steps} timed steps per mode",
         flush=True,
@@ -381,7 +381,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 if k not in ("modes", "interleave", "cache_root", "device")
             },
             "device": None if args.device is None else str(args.device),  # None: the process group's
-            "backend": default_backend(),
+            "backend": default_backend(args.device),
             "phi": phi,
             "block_size": settings.config.block_size,
             "optimizer": f"torch.optim.AdamW(lr={LEARNING_RATE}), fp32",
@@ -489,7 +489,7 @@ def _rank_session(rank: int, settings: Settings, port: int, cache_name: str) -> 
     # Inductor's modules take tens of MB once imported: import them in every mode, so the eager
     # modes do not look leaner than the compiled ones by that much.
     importlib.import_module("torch._inductor.compile_fx")
-    zc.init_distributed()
+    zc.init_distributed(device=settings.device)
     with temporary_cache_dir(os.path.join(settings.cache_root, cache_name)):
         yield
 

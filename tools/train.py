@@ -65,7 +65,8 @@ def add_device_argument(parser: argparse.ArgumentParser, what: str) -> None:
         "--device",
         type=torch.device,
         default=None,
-        help=f"where {what} live (default: the process group's device, cuda:LOCAL_RANK under NCCL, else cpu)",
+        help=f"where {what} live, and which backend the ranks start (cpu: gloo, cuda: nccl; default: "
+        "cuda:LOCAL_RANK under NCCL, which runs where CUDA exists, else cpu)",
     )
 
 
@@ -206,7 +207,7 @@ def train_this_rank(args: argparse.Namespace) -> list[float]:
     """The training loop of one rank; starts its process group (the caller ends it)."""
     # One compile worker per rank: the ranks already keep every core busy.
     torch._inductor.config.compile_threads = 1
-    rank, world_size = zc.init_distributed()
+    rank, world_size = zc.init_distributed(device=args.device)
     return _train_loop(args, rank, world_size)
 
 

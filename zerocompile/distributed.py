@@ -96,35 +96,45 @@ def process_group_timeout(group: dist.ProcessGroup | None = None) -> timedelta:
     return dist.distributed_c10d._get_process_group_store(group).timeout
 
 
-def default_backend() -> str:
-    """The backend `init_distributed` starts when given none: nccl where CUDA is available, else gloo."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def default_backend(device: torch.device | str | None = None) -> str:
+    """The backend `init_distributed` starts when given none: torch's default for `device`'s type
+    (gloo for the CPU, nccl for CUDA), or without a device nccl where CUDA is available, else gloo."""
+    if device is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    device_type = torch.device(device).type
+    backends = dist.Backend.default_device_backend_map
+    if device_type not in backends:
+        raise ValueError(f"no default process-group backend for device {device!s}: known devices {sorted(backends)}")
+    return backends[device_type]
 
 
-def init_distributed(backend: str | None = None, timeout: timedelta | None = None) -> tuple[int, int]:
+def init_distributed(
+    backend: str | None = None, timeout: timedelta | None = None, device: torch.device | str | None = None
+) -> tuple[int, int]:
     """Initialise torch.distributed and return (rank, world_size).
 
     Reads RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun) or, under srun, SLURM_PROCID/
     SLURM_STEP_NUM_TASKS/SLURM_LOCALID with the first host of SLURM_STEP_NODELIST as MASTER_ADDR
     and MASTER_PORT defaulting to 29500 + SLURM_JOB_ID % 1000 (either may be set to override).
     Without a launcher, starts a one-rank group in this process, binding no port; inside a
-    multi-task Slurm job but not under srun, raises (the other ranks would never come). Uses nccl
-    when CUDA is available, gloo otherwise. A backend that runs CUDA tensors (nccl, or
-    "cpu:gloo,cuda:nccl") makes this rank's GPU current and binds the group to it (`device_id`):
+    multi-task Slurm job but not under srun, raises (the other ranks would never come). Without a
+    `backend`, uses torch's default for `device`'s type (gloo for "cpu", so a CPU run works on a
+    machine with GPUs), or without a device nccl when CUDA is available, gloo otherwise. A backend
+    that runs CUDA tensors (nccl, or "cpu:gloo,cuda:nccl") makes this rank's GPU current and binds the group to it (`device_id`):
     the local rank's GPU, counted among those this process sees. A no-op returning the current
     rank and size when already initialised.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     if backend is None:
-        backend = default_backend()
+        backend = default_backend(device)
     kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
     launched = _launcher_environment()
     rank, world_size, local_rank = launched if launched is not None else (0, 1, 0)
-    device = _cuda_device(backend, local_rank)
-    if device is not None:
-        torch.cuda.set_device(device)
-        kwargs["device_id"] = device
+    gpu = _cuda_device(backend, local_rank)
+    if gpu is not None:
+        torch.cuda.set_device(gpu)
+        kwargs["device_id"] = gpu
     if launched is None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=rank, world_size=world_size, **kwargs)
         return rank, world_size
