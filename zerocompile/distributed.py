@@ -98,14 +98,12 @@ def process_group_timeout(group: dist.ProcessGroup | None = None) -> timedelta:
 
 def default_backend(device: torch.device | str | None = None) -> str:
     """The backend `init_distributed` starts when given none: torch's default for `device`'s type
-    (gloo for the CPU, nccl for CUDA), or without a device nccl where CUDA is available, else gloo."""
-    if device is None:
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    device_type = torch.device(device).type
+    (gloo for the CPU, nccl for CUDA); for no device, or one torch has no default for (meta), nccl
+    where CUDA is available, else gloo."""
     backends = dist.Backend.default_device_backend_map
-    if device_type not in backends:
-        raise ValueError(f"no default process-group backend for device {device!s}: known devices {sorted(backends)}")
-    return backends[device_type]
+    if device is not None and torch.device(device).type in backends:
+        return backends[torch.device(device).type]
+    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def init_distributed(
