@@ -5,7 +5,10 @@ Read-only: nothing here changes a graph. Bytes sent are what one rank writes to 
 collective under the algorithms we emit: an all-gather sends its shard to N−1 peers, an all-to-all
 (our gloo reduce-scatter) and a native reduce-scatter (N−1)/N of their input, an all-reduce
 2(N−1)/N of it (ring); a broadcast (buffers) (N−1)/N of it, the mean over ranks. Quantised
-collectives count their int8 rows (codes and the scales' bytes) as sent.
+collectives count their int8 rows (codes and the scales' bytes) as sent. N is the size of the
+group the collective runs on: with hybrid sharding the shard group's K for gathers and
+reduce-scatters, the replica group's N/K for the all-reduce of reduced shards across replicas,
+which is what crosses nodes when shard groups are nodes (`replica_sent_bytes`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ class LedgerEntry:
     freed_after: str | None  # gathers: the last node using the gathered buffer
     freed_position: int | None
     detail: str = ""  # how it is sent when that is not the op itself
+    reduces: bool = False  # it reduces gradients (whatever its op: a quantised all-reduce gathers means)
+    across_replicas: bool = False  # hybrid sharding: it runs on the replica group (across nodes)
+    group_size: int = 1  # ranks of the group it runs on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +53,7 @@ class GraphLedger:
     gathered_bytes: int
     reduced_bytes: int
     sent_bytes: int
+    replica_sent_bytes: int  # the part of sent_bytes sent across replicas (hybrid sharding; else 0)
     peak_gathered_bytes: int  # kept parameters included (in a backward, from its start)
     peak_unreduced_grad_bytes: int
     # (first position, last position, bytes): the memory timeline of the graph
@@ -62,6 +69,12 @@ class GraphLedger:
         return dataclasses.asdict(self)
 
 
+def _group_name(node: fx.Node) -> str:
+    if node.target in (funcol.reduce_scatter_tensor.default, funcol.all_to_all_single.default):
+        return node.args[3]
+    return node.args[2]  # gathers (input, size, group), all_reduce and broadcast (input, op or src, group)
+
+
 def _world_size(node: fx.Node) -> int:
     if node.target in analysis.GATHERS:
         return node.args[1]
@@ -69,10 +82,17 @@ def _world_size(node: fx.Node) -> int:
         return node.args[2]
     if node.target is funcol.all_to_all_single.default:
         return len(node.args[1])
-    if "zero_world_size" in node.meta:
-        return node.meta["zero_world_size"]
+    sizes = node.meta.get("zero_group_sizes", {})
+    if node.args[2] in sizes:
+        return sizes[node.args[2]]
     # An all-reduce the model itself issues names only its group: ask the group.
     return c10d._get_group_size_by_name(node.args[2])
+
+
+def _across_replicas(node: fx.Node) -> bool:
+    """Whether a collective of ours runs on its markers' replica group (the second group they name)."""
+    groups = list(node.meta.get("zero_group_sizes", {}))
+    return len(groups) > 1 and _group_name(node) == groups[1]
 
 
 def _sent_bytes(op: str, input_bytes: int, world_size: int) -> int:
@@ -86,14 +106,15 @@ def _sent_bytes(op: str, input_bytes: int, world_size: int) -> int:
 
 
 _QUANTISED = "int8 blocks + fp32 scales"
-# The second half of stage 0's quantised all-reduce: it gathers reduced gradients, not parameters.
-_MEANS = f"{_QUANTISED}: the reduced gradient's all-gather (stage 0's all-reduce)"
 
 
-def _detail(collective: analysis.Collective, is_reduction: bool, of_gradients: bool) -> str:
+def _detail(collective: analysis.Collective, is_reduction: bool, of_gradients: bool, across_replicas: bool) -> str:
+    if across_replicas:
+        return "the reduced shard's mean across replicas"
     if collective.dtype == torch.int8:
         if collective.op == "all_gather" and of_gradients:
-            return _MEANS
+            # The second half of stage 0's quantised all-reduce: reduced gradients, not parameters.
+            return f"{_QUANTISED}: the reduced gradient's all-gather (stage 0's all-reduce)"
         return f"{_QUANTISED}, all_to_all + sum" if is_reduction else _QUANTISED
     return "all_to_all + sum on gloo" if is_reduction else ""
 
@@ -108,7 +129,6 @@ def graph_ledger(graph: fx.Graph, kind: str) -> GraphLedger:
     for start, end, _ in gathered_intervals:
         gather_ends[start] = max(end, gather_ends.get(start, end))
     entries = []
-    world_size = 1
     for collective in analysis.collectives(graph):
         node = nodes[collective.position]
         world_size = _world_size(node)
@@ -125,10 +145,15 @@ def graph_ledger(graph: fx.Graph, kind: str) -> GraphLedger:
         # chunks (lowering.reduce_scatter_bucket): a reduce-scatter to the reader, same bytes.
         # So is a quantised one on any backend.
         is_reduction = collective.op == "all_to_all" and node.meta.get("zero_params")
+        of_gradients = bool(node.meta.get("zero_reduction"))
+        across_replicas = _across_replicas(node)
         entries.append(
             LedgerEntry(
                 op="reduce_scatter" if is_reduction else collective.op,
-                detail=_detail(collective, is_reduction, bool(node.meta.get("zero_reduction"))),
+                detail=_detail(collective, is_reduction, of_gradients, across_replicas),
+                reduces=of_gradients,
+                across_replicas=across_replicas,
+                group_size=world_size,
                 params=[name for name, _ in node.meta.get("zero_params", [])],
                 param_bytes=[held for _, held in node.meta.get("zero_params", [])],
                 dtype=str(collective.dtype).removeprefix("torch."),
@@ -145,12 +170,18 @@ def graph_ledger(graph: fx.Graph, kind: str) -> GraphLedger:
     kept = analysis.kept_params(graph)
     return GraphLedger(
         kind=kind,
-        world_size=world_size,
+        world_size=next((e.group_size for e in entries if not e.across_replicas), 1),
         node_count=len(nodes),
         entries=entries,
-        gathered_bytes=sum(e.input_bytes * world_size for e in entries if e.op == "all_gather" and e.detail != _MEANS),
-        reduced_bytes=sum(e.input_bytes for e in entries if e.op not in ("all_gather", "broadcast") or e.detail == _MEANS),
+        gathered_bytes=sum(e.input_bytes * e.group_size for e in entries if e.op == "all_gather" and not e.reduces),
+        # Gradient bytes reduced inside the (shard) group; across replicas they are reduced again.
+        reduced_bytes=sum(
+            e.input_bytes
+            for e in entries
+            if not e.across_replicas and (e.op not in ("all_gather", "broadcast") or e.reduces)
+        ),
         sent_bytes=sum(e.sent_bytes for e in entries),
+        replica_sent_bytes=sum(e.sent_bytes for e in entries if e.across_replicas),
         peak_gathered_bytes=analysis.peak_alive(gathered_intervals),
         peak_unreduced_grad_bytes=analysis.peak_alive(unreduced_intervals),
         gathered_intervals=gathered_intervals,

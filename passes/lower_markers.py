@@ -75,13 +75,14 @@ def lower_markers(
         first = markers[0]
         if stage_policy(first.stage).reduction == "all_reduce":
             fn = lambda *grads: all_reduce_bucket(  # noqa: E731
-                list(grads), first.group_name, first.world_size, first.reduce_dtype, first.grad_dtype, first.quant_block
+                list(grads), first.group_name, first.world_size, first.reduce_dtype, first.grad_dtype,
+                first.quant_block, first.replica_group, first.replicas,
             )
         else:
             numels = [m.shard_numel for m in markers]
             fn = lambda *grads: reduce_scatter_bucket(  # noqa: E731
                 list(grads), numels, first.group_name, first.world_size, first.reduce_scatter,
-                first.reduce_dtype, first.grad_dtype, first.quant_block,
+                first.reduce_dtype, first.grad_dtype, first.quant_block, first.replica_group, first.replicas,
             )
         reductions.append(tracer(bucket, bucket[-1], fn))
         counts["reductions"] += len(bucket)
@@ -128,14 +129,14 @@ def _served(marker: fx.Node) -> tuple[str, int]:
 
 
 def _bucket_key(node: fx.Node) -> tuple:
-    """Markers may share a collective only with the same stage, group, dtypes and quantisation."""
+    """Markers may share a collective only with the same stage, groups, dtypes and quantisation."""
     if is_unshard(node):
         marker = unshard_args(node)
         return marker.stage, marker.group_name, marker.world_size, node.meta["val"].dtype, marker.gather_quant_block
     marker = reduce_grad_args(node)
     return (
         marker.stage, marker.group_name, marker.world_size, marker.reduce_scatter, marker.reduce_dtype,
-        node.args[0].meta["val"].dtype, marker.grad_dtype, marker.quant_block,
+        node.args[0].meta["val"].dtype, marker.grad_dtype, marker.quant_block, marker.replica_group, marker.replicas,
     )
 
 
@@ -285,8 +286,9 @@ def _splice(
     `anchor` and let its outputs replace the markers; returns the inserted nodes in order.
 
     Each new node's meta["zero_params"] lists (FQN, bytes this rank holds of it) for the
-    parameters it serves, meta["zero_world_size"] the size of their group, and a reduction's
-    nodes meta["zero_reduction"]: the ledger reads them.
+    parameters it serves, meta["zero_group_sizes"] the size of each group its collectives run on
+    (the shard group and, with hybrid sharding, the replica group), and a reduction's nodes
+    meta["zero_reduction"]: the ledger reads them.
     """
     graph = anchor.graph
     args = [marker.args[0] for marker in markers]
@@ -295,9 +297,12 @@ def _splice(
     params = [_served(marker) for marker in markers]
     first = unshard_args(markers[0]) if is_unshard(markers[0]) else reduce_grad_args(markers[0])
     reduction = is_reduce_grad(markers[0])
+    group_sizes = {first.group_name: first.world_size}
+    if first.replicas > 1:
+        group_sizes[first.replica_group] = first.replicas
     for new_node in traced.graph.nodes:
         new_node.meta["zero_params"] = params
-        new_node.meta["zero_world_size"] = first.world_size
+        new_node.meta["zero_group_sizes"] = group_sizes
         if reduction:  # its collectives reduce gradients, whatever their op (a quantised all-reduce gathers)
             new_node.meta["zero_reduction"] = True
     before = anchor.prev

@@ -166,11 +166,14 @@ def reduce_scatter_bucket(
     reduce_dtype: torch.dtype | None = None,
     grad_dtype: torch.dtype | None = None,
     quant_block: int = 0,
+    replica_group: str = "",
+    replicas: int = 1,
 ) -> list[torch.Tensor]:
     """One reduce-scatter (of `flavour`) for several gradients in `reduce_dtype`, laid out so each
     rank receives its shard of each, averaged over the group (padding zeros); the shards come back
     in `grad_dtype` (the master parameters'). With `quant_block`: int8 rows, summed in fp32
-    (`reduce_dtype` and the flavour do not apply)."""
+    (`reduce_dtype` and the flavour do not apply). With `replicas` > 1 (hybrid sharding) the
+    reduced shards are then averaged across `replica_group` too, exactly, in one all-reduce."""
     shard_numel = sum(shard_numels)
     flat = _packed(grads, world_size, shard_numels, None if quant_block else reduce_dtype)
     if quant_block:
@@ -181,6 +184,8 @@ def reduce_scatter_bucket(
         splits = [shard_numel] * world_size
         received = funcol.wait_tensor(funcol.all_to_all_single(flat, splits, splits, group_name))
         reduced = received.view(world_size, shard_numel).sum(0) / world_size
+    if replicas > 1:
+        reduced = _all_reduce_mean(reduced, replica_group, replicas)
     shards = reduced.split(shard_numels) if len(grads) > 1 else [reduced]
     return [shard.to(grad_dtype) for shard in shards] if grad_dtype is not None else shards
 
@@ -192,26 +197,34 @@ def all_reduce_bucket(
     reduce_dtype: torch.dtype | None = None,
     grad_dtype: torch.dtype | None = None,
     quant_block: int = 0,
+    replica_group: str = "",
+    replicas: int = 1,
 ) -> list[torch.Tensor]:
     """One all-reduce for several gradients (stage 0), averaged as DDP's buckets; dtypes as above.
-    With `quant_block`: a quantised reduce-scatter, then an all-gather of the quantised means."""
+    With `quant_block`: a quantised reduce-scatter, then an all-gather of the quantised means.
+    With `replicas` > 1 (hybrid): averaged inside the group, then across `replica_group`."""
     if quant_block:
-        reduced = _all_reduce_int8(grads, group_name, world_size, quant_block)
+        reduced = _all_reduce_int8(grads, group_name, world_size, quant_block, replica_group, replicas)
     elif len(grads) == 1 and reduce_dtype in (None, grads[0].dtype):
-        reduced = [_all_reduce_mean(grads[0], group_name, world_size)]
+        reduced = [_all_reduce_mean(grads[0], group_name, world_size, replica_group, replicas)]
     else:
         numels = [grad.numel() for grad in grads]
-        parts = _all_reduce_mean(pack(grads, 1, numels, reduce_dtype), group_name, world_size).split(numels)
+        packed = pack(grads, 1, numels, reduce_dtype)
+        parts = _all_reduce_mean(packed, group_name, world_size, replica_group, replicas).split(numels)
         reduced = [part.view(grad.shape) for part, grad in zip(parts, grads)]
     return [r.to(grad_dtype) for r in reduced] if grad_dtype is not None else reduced
 
 
-def _all_reduce_int8(grads: list[torch.Tensor], group_name: str, world_size: int, block: int) -> list[torch.Tensor]:
+def _all_reduce_int8(
+    grads: list[torch.Tensor], group_name: str, world_size: int, block: int, replica_group: str, replicas: int
+) -> list[torch.Tensor]:
     """Stage 0's quantised all-reduce: each gradient laid out in N aligned shards as stages 1-3
-    shard it, reduce-scattered, and the means gathered back."""
+    shard it, reduce-scattered, (averaged across replicas, exactly,) and the means gathered back."""
     shard_numels = [shard_numel(grad.numel(), world_size) for grad in grads]
     rows = _packed(grads, world_size, shard_numels, None).view(world_size, -1)
     mean = _reduce_scatter_int8(rows, group_name, world_size, block)
+    if replicas > 1:
+        mean = _all_reduce_mean(mean, replica_group, replicas)
     (full,) = _gather_bucket_int8([mean], [list(rows.shape)], group_name, world_size, torch.float32, block)
     return [
         column.reshape(-1)[: grad.numel()].view(grad.shape)
@@ -219,5 +232,11 @@ def _all_reduce_int8(grads: list[torch.Tensor], group_name: str, world_size: int
     ]
 
 
-def _all_reduce_mean(tensor: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.all_reduce(tensor, "sum", group_name)) / world_size
+def _all_reduce_mean(
+    tensor: torch.Tensor, group_name: str, world_size: int, replica_group: str = "", replicas: int = 1
+) -> torch.Tensor:
+    """The mean over the group's ranks (and then over the replicas', with hybrid sharding)."""
+    mean = funcol.wait_tensor(funcol.all_reduce(tensor, "sum", group_name)) / world_size
+    if replicas > 1:
+        mean = funcol.wait_tensor(funcol.all_reduce(mean, "sum", replica_group)) / replicas
+    return mean

@@ -17,7 +17,10 @@ reduces it together with its own gradient in one collective.
 
 Quantised collectives (`ZeroConfig.gather_quant` / `reduce_quant`) are two more optional
 arguments, the block sizes (0: exact): the eager kernels quantise too, so compiled and uncompiled
-code compute the same values.
+code compute the same values. Hybrid sharding (`ZeroConfig.shard_size`) adds the replica group
+and its size: `group_name` is then the shard group, and a reduced gradient is averaged across the
+replica group too. Optional arguments are passed only when not their default, so graphs without
+these features read as before.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ def unshard(
     pending: torch.Tensor | None = None,
     gather_quant_block: int = 0,
     reduce_quant_block: int = 0,
+    replica_group: str = "",
+    replicas: int = 1,
 ) -> torch.Tensor:
     if local or not stage_policy(stage).shards_parameters:
         return shard.to(compute_dtype or shard.dtype, copy=True)
@@ -72,6 +77,8 @@ def _unshard_fake(
     pending: torch.Tensor | None = None,
     gather_quant_block: int = 0,
     reduce_quant_block: int = 0,
+    replica_group: str = "",
+    replicas: int = 1,
 ) -> torch.Tensor:
     dtype = compute_dtype or shard.dtype
     if local or not stage_policy(stage).shards_parameters:
@@ -91,12 +98,16 @@ def reduce_grad(
     reduce_dtype: torch.dtype | None = None,
     grad_dtype: torch.dtype | None = None,
     quant_block: int = 0,
+    replica_group: str = "",
+    replicas: int = 1,
 ) -> torch.Tensor:
     if stage_policy(stage).reduction == "all_reduce":
-        return all_reduce_bucket([grad.contiguous()], group_name, world_size, reduce_dtype, grad_dtype, quant_block)[0]
+        return all_reduce_bucket(
+            [grad.contiguous()], group_name, world_size, reduce_dtype, grad_dtype, quant_block, replica_group, replicas
+        )[0]
     return reduce_scatter_bucket(
         [grad.contiguous()], [shard_numel], group_name, world_size, reduce_scatter, reduce_dtype, grad_dtype,
-        quant_block,
+        quant_block, replica_group, replicas,
     )[0]
 
 
@@ -112,6 +123,8 @@ def _reduce_grad_fake(
     reduce_dtype: torch.dtype | None = None,
     grad_dtype: torch.dtype | None = None,
     quant_block: int = 0,
+    replica_group: str = "",
+    replicas: int = 1,
 ) -> torch.Tensor:
     dtype = grad_dtype or grad.dtype
     if stage_policy(stage).reduction == "all_reduce":
@@ -142,7 +155,7 @@ def _unshard_backward(ctx, grad: torch.Tensor):
         grad = (pending + grad).to(m.reduce_dtype or grad.dtype)
     reduced = reduce_grad(
         grad, ctx.shard_numel, m.stage, m.group_name, m.world_size, m.reduce_scatter, m.param, m.reduce_dtype,
-        ctx.shard_dtype, m.reduce_quant_block,
+        ctx.shard_dtype, m.reduce_quant_block, m.replica_group, m.replicas,
     )
     return reduced, *not_differentiable
 
@@ -169,6 +182,8 @@ class UnshardArgs(NamedTuple):
     pending: torch.fx.Node | None = None  # a gradient accumulated without sync, reduced with this one
     gather_quant_block: int = 0  # > 0: gathered int8-quantised in blocks of this many elements
     reduce_quant_block: int = 0  # > 0: its gradient reduced int8-quantised (`ReduceGradArgs.quant_block`)
+    replica_group: str = ""  # hybrid sharding: its reduced gradient is then averaged over this group
+    replicas: int = 1  # ... of this many ranks (1: no replicas, plain sharding)
 
 
 class ReduceGradArgs(NamedTuple):
@@ -184,6 +199,8 @@ class ReduceGradArgs(NamedTuple):
     reduce_dtype: torch.dtype | None = None
     grad_dtype: torch.dtype | None = None
     quant_block: int = 0  # > 0: reduced int8-quantised in blocks of this many elements (`lowering`)
+    replica_group: str = ""  # hybrid sharding: then averaged over this group (`UnshardArgs`)
+    replicas: int = 1
 
 
 def unshard_args(node: torch.fx.Node) -> UnshardArgs:

@@ -43,17 +43,17 @@ class AccumulationSlot:
         self.local: torch.Tensor | None = None
         self.pending: torch.Tensor | None = None
 
-    def marker(self, shard: nn.Parameter, markers: tuple, quantised: dict[str, int]) -> torch.Tensor:
+    def marker(self, shard: nn.Parameter, markers: tuple, keywords: dict[str, Any]) -> torch.Tensor:
         """The marker a module property returns for `shard`; `markers` are the marker's arguments
-        after the shard, in `UnshardArgs` order (the backend fills in the FQN), `quantised` its
-        quantisation keywords."""
+        after the shard, in `UnshardArgs` order (the backend fills in the FQN), `keywords` its
+        optional ones (quantisation, replica group)."""
         if self.local is not None:
-            return UNSHARD(self.local, *markers, local=True, **quantised)
+            return UNSHARD(self.local, *markers, local=True, **keywords)
         if self.pending is not None and torch.is_grad_enabled():
             # Taken, so exactly one backward (the next with gradients on) adds it.
             pending, self.pending = self.pending, None
-            return UNSHARD(shard, *markers, pending=pending, **quantised)
-        return UNSHARD(shard, *markers, **quantised)
+            return UNSHARD(shard, *markers, pending=pending, **keywords)
+        return UNSHARD(shard, *markers, **keywords)
 
 
 class GradientSync:

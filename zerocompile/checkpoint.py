@@ -156,11 +156,13 @@ def _check_group(params: dict[nn.Parameter, tuple[str, ...]]) -> None:
         return
     for param, names in params.items():
         info = shard_info(param)
-        if _is_sharded(info) and dist.get_world_size(_resolve(info.group_name)) != dist.get_world_size():
+        # With hybrid sharding each shard group holds every shard, and the replicas' identical
+        # copies of one chunk are written once (DCP drops duplicate chunks from the plan).
+        if _is_sharded(info) and info.world_size * info.replicas != dist.get_world_size():
             raise ValueError(
-                f"parameter {names[0]!r} is sharded over a process group of "
-                f"{dist.get_world_size(_resolve(info.group_name))} of the {dist.get_world_size()} ranks: "
-                "checkpoints support models sharded over the whole world (shard(model, group=None))"
+                f"parameter {names[0]!r} is sharded over a process group of {info.world_size} ranks "
+                f"({info.replicas} replica(s)), not all {dist.get_world_size()}: checkpoints support models "
+                "sharded over the whole world (shard(model, group=None), with or without shard_size)"
             )
 
 

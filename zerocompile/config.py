@@ -12,7 +12,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch.distributed.device_mesh import DeviceMesh
+
 from zerocompile.distributed import backend_for, group_device
+from zerocompile.hybrid import check_shard_size
 from zerocompile.passes.stages import stage_policy
 
 # Fields that only steer the graph passes, so `options=` of one compile may change them.
@@ -82,6 +85,12 @@ class ZeroConfig:
         peak stays near the budget plus one bucket window. The budget is per compiled graph:
         each graph of a model split by graph breaks (or compiled block by block) chooses within
         the whole budget on its own, so k graphs may keep up to k times it.
+    shard_size: hybrid sharding (FSDP2's HSDP, DeepSpeed's MiCS): shard parameters, gradients
+        and optimizer state over groups of this many consecutive ranks of `group` and replicate
+        across the groups; gathers stay inside a shard group and only the reduced shards are
+        all-reduced across replicas (`zerocompile.hybrid`). "node": the ranks of one node (from
+        the launcher); a 2-D DeviceMesh ("replicate", "shard") as FSDP2 takes it. None (the
+        default): shard over the whole group.
     broadcast_buffers: as DDP's (and its default): forwards first take group rank 0's buffers,
         inside the compiled graph, by DDP's rule (the first forward, and each after one that
         prepared a gradient reduction); False leaves each rank's buffers its own after `shard()`'s
@@ -103,6 +112,7 @@ class ZeroConfig:
     reduce_quant: str | None = None
     quant_block: int = 256
     memory_budget: int | None = None
+    shard_size: int | str | DeviceMesh | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -137,6 +147,7 @@ class ZeroConfig:
                     f"memory_budget applies to stage 3 only (stages 1-2 keep every gathered parameter for the "
                     f"backward already), got stage {self.stage}: leave memory_budget=None or use stage=3"
                 )
+        check_shard_size(self.shard_size)
         if (self.bucket_bytes is not None and self.bucket_bytes < 0) or self.prefetch < 0:
             raise ValueError(
                 f"bucket_bytes and prefetch must be >= 0, got {self.bucket_bytes} and {self.prefetch}"

@@ -93,18 +93,20 @@ def materialise_sharded(
     shard_numels: dict[nn.Parameter, int | None],
     group: dist.ProcessGroup,
     device: torch.device,
+    agree_over: dist.ProcessGroup | None = None,
 ) -> tuple[dict[nn.Parameter, torch.Tensor], dict[tuple[nn.Module, str], torch.Tensor]]:
     """Run `model.apply(init)` (or each module's `reset_parameters()`) on the meta `model`.
 
-    `shard_numels` is each distinct parameter's shard size as `shard()` decided it (None: kept
-    whole, as at stage 0).
+    `shard_numels` is each distinct parameter's shard size over `group` as `shard()` decided it
+    (None: kept whole, as at stage 0). `agree_over` (default `group`) is every rank that must hold
+    the same values: with hybrid sharding the replicas of the shard group too.
 
     Returns what this rank keeps of each distinct parameter (its padded flat slice at stages 1-3,
     the whole tensor at stage 0) and each buffer's value by (module, name). The model is not
     changed: the caller installs them once everything has succeeded.
     """
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-    _check_generators_agree(group, device)
+    _check_generators_agree(agree_over if agree_over is not None else group, device)
     tracked: dict[StorageWeakRef, _Tracked] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         if param.storage_offset() != 0 or param.untyped_storage().nbytes() != param.numel() * param.element_size():

@@ -25,6 +25,7 @@ from zerocompile.buffers import broadcast_buffers_in_forward
 from zerocompile.config import ZeroConfig, config_from_kwargs, refuse_concurrent_gloo_gathers
 from zerocompile.distributed import backend_for, group_device, reduce_scatter_flavour
 from zerocompile.heap import trim_heap_while_alive
+from zerocompile.hybrid import hybrid_groups
 from zerocompile.meta_init import built_on_meta, check_meta_model, local_slice, materialise_sharded
 from zerocompile.optimizers import refuse_unsupported_optimizer
 from zerocompile.passes.markers import UNSHARD
@@ -46,6 +47,10 @@ class ShardInfo:
     # The settings of the shard() call that made it: the backend compiles a graph with those of
     # the parameters it holds, so two models on one group keep their own.
     config: ZeroConfig
+    # Hybrid sharding (`zerocompile.hybrid`): `group_name` is the shard group, and the shard is
+    # replicated on the ranks of this group (its gradient averaged across them).
+    replica_group_name: str = ""
+    replicas: int = 1
 
     @property
     def stage(self) -> int:
@@ -106,23 +111,26 @@ def shard(
     # Every parameter is on one device (checked above); a meta-built model lands on the group's.
     device = group_device(group) if on_meta else next((p.device for p in model.parameters()), group_device(group))
     config = config.for_backend(backend_for(group, device))
-    group_name = group.group_name
-    world_size = dist.get_world_size(group)
-    rank = dist.get_rank(group)
+    hybrid = hybrid_groups(group, config.shard_size)
+    world_size = dist.get_world_size(hybrid.shard)
+    rank = dist.get_rank(hybrid.shard)
+    replica_group_name = hybrid.replicate.group_name if hybrid.replicate is not None else ""
 
     policy = stage_policy(config.stage)
     owners = _parameter_owners(model)
     infos = {}
-    flavour = reduce_scatter_flavour(group, device)
+    flavour = reduce_scatter_flavour(hybrid.shard, device)
     for param, places in owners.items():
         names = tuple(f"{prefix}{'.' if prefix else ''}{attr}" for prefix, _module, attr in places)
         infos[param] = ShardInfo(
             names[0], names, tuple(param.shape), param.numel(), policy.local_numel(param.numel(), world_size),
-            group_name, rank, world_size, flavour, config,
+            hybrid.shard.group_name, rank, world_size, flavour, config, replica_group_name, hybrid.replicas,
         )
     if on_meta:
         shard_numels = {param: info.shard_numel if policy.shards_parameters else None for param, info in infos.items()}
-        local, buffers = materialise_sharded(model, init, shard_numels=shard_numels, group=group, device=group_device(group))
+        local, buffers = materialise_sharded(
+            model, init, shard_numels=shard_numels, group=hybrid.shard, device=group_device(group), agree_over=group
+        )
         _install_materialised(local, buffers, policy)
     else:
         if init is not None:
@@ -321,12 +329,12 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
             # is traced and guarded at every use of every parameter. Walking param._zero's
             # ShardInfo, config and stage policy instead was a fifth of Dynamo's work on a GPT
             # (Python calls while tracing a 12-layer one: 5.7M, 4.6M with this lookup).
-            shard, sharded, markers, quantised = self._zero_access[name]
+            shard, sharded, markers, keywords = self._zero_access[name]
             # An identity test and a shape comparison: under torch.compile they are decided while
             # tracing (a changed shape fails a guard and retraces), so compiled steps pay nothing.
             if param is not shard or tuple(param.shape) != sharded:
                 _raise_changed_after_shard(self, name, param)
-            return self._zero_slots[name].marker(param, markers, quantised)
+            return self._zero_slots[name].marker(param, markers, keywords)
 
         return property(full_parameter, doc=f"the full `{name}`, gathered from its shards")
 
@@ -349,7 +357,7 @@ def _make_module_unshard_on_access(
         # (or split by graph breaks) would then compile a graph of its own. The backend fills it in.
         markers = (*info.marker_args(), "", config.param_dtype, config.reduce_dtype)
         # The property's one lookup: the Parameter, its sharded shape, its marker's arguments.
-        access[name] = (shard, sharded_shape(info), markers, _quantisation_arguments(config, shard.dtype))
+        access[name] = (shard, sharded_shape(info), markers, _marker_keywords(info, shard.dtype))
     module._zero_slots = slots
     module._zero_access = access
     module._zero_sync = sync  # one per model: what no_sync(model) enters and exits
@@ -358,18 +366,20 @@ def _make_module_unshard_on_access(
     module.register_state_dict_post_hook(notice)
 
 
-def _quantisation_arguments(config: ZeroConfig, dtype: torch.dtype) -> dict[str, int]:
-    """The markers' quantisation keywords: block sizes of the collectives `config` quantises,
-    left out where exact (so default graphs read as before). A parameter that is not floating
-    point (an integer table) travels exactly: int8 codes would round it."""
-    arguments = {}
-    if not dtype.is_floating_point:
-        return arguments
-    if config.gather_quant and stage_policy(config.stage).shards_parameters:
-        arguments["gather_quant_block"] = config.quant_block
-    if config.reduce_quant:
-        arguments["reduce_quant_block"] = config.quant_block
-    return arguments
+def _marker_keywords(info: ShardInfo, dtype: torch.dtype) -> dict[str, Any]:
+    """The markers' optional keywords for this parameter: block sizes of the collectives its
+    config quantises and its replica group (hybrid sharding), each left out where it does not
+    apply (so default graphs read as before). A parameter that is not floating point (an integer
+    table) travels exactly: int8 codes would round it."""
+    keywords: dict[str, Any] = {}
+    if dtype.is_floating_point and info.config.gather_quant and info.policy.shards_parameters:
+        keywords["gather_quant_block"] = info.config.quant_block
+    if dtype.is_floating_point and info.config.reduce_quant:
+        keywords["reduce_quant_block"] = info.config.quant_block
+    if info.replicas > 1:
+        keywords["replica_group"] = info.replica_group_name
+        keywords["replicas"] = info.replicas
+    return keywords
 
 
 def _keep_this_ranks_slice_of_full_tensors(
