@@ -19,8 +19,9 @@ Quantised collectives (`ZeroConfig.gather_quant` / `reduce_quant`) are two more 
 arguments, the block sizes (0: exact): the eager kernels quantise too, so compiled and uncompiled
 code compute the same values. Hybrid sharding (`ZeroConfig.shard_size`) adds the replica group
 and its size: `group_name` is then the shard group, and a reduced gradient is averaged across the
-replica group too. Optional arguments are passed only when not their default, so graphs without
-these features read as before.
+replica group too. hpZ (`ZeroConfig.secondary_shard_size`) adds the secondary group, which only
+the joint-graph pass `secondary_shards` reads. Optional arguments are passed only when not their
+default, so graphs without these features read as before.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def unshard(
     reduce_quant_block: int = 0,
     replica_group: str = "",
     replicas: int = 1,
+    secondary_group: str = "",
+    secondary_size: int = 1,
 ) -> torch.Tensor:
     if local or not stage_policy(stage).shards_parameters:
         return shard.to(compute_dtype or shard.dtype, copy=True)
@@ -79,6 +82,8 @@ def _unshard_fake(
     reduce_quant_block: int = 0,
     replica_group: str = "",
     replicas: int = 1,
+    secondary_group: str = "",
+    secondary_size: int = 1,
 ) -> torch.Tensor:
     dtype = compute_dtype or shard.dtype
     if local or not stage_policy(stage).shards_parameters:
@@ -184,6 +189,8 @@ class UnshardArgs(NamedTuple):
     reduce_quant_block: int = 0  # > 0: its gradient reduced int8-quantised (`ReduceGradArgs.quant_block`)
     replica_group: str = ""  # hybrid sharding: its reduced gradient is then averaged over this group
     replicas: int = 1  # ... of this many ranks (1: no replicas, plain sharding)
+    secondary_group: str = ""  # hpZ: the stage-3 backward re-gathers over this group (`secondary_shards`)
+    secondary_size: int = 1  # ... of this many ranks (1: no secondary shards)
 
 
 class ReduceGradArgs(NamedTuple):

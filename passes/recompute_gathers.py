@@ -134,7 +134,7 @@ def choose_kept(graph: fx.Graph, values: dict[fx.Node, list[fx.Node]], memory_bu
     same parameters. Linear in the graph, plus sorting the candidates.
     """
     position = {node: i for i, node in enumerate(graph.nodes)}
-    backward = _backward_nodes(graph)
+    backward = backward_nodes(graph)
     candidates = []
     size: dict[fx.Node, int] = {}
     for marker, derived in values.items():
@@ -156,7 +156,7 @@ def choose_kept(graph: fx.Graph, values: dict[fx.Node, list[fx.Node]], memory_bu
     return kept
 
 
-def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     """The joint graph's backward: its tangent inputs and every call depending on one (graph
     order is topological, so one pass finds them)."""
     backward: set[fx.Node] = set()

@@ -1,4 +1,5 @@
-"""Hybrid sharding (`shard_size=K`): shard inside groups of K ranks, replicate across them.
+"""Hybrid sharding (`shard_size=K`): shard inside groups of K ranks, replicate across them; and
+hpZ (`secondary_shard_size=K`): stage 3 sharded over all ranks, re-gathered inside a node.
 
 4 ranks as 2 "nodes" x 2. One spawned eager run trains every stage against DDP with plain SGD (a
 wrong gradient scale moves its parameters at once) and AdamW, measures the model state a rank
@@ -20,6 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import zerocompile as zc
+from zerocompile import backend
 from fx_helpers import on, trace
 from models import MODELS, local_batch
 from ranks import run_on_ranks
@@ -77,11 +79,14 @@ def _without_replica_average(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(lower_markers, name, inside_only)
 
 
-def _layout(layout: str) -> int | DeviceMesh:
-    """shard_size as a number, or as FSDP2's 2-D mesh (the same groups: rows shard, columns replicate)."""
+def _layout(layout: str) -> dict:
+    """The settings of a layout: shard_size as a number ("K") or as FSDP2's 2-D mesh (the same
+    groups: rows shard, columns replicate); or hpZ, sharded over all 4 with secondary shards of 2."""
+    if layout == "hpz":
+        return {"secondary_shard_size": SHARD_SIZE}
     if layout == "mesh":
-        return init_device_mesh("cpu", (REPLICAS, SHARD_SIZE), mesh_dim_names=("replicate", "shard"))
-    return SHARD_SIZE
+        return {"shard_size": init_device_mesh("cpu", (REPLICAS, SHARD_SIZE), mesh_dim_names=("replicate", "shard"))}
+    return {"shard_size": SHARD_SIZE}
 
 
 def _hybrid_run(
@@ -92,7 +97,8 @@ def _hybrid_run(
             _without_replica_average(monkeypatch)
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = zc.shard(MODELS[name](), stage=stage, shard_size=_layout(layout))
+        backend.compiled_graphs.clear()
+        model = zc.shard(MODELS[name](), stage=stage, **_layout(layout))
         cls, lr = OPTIMIZERS[optimizer]
         opt = cls(model.parameters(), lr=lr)
         compiled = torch.compile(model, backend="zero", options={"compiler": compiler})
@@ -101,7 +107,10 @@ def _hybrid_run(
         held = zc.model_state_bytes(model, opt)  # gradients still held
         opt.step()
         opt.zero_grad()
-    return model, held
+    # The group sizes of the backward's gathers (stage 3 re-gathers: over K with hpZ).
+    regathered = {e.group_size for g in backend.compiled_graphs if g.kind == "backward" for e in g.ledger.entries if e.op == "all_gather"}
+    backend.compiled_graphs.clear()
+    return model, {"held": held, "regathered": regathered}
 
 
 def parity_report(rank: int, world_size: int, compiler: str, cases: list[tuple[str, int, str, str]]) -> dict:
@@ -130,8 +139,11 @@ EAGER_CASES = [
     ("frozen_buffer", 3, "sgd", "K"),
     ("graph_break", 3, "adamw", "K"),
     ("uneven_mlp", 2, "sgd", "mesh"),
+    ("uneven_mlp", 3, "sgd", "hpz"),
+    ("tied_gpt", 3, "adamw", "hpz"),
+    ("graph_break", 3, "sgd", "hpz"),
 ]
-INDUCTOR_CASES = [("uneven_mlp", 1, "sgd", "K"), ("uneven_mlp", 3, "sgd", "K")]
+INDUCTOR_CASES = [("uneven_mlp", 1, "sgd", "K"), ("uneven_mlp", 3, "sgd", "K"), ("tied_gpt", 3, "sgd", "hpz")]
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +164,18 @@ def test_hybrid_2x2_matches_ddp(reports, compiler: str, case: tuple[str, int, st
     assert difference <= TOLERANCE[case[2]], f"parameters differ from DDP's by {difference:.3g}"
 
 
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_hpz_regathers_inside_the_node_and_holds_16_phi_over_n(reports, compiler: str) -> None:
+    """The backward gathers only from the 2 ranks of the secondary group; everything held between
+    steps stays sharded over all 4 (hpZ spends memory only from forward to backward)."""
+    case = ("tied_gpt", 3, "adamw" if compiler == "eager" else "sgd", "hpz")
+    _difference, facts = reports[compiler][case]
+    assert facts["regathered"] == {SHARD_SIZE}
+    numels = [p.numel() for p in {id(p): p for p in MODELS["tied_gpt"]().parameters()}.values()]
+    shards = 4 * sum(shard_numel(n, WORLD) for n in numels)
+    assert facts["held"]["params"] == facts["held"]["grads"] == shards
+
+
 @pytest.mark.parametrize("stage", (0, 3))
 def test_without_the_replicas_average_the_comparison_fails(reports, stage: int) -> None:
     assert reports["eager"][("broken", stage)] > 1e3 * TOLERANCE["sgd"]
@@ -161,7 +185,8 @@ def test_without_the_replicas_average_the_comparison_fails(reports, stage: int) 
 def test_a_rank_holds_16_phi_over_k(reports, stage: int) -> None:
     """fp32 AdamW: parameters, gradients and both moments, each a 1/K shard of every parameter
     (between steps stages 1-3 all hold shards; they differ in what lives during the step)."""
-    _difference, held = reports["eager"][("tied_gpt", stage, "adamw", "K")]
+    _difference, facts = reports["eager"][("tied_gpt", stage, "adamw", "K")]
+    held = facts["held"]
     numels = [p.numel() for p in {id(p): p for p in MODELS["tied_gpt"]().parameters()}.values()]
     shards = 4 * sum(shard_numel(n, SHARD_SIZE) for n in numels)
     assert held == {"params": shards, "grads": shards, "optimizer": 2 * shards}
@@ -344,3 +369,12 @@ def test_slurm_tasks_per_node_is_read_in_its_compressed_form(monkeypatch: pytest
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", tasks)
     assert ranks_per_node() == per_node
+
+
+def test_hpz_is_a_stage_3_setting_and_not_combined_with_hybrid() -> None:
+    with pytest.raises(ValueError, match=r"secondary_shard_size \(hpZ\) applies to stage 3 only.*got stage 2"):
+        zc.ZeroConfig(stage=2, secondary_shard_size=2)
+    with pytest.raises(ValueError, match=r"shard_size and secondary_shard_size .* Give one of them"):
+        zc.ZeroConfig(stage=3, shard_size=2, secondary_shard_size=2)
+    with pytest.raises(ValueError, match=r"secondary_shard_size must be None .*got 0"):
+        zc.ZeroConfig(stage=3, secondary_shard_size=0)

@@ -45,6 +45,7 @@ from zerocompile.passes.lower_markers import lower_markers
 from zerocompile.passes.markers import UnshardArgs, is_reduce_grad, is_unshard, reduce_grad_args, unshard_args
 from zerocompile.passes.merge_unshards import merge_repeated_unshards
 from zerocompile.passes.recompute_gathers import KEPT, tag_gathers_for_recompute
+from zerocompile.passes.secondary_shards import regather_from_secondary_shards
 from zerocompile.sharding import ShardInfo, shard_info
 
 
@@ -263,6 +264,9 @@ def _tag_and_dump(graph: fx.Graph, directory: str | None, memory_budget: int | N
         dump.emit_graph(directory, "joint", "before", "tag_gathers_for_recompute", graph)
         tag_gathers_for_recompute(graph, memory_budget)
         dump.emit_graph(directory, "joint", "after", "tag_gathers_for_recompute", graph)
+    with dynamo_timed("zerocompile.regather_from_secondary_shards", log_pt2_compile_event=True):
+        if regather_from_secondary_shards(graph):
+            dump.emit_graph(directory, "joint", "after", "regather_from_secondary_shards", graph)
 
 
 def _partition(

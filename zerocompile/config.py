@@ -91,6 +91,11 @@ class ZeroConfig:
         all-reduced across replicas (`zerocompile.hybrid`). "node": the ranks of one node (from
         the launcher); a 2-D DeviceMesh ("replicate", "shard") as FSDP2 takes it. None (the
         default): shard over the whole group.
+    secondary_shard_size: hpZ (ZeRO++), stage 3 only: after the forward's gather each rank keeps
+        a 1/K slice of the parameter (K ranks: a node's) until the backward, which re-gathers it
+        from those K ranks instead of from all N, so the backward's gathers stay inside a node;
+        costs holding Φ/K instead of Φ/N from forward to backward. An int or "node"; None (the
+        default): plain stage 3. Not together with shard_size.
     broadcast_buffers: as DDP's (and its default): forwards first take group rank 0's buffers,
         inside the compiled graph, by DDP's rule (the first forward, and each after one that
         prepared a gradient reduction); False leaves each rank's buffers its own after `shard()`'s
@@ -113,6 +118,7 @@ class ZeroConfig:
     quant_block: int = 256
     memory_budget: int | None = None
     shard_size: int | str | DeviceMesh | None = None
+    secondary_shard_size: int | str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -148,6 +154,20 @@ class ZeroConfig:
                     f"backward already), got stage {self.stage}: leave memory_budget=None or use stage=3"
                 )
         check_shard_size(self.shard_size)
+        if self.secondary_shard_size is not None:
+            if isinstance(self.secondary_shard_size, DeviceMesh):
+                raise ValueError("secondary_shard_size takes a number of ranks or 'node', not a DeviceMesh")
+            check_shard_size(self.secondary_shard_size, "secondary_shard_size")
+            if self.stage != 3:
+                raise ValueError(
+                    f"secondary_shard_size (hpZ) applies to stage 3 only (the backward's re-gathers), got stage "
+                    f"{self.stage}: leave secondary_shard_size=None or use stage=3"
+                )
+            if self.shard_size is not None:
+                raise ValueError(
+                    "shard_size and secondary_shard_size are two answers to one problem: hybrid sharding keeps "
+                    "every gather inside a node, hpZ only the backward's. Give one of them"
+                )
         if (self.bucket_bytes is not None and self.bucket_bytes < 0) or self.prefetch < 0:
             raise ValueError(
                 f"bucket_bytes and prefetch must be >= 0, got {self.bucket_bytes} and {self.prefetch}"

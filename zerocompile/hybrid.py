@@ -42,8 +42,8 @@ class HybridGroups:
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
-def check_shard_size(shard_size: object) -> None:
-    """The error for a `shard_size` that is none of None, an int >= 1, "node" or a 2-D mesh."""
+def check_shard_size(shard_size: object, setting: str = "shard_size") -> None:
+    """The error for a `shard_size` (or `setting`) that is none of None, an int >= 1, "node" or a 2-D mesh."""
     if shard_size is None or shard_size == "node" or isinstance(shard_size, DeviceMesh):
         if isinstance(shard_size, DeviceMesh) and shard_size.mesh_dim_names != MESH_DIMENSIONS:
             raise ValueError(
@@ -54,13 +54,16 @@ def check_shard_size(shard_size: object) -> None:
         return
     if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
         raise ValueError(
-            "shard_size must be None (shard over the whole group), a number of ranks >= 1, 'node' "
+            f"{setting} must be None (shard over the whole group), a number of ranks >= 1, 'node' "
             f"(the ranks of one node) or a 2-D DeviceMesh {MESH_DIMENSIONS}, got {shard_size!r}"
         )
 
 
-def hybrid_groups(group: dist.ProcessGroup, shard_size: int | str | DeviceMesh | None) -> HybridGroups:
-    """The shard and replica groups of this rank for sharding over `group` in groups of `shard_size`."""
+def hybrid_groups(
+    group: dist.ProcessGroup, shard_size: int | str | DeviceMesh | None, setting: str = "shard_size"
+) -> HybridGroups:
+    """The shard and replica groups of this rank for sharding over `group` in groups of `shard_size`
+    (hpZ's secondary groups are the shard groups of `secondary_shard_size`, named in errors)."""
     ranks = dist.get_process_group_ranks(group)
     if isinstance(shard_size, DeviceMesh):
         return _from_mesh(shard_size, ranks)
@@ -69,8 +72,8 @@ def hybrid_groups(group: dist.ProcessGroup, shard_size: int | str | DeviceMesh |
         return HybridGroups(group, None)
     if len(ranks) % size:
         raise ValueError(
-            f"shard_size={size} does not divide the {len(ranks)} ranks of the group: each shard group "
-            f"holds shard_size ranks, so use a divisor of {len(ranks)} (e.g. the ranks per node)"
+            f"{setting}={size} does not divide the {len(ranks)} ranks of the group: each group "
+            f"holds {setting} ranks, so use a divisor of {len(ranks)} (e.g. the ranks per node)"
         )
     position = ranks.index(dist.get_rank())
     block = position // size

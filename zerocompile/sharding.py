@@ -51,6 +51,9 @@ class ShardInfo:
     # replicated on the ranks of this group (its gradient averaged across them).
     replica_group_name: str = ""
     replicas: int = 1
+    # hpZ (`zerocompile.passes.secondary_shards`): the stage-3 backward re-gathers over this group.
+    secondary_group_name: str = ""
+    secondary_size: int = 1
 
     @property
     def stage(self) -> int:
@@ -115,6 +118,9 @@ def shard(
     world_size = dist.get_world_size(hybrid.shard)
     rank = dist.get_rank(hybrid.shard)
     replica_group_name = hybrid.replicate.group_name if hybrid.replicate is not None else ""
+    # hpZ's secondary group: the shard group of a hybrid layout of that size (None: the group itself).
+    secondary = hybrid_groups(group, config.secondary_shard_size, "secondary_shard_size").shard
+    secondary_name, secondary_size = ("", 1) if secondary is group else (secondary.group_name, dist.get_world_size(secondary))
 
     policy = stage_policy(config.stage)
     owners = _parameter_owners(model)
@@ -125,6 +131,7 @@ def shard(
         infos[param] = ShardInfo(
             names[0], names, tuple(param.shape), param.numel(), policy.local_numel(param.numel(), world_size),
             hybrid.shard.group_name, rank, world_size, flavour, config, replica_group_name, hybrid.replicas,
+            secondary_name, secondary_size,
         )
     if on_meta:
         shard_numels = {param: info.shard_numel if policy.shards_parameters else None for param, info in infos.items()}
@@ -379,6 +386,9 @@ def _marker_keywords(info: ShardInfo, dtype: torch.dtype) -> dict[str, Any]:
     if info.replicas > 1:
         keywords["replica_group"] = info.replica_group_name
         keywords["replicas"] = info.replicas
+    if info.secondary_size > 1:
+        keywords["secondary_group"] = info.secondary_group_name
+        keywords["secondary_size"] = info.secondary_size
     return keywords
 
 
