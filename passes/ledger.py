@@ -42,6 +42,16 @@ class LedgerEntry:
     reduces: bool = False  # it reduces gradients (whatever its op: a quantised all-reduce gathers means)
     across_replicas: bool = False  # hybrid sharding: it runs on the replica group (across nodes)
     group_size: int = 1  # ranks of the group it runs on
+    group_stride: int = 1  # its ranks are every group_stride-th (replica groups), else consecutive
+
+    def sent_across_nodes(self, ranks_per_node: int) -> int:
+        """The part of `sent_bytes` that goes to ranks on other nodes, nodes being blocks of
+        `ranks_per_node` consecutive ranks: every collective here sends the same bytes to each
+        peer (the ring all-reduce's two passes too), so it is the share of peers elsewhere."""
+        if self.group_size <= 1:
+            return 0
+        same_node = min(self.group_size, max(1, ranks_per_node // self.group_stride))
+        return self.sent_bytes * (self.group_size - same_node) // (self.group_size - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +75,10 @@ class GraphLedger:
     kept_params: list[str]
     kept_bytes: int
 
+    def sent_across_nodes(self, ranks_per_node: int) -> int:
+        """Bytes this rank sends per run of the graph to ranks on other nodes (see `LedgerEntry`)."""
+        return sum(entry.sent_across_nodes(ranks_per_node) for entry in self.entries)
+
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -82,17 +96,16 @@ def _world_size(node: fx.Node) -> int:
         return node.args[2]
     if node.target is funcol.all_to_all_single.default:
         return len(node.args[1])
-    sizes = node.meta.get("zero_group_sizes", {})
-    if node.args[2] in sizes:
-        return sizes[node.args[2]]
+    groups = node.meta.get("zero_groups", {})
+    if node.args[2] in groups:
+        return groups[node.args[2]][0]
     # An all-reduce the model itself issues names only its group: ask the group.
     return c10d._get_group_size_by_name(node.args[2])
 
 
-def _across_replicas(node: fx.Node) -> bool:
-    """Whether a collective of ours runs on its markers' replica group (the second group they name)."""
-    groups = list(node.meta.get("zero_group_sizes", {}))
-    return len(groups) > 1 and _group_name(node) == groups[1]
+def _group_stride(node: fx.Node) -> int:
+    """1 for a group of consecutive ranks; K for hybrid sharding's replica groups (every K-th rank)."""
+    return node.meta.get("zero_groups", {}).get(_group_name(node), (0, 1))[1]
 
 
 def _sent_bytes(op: str, input_bytes: int, world_size: int) -> int:
@@ -146,7 +159,8 @@ def graph_ledger(graph: fx.Graph, kind: str) -> GraphLedger:
         # So is a quantised one on any backend.
         is_reduction = collective.op == "all_to_all" and node.meta.get("zero_params")
         of_gradients = bool(node.meta.get("zero_reduction"))
-        across_replicas = _across_replicas(node)
+        stride = _group_stride(node)
+        across_replicas = stride > 1
         entries.append(
             LedgerEntry(
                 op="reduce_scatter" if is_reduction else collective.op,
@@ -154,6 +168,7 @@ def graph_ledger(graph: fx.Graph, kind: str) -> GraphLedger:
                 reduces=of_gradients,
                 across_replicas=across_replicas,
                 group_size=world_size,
+                group_stride=stride,
                 params=[name for name, _ in node.meta.get("zero_params", [])],
                 param_bytes=[held for _, held in node.meta.get("zero_params", [])],
                 dtype=str(collective.dtype).removeprefix("torch."),

@@ -286,9 +286,9 @@ def _splice(
     `anchor` and let its outputs replace the markers; returns the inserted nodes in order.
 
     Each new node's meta["zero_params"] lists (FQN, bytes this rank holds of it) for the
-    parameters it serves, meta["zero_group_sizes"] the size of each group its collectives run on
-    (the shard group and, with hybrid sharding, the replica group), and a reduction's nodes
-    meta["zero_reduction"]: the ledger reads them.
+    parameters it serves, meta["zero_groups"] the (size, stride) of each group its collectives run
+    on (the shard group: consecutive ranks, stride 1; with hybrid sharding also the replica group,
+    every K-th rank), and a reduction's nodes meta["zero_reduction"]: the ledger reads them.
     """
     graph = anchor.graph
     args = [marker.args[0] for marker in markers]
@@ -297,12 +297,12 @@ def _splice(
     params = [_served(marker) for marker in markers]
     first = unshard_args(markers[0]) if is_unshard(markers[0]) else reduce_grad_args(markers[0])
     reduction = is_reduce_grad(markers[0])
-    group_sizes = {first.group_name: first.world_size}
+    groups = {first.group_name: (first.world_size, 1)}
     if first.replicas > 1:
-        group_sizes[first.replica_group] = first.replicas
+        groups[first.replica_group] = (first.replicas, first.world_size)
     for new_node in traced.graph.nodes:
         new_node.meta["zero_params"] = params
-        new_node.meta["zero_group_sizes"] = group_sizes
+        new_node.meta["zero_groups"] = groups
         if reduction:  # its collectives reduce gradients, whatever their op (a quantised all-reduce gathers)
             new_node.meta["zero_reduction"] = True
     before = anchor.prev

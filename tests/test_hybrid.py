@@ -308,7 +308,7 @@ def test_the_lowered_reduction_averages_across_replicas_after_the_group(group_na
     assert [n.target._opname for n in collectives][-2:] == [inside, "all_reduce"]
     replica_mean = collectives[-1]
     assert replica_mean.args[2] == "replicas-of-" + group_name
-    assert replica_mean.meta["zero_group_sizes"] == {group_name: WORLD, "replicas-of-" + group_name: REPLICAS}
+    assert replica_mean.meta["zero_groups"] == {group_name: (WORLD, 1), "replicas-of-" + group_name: (REPLICAS, WORLD)}
     # Without replicas the graph is what it always was: one collective less.
     assert len(_collectives(_lowered(group_name, stage, 1))) == len(collectives) - 1
 
@@ -324,6 +324,10 @@ def test_the_ledger_splits_bytes_inside_the_group_and_across_replicas(group_name
     assert hybrid.sent_bytes == gathered + reduced + across
     assert hybrid.world_size == WORLD and hybrid.reduced_bytes == WORLD * shard_bytes
     assert [e.across_replicas for e in hybrid.entries] == [False, False, True]
+    # Shard groups of 4 as nodes (8 ranks): only the replicas' all-reduce leaves the node.
+    assert hybrid.sent_across_nodes(ranks_per_node=WORLD) == across
+    # Nodes of 2: half of each shard group's 3 peers are elsewhere too (2 of 3).
+    assert hybrid.sent_across_nodes(ranks_per_node=2) == 2 * (gathered + reduced) // 3 + across
     plain = ledger_module.graph_ledger(_lowered(group_name, 3, 1), "backward")
     assert plain.replica_sent_bytes == 0 and plain.sent_bytes == gathered + reduced
 

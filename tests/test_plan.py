@@ -135,6 +135,35 @@ def test_figure_1_of_the_zero_paper_exactly(capsys) -> None:
     assert table.startswith("The ZeRO paper's model state") and "the paper's accounting, not zerocompile's" in table
 
 
+def test_1024_ranks_in_nodes_of_8_reproduce_the_readme_formulas(capsys) -> None:
+    """The README's table of stage 3 across nodes, written out here from its formulas: N = 1024,
+    M = 8, Φ = 7.5e9, p = 2 bytes (bf16), K = 12 (the paper's mixed-precision Adam)."""
+    phi, n, m, p, k = 7.5e9, 1024, 8, 2, 12
+    report = plan_json(["--params", "7.5e9", "--ranks", "1024", "--ranks-per-node", "8"], capsys)
+    assert report["ranks_per_node"] == m
+    layouts = {layout["layout"]: layout for layout in report["node_layouts"]}
+    expected = {
+        # model state, sent per step, sent to other nodes per step
+        "plain": ((2 * p + k) * phi / n, 3 * p * phi * (n - 1) / n, 3 * p * phi * (n - m) / n),
+        "hybrid": (
+            (2 * p + k) * phi / m,
+            3 * p * phi * (m - 1) / m + 2 * p * phi * (n - m) / (n * m),
+            2 * p * phi * (n - m) / (n * m),
+        ),
+        "hpZ": ((2 * p + k) * phi / n, 2 * p * phi * (n - 1) / n + p * phi * (m - 1) / m, 2 * p * phi * (n - m) / n),
+    }
+    for name, (state, sent, inter) in expected.items():
+        got = layouts[name]
+        assert (got["model_state"], got["sent_per_step"], got["inter_node_per_step"]) == pytest.approx(
+            (state, sent, inter), rel=1e-12
+        ), name
+    # hpZ saves one of plain stage 3's three trips across nodes (the backward's gather).
+    assert layouts["hpZ"]["inter_node_per_step"] == pytest.approx(2 / 3 * layouts["plain"]["inter_node_per_step"])
+    code, table, _ = run_plan(["--params", "7.5e9", "--ranks", "1024", "--ranks-per-node", "8"], capsys)
+    assert code == 0 and "Across nodes: N = 1024 ranks, M = 8 per node (128 nodes)" in table
+    assert "2·2Φ(N-M)/(N·M)" in table and "shard_size=8" in table and "secondary_shard_size=8" in table
+
+
 def test_all_fp32_column_with_adam(capsys) -> None:
     """fp32 and no --optimizer-bytes: K = 8, so 16Φ, 8Φ+8Φ/N, 4Φ+12Φ/N, 16Φ/N."""
     report = plan_json(["--params", "1000", "--ranks", "4", "--param-dtype", "fp32"], capsys)
@@ -387,6 +416,8 @@ def test_traced_graphs_meet_the_plan_and_its_bounds(
         (["--params", "1e9", "--ranks", "8", "--gather-quant", "int8"], "--gather-quant is zerocompile's.*--model"),
         (["--model", "test_plan:gpt_tiny", "--ranks", "2", "--quant-block", "0"], "--quant-block must be at least 1"),
         (["--ranks", "8"], "one of the arguments --params --model is required"),
+        (["--params", "1e9", "--ranks", "12", "--ranks-per-node", "8"], "--ranks-per-node 8 does not divide --ranks 12"),
+        (["--model", "test_plan:gpt_tiny", "--ranks", "8", "--ranks-per-node", "4"], "--ranks-per-node .*give --params"),
     ],
     ids=(
         "module-missing",
@@ -403,6 +434,8 @@ def test_traced_graphs_meet_the_plan_and_its_bounds(
         "quantisation-of-the-paper",
         "zero-block",
         "no-source",
+        "node-not-dividing-the-ranks",
+        "nodes-of-a-model",
     ),
 )
 def test_bad_input_names_the_fix(argv: list[str], message: str, capsys) -> None:

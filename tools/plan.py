@@ -255,6 +255,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --model, zerocompile's memory_budget: one more stage-3 row, keeping up to BYTES of gathered "
         "parameters from the forward for the backward instead of gathering them again",
     )
+    parser.add_argument(
+        "--ranks-per-node",
+        type=_whole_number_at_least_one("ranks", "--ranks-per-node"),
+        metavar="M",
+        help="with --params, also plan stage 3 across nodes of M ranks: plain, hybrid sharding (shard_size=M) "
+        "and hpZ (secondary_shard_size=M), with the bytes each rank sends to other nodes",
+    )
     parser.add_argument("--json", action="store_true", help="print exact byte counts as JSON instead of a table")
 
 
@@ -332,6 +339,77 @@ def paper_plan(phi: int, ranks: int, precision: Precision) -> list[StagePlan]:
         StagePlan(2, p * phi, p * phi / n, k * phi / n, 2 * phi * spread * p, f"{p}Φ + ({p}+K)Φ/N"),
         StagePlan(3, p * phi / n, p * phi / n, k * phi / n, 3 * phi * spread * p, f"({p}+{p}+K)Φ/N"),
     ]
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeLayoutPlan:
+    """Stage 3 across nodes of M ranks: a rank's model state and the bytes it sends per step,
+    all of them and those to ranks on other nodes."""
+
+    layout: str
+    setting: str
+    model_state: float
+    sent_per_step: float
+    inter_node_per_step: float
+    formula_state: str
+    formula_inter: str
+
+    def as_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def node_layout_plan(phi: int, ranks: int, per_node: int, precision: Precision) -> list[NodeLayoutPlan]:
+    """Plain stage 3, hybrid sharding and hpZ on N ranks in nodes of M, p bytes per element.
+
+    Bytes are counted as zerocompile's collectives send them (the ledger's accounting): an
+    all-gather or reduce-scatter over G ranks sends each of the G-1 peers one shard, a ring
+    all-reduce twice; the peers on other nodes receive their share. Over all N ranks, N-M of the
+    N-1 peers are elsewhere; a hybrid shard group (or hpZ's secondary group) is one node; a replica
+    group has one rank per node. Plain: forward gather, backward gather, reduce-scatter over N.
+    Hybrid: those three inside the node over M, then the reduced shard (pΦ/M) all-reduced over N/M
+    replicas. hpZ: forward gather and reduce-scatter over N, the backward's gather inside the node.
+    """
+    p, k, n, per = precision.element_bytes, precision.optimizer_bytes, ranks, per_node
+    state = (2 * p + k) * phi
+    one_over_n = p * phi * (n - 1) / n  # one gather or reduce-scatter over all N ranks
+    one_over_k = p * phi * (per - 1) / per  # one inside a node
+    replicas = n // per
+    across_replicas = 2 * (replicas - 1) / replicas * p * phi / per  # the ring all-reduce of a 1/K shard
+    remote_share = (n - per) / (n - 1) if n > 1 else 0.0
+    return [
+        NodeLayoutPlan(
+            "plain", "stage=3", state / n, 3 * one_over_n, 3 * one_over_n * remote_share,
+            f"(2·{p}+K)Φ/N", f"3·{p}Φ(N-M)/N",
+        ),
+        NodeLayoutPlan(
+            "hybrid", f"stage=3, shard_size={per}", state / per, 3 * one_over_k + across_replicas, across_replicas,
+            f"(2·{p}+K)Φ/M", f"2·{p}Φ(N-M)/(N·M)",
+        ),
+        NodeLayoutPlan(
+            "hpZ", f"stage=3, secondary_shard_size={per}", state / n, 2 * one_over_n + one_over_k,
+            2 * one_over_n * remote_share, f"(2·{p}+K)Φ/N", f"2·{p}Φ(N-M)/N",
+        ),
+    ]
+
+
+def node_layout_report(plans: list[NodeLayoutPlan], ranks: int, per_node: int) -> str:
+    header = ["stage 3", "setting", "formula", "model state", "sent/step", "to other nodes", "formula"]
+    rows = [
+        [plan.layout, plan.setting, plan.formula_state, format_bytes(plan.model_state), format_bytes(plan.sent_per_step),
+         format_bytes(plan.inter_node_per_step), plan.formula_inter]
+        for plan in plans
+    ]  # fmt: skip
+    return "\n".join(
+        [
+            f"Across nodes: N = {ranks} ranks, M = {per_node} per node ({ranks // per_node} nodes)",
+            "",
+            _table(header, rows),
+            "",
+            "to other nodes: bytes a rank sends to ranks on other nodes per step, each collective sending every "
+            "peer its share (zerocompile's ledger counts the same). hpZ also holds a 1/M slice of each parameter "
+            "from its forward use to its backward, pΦ/M at most.",
+        ]
+    )
 
 
 # ---------------------------------------------------------------------------------- the model
@@ -757,10 +835,29 @@ def plan(args: argparse.Namespace) -> str:
                 )
         precision = precision_from(args.param_dtype or PAPER_PARAM_DTYPE, args.optimizer_bytes)
         plans = paper_plan(args.params, args.ranks, precision)
+        layouts = []
+        if args.ranks_per_node is not None:
+            if args.ranks % args.ranks_per_node:
+                raise PlanError(
+                    f"--ranks-per-node {args.ranks_per_node} does not divide --ranks {args.ranks}: "
+                    "every node holds the same number of ranks"
+                )
+            layouts = node_layout_plan(args.params, args.ranks, args.ranks_per_node, precision)
         if args.json:
             record = {"params": args.params, "ranks": args.ranks, **dataclasses.asdict(precision)}
+            if layouts:
+                record["ranks_per_node"] = args.ranks_per_node
+                record["node_layouts"] = [layout.as_json() for layout in layouts]
             return json.dumps({**record, "stages": [p.as_json() for p in plans]}, indent=2)
-        return paper_report(args.params, args.ranks, precision, plans)
+        report = paper_report(args.params, args.ranks, precision, plans)
+        if layouts:
+            report += "\n\n" + node_layout_report(layouts, args.ranks, args.ranks_per_node)
+        return report
+    if args.ranks_per_node is not None:
+        raise PlanError(
+            "--ranks-per-node plans stage 3 across nodes with the paper's accounting: give --params "
+            "(the model's parameter count) instead of --model"
+        )
     counted = count_model(build_on_meta(load_factory(args.model), args.model), args.model)
     precision = ZeroPrecision(
         args.param_dtype, args.reduce_dtype, args.optimizer_bytes,

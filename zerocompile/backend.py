@@ -317,7 +317,7 @@ def _lower_and_record(graph: fx.Graph, lowering: Lowering) -> None:
 
 
 # The node metadata the recorded facts are worked out from (see `analysis` and `ledger`).
-_FACT_META = ("val", "zero_params", "zero_group_sizes", "zero_reduction", KEPT)
+_FACT_META = ("val", "zero_params", "zero_groups", "zero_reduction", KEPT)
 
 
 def _facts_only_copy(graph: fx.Graph) -> fx.Graph:
