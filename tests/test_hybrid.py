@@ -25,6 +25,7 @@ from zerocompile import backend
 from fx_helpers import on, trace
 from models import MODELS, local_batch
 from ranks import run_on_ranks
+from test_quantised_collectives import _assert_close_to_ddp, quantised_training_report
 from test_stages import DeepMLP, _wchar
 from zerocompile.passes import ledger as ledger_module
 from zerocompile.passes import lower_markers
@@ -244,6 +245,19 @@ def test_bytes_across_nodes_follow_the_formulas_and_the_ledger_what_was_written(
     formula = 2 * p * phi * (n - m) / (n * m) if layout == "K" else 2 * p * phi * (n - m) / n
     assert facts["across_nodes"] == pytest.approx(formula, rel=0.02)
     assert facts["written"] == pytest.approx(facts["ledger"], rel=0.05)
+
+
+@pytest.mark.parametrize("case", [("uneven_mlp", "sgd", 3), ("tied_gpt", "sgd", 0)])
+def test_int8_collectives_compose_with_hybrid_sharding(int8_hybrid_report, case: tuple) -> None:
+    """int8 gathers and reductions inside the shard group, the replicas' average exact: within
+    test_quantised_collectives' bounds of fp32 DDP (stage 0: its quantised all-reduce)."""
+    _assert_close_to_ddp(int8_hybrid_report[case], case[1])
+
+
+@pytest.fixture(scope="module")
+def int8_hybrid_report() -> dict:
+    cases = [("uneven_mlp", "sgd", 3), ("tied_gpt", "sgd", 0)]
+    return run_on_ranks(WORLD, quantised_training_report, cases, "eager", {"shard_size": SHARD_SIZE})[0]
 
 
 # ---------------------------------------------------------------------------------------------
