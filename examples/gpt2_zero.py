@@ -38,6 +38,10 @@ def parse_args() -> argparse.Namespace:
         "--device", type=torch.device, default=None,
         help="where batches go (default: the process group's device, cuda:LOCAL_RANK under NCCL, else cpu)",
     )  # fmt: skip
+    parser.add_argument(
+        "--shard-size", type=lambda text: text if text == "node" else int(text), default=None,
+        help="hybrid sharding: shard within groups of this many ranks ('node': each node's), replicate across",
+    )  # fmt: skip
     parser.add_argument("--save", metavar="DIR", help="write the trained model here (from_pretrained reads it)")
     parser.add_argument("--load", metavar="DIR", help="start from these weights (what save_pretrained wrote)")
     return parser.parse_args()
@@ -71,7 +75,7 @@ def main() -> None:
     # compiled graphs gather each layer just before use and free it after; gradients and the
     # AdamW state are 1/world_size too.
     torch.manual_seed(0)
-    zc.shard(model, stage=args.stage, init=model._init_weights)
+    zc.shard(model, stage=args.stage, init=model._init_weights, shard_size=args.shard_size)
     if args.load:
         zc.load_weights(model, args.load)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)

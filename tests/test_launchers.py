@@ -26,11 +26,11 @@ TIMEOUT = 240.0
 STEP_LINE = re.compile(r"^step\s+(\d+) \| loss (\d+\.\d+)", re.MULTILINE)
 
 
-def _torchrun(*launcher_args: str, save: Path) -> subprocess.Popen:
+def _torchrun(*launcher_args: str, save: Path, extra: list[str] | None = None) -> subprocess.Popen:
     """torchrun (as `python -m torch.distributed.run`) of the example, in its own process group."""
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", *launcher_args, "--master-addr=127.0.0.1"]
-    command += [str(EXAMPLE), *EXAMPLE_ARGS, "--save", str(save)]
+    command += [str(EXAMPLE), *EXAMPLE_ARGS, *(extra or []), "--save", str(save)]
     # A session of its own, so a timeout can kill torchrun's workers along with it.
     return subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -54,22 +54,31 @@ def _finish(processes: list[subprocess.Popen]) -> list[str]:
 
 
 def test_two_nodes_train_like_one_node(tmp_path: Path) -> None:
+    """One node of 4 ranks, plain stage 3; two nodes of 2 ranks each, hybrid sharding within each
+    node (--shard-size node: LOCAL_WORLD_SIZE), replicated across: each rank sees the same rows
+    and draws the same dropout masks, so the same training up to the order gradients are summed in."""
     one_node = tmp_path / "one-node"
-    (output,) = _finish([_torchrun("--nproc-per-node=2", f"--master-port={free_loopback_port()}", save=one_node)])
+    (output,) = _finish([_torchrun("--nproc-per-node=4", f"--master-port={free_loopback_port()}", save=one_node)])
     losses = [float(loss) for _step, loss in STEP_LINE.findall(output)]
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.3, output
 
     two_nodes = tmp_path / "two-nodes"
     port = free_loopback_port()
-    node_args = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=static", f"--master-port={port}"]
-    outputs = _finish([_torchrun(*node_args, f"--node-rank={node}", save=two_nodes) for node in (0, 1)])
+    node_args = ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=static", f"--master-port={port}"]
+    hybrid = ["--shard-size", "node"]
+    outputs = _finish([_torchrun(*node_args, f"--node-rank={node}", save=two_nodes, extra=hybrid) for node in (0, 1)])
     assert STEP_LINE.findall(outputs[0]) == STEP_LINE.findall(output)  # node 0 holds rank 0
 
     expected = load_file(one_node / "model.safetensors")
     trained = load_file(two_nodes / "model.safetensors")
     assert trained.keys() == expected.keys()
-    for name, tensor in expected.items():
-        torch.testing.assert_close(trained[name], tensor, rtol=0, atol=1e-6, msg=name)
+    # Gradients are averaged in another order (inside each node, then across; not over all 4 at
+    # once). AdamW turns that rounding into real updates where a gradient is exactly zero (the
+    # attention key bias: softmax ignores a shift shared by all keys): measured at most 9.5e-6
+    # (2026-11-26). A wrong average moves weights by far more (test_hybrid's broken variant: > 1e-3).
+    differences = {name: (trained[name] - tensor).abs().max().item() for name, tensor in expected.items()}
+    worst = max(differences, key=differences.__getitem__)
+    assert differences[worst] <= 1e-4, f"{worst} differs by {differences[worst]:.3g}"
 
 
 @pytest.mark.parametrize(

@@ -315,14 +315,30 @@ def save_weights(model: nn.Module, path: str | os.PathLike, max_shard_size: int 
     numbered files and `model.safetensors.index.json`. Each parameter is written once, under its
     first name (tied ones as `save_pretrained` does); persistent buffers too. Group rank 0 writes,
     one tensor at a time; files appear only when complete, and a previous save's files there
-    are replaced. On return the files exist for every rank (on a shared file system).
+    are replaced. With hybrid sharding only the first replica's shard group takes part, and the
+    other replicas wait for its outcome. On return the files exist for every rank (on a shared
+    file system).
     """
     model = unwrap_model(model)
     limit = _parse_size(max_shard_size)
     tensors = _model_tensors(model)
     _check_dtypes(tensors)
     group = _group(tensors)
+    replicas = _replica_group(tensors)
     layout = _layout(Path(path), tensors, limit)
+    error = None
+    if replicas is None or dist.get_rank(replicas) == 0:
+        try:
+            _write(layout, tensors, group, Path(path))
+        except Exception as caught:  # re-raised below, once the other replicas have heard of it
+            if replicas is None:
+                raise
+            error = caught
+    if replicas is not None:
+        _agree(error, replicas, Path(path))
+
+
+def _write(layout: _Layout, tensors: list[_ModelTensor], group: dist.ProcessGroup | None, path: Path) -> None:
     writer = _Writer(layout, writing=group is None or dist.get_rank(group) == 0)
     for file in layout.files:
         writer.attempt(writer.begin, file)
@@ -333,7 +349,7 @@ def save_weights(model: nn.Module, path: str | os.PathLike, max_shard_size: int 
     writer.attempt(writer.publish)
     if writer.error is not None:
         writer.discard()
-    _agree(writer.error, group, Path(path))
+    _agree(writer.error, group, path)
 
 
 def _parse_size(size: int | str) -> int:
@@ -376,6 +392,12 @@ def _group(tensors: list[_ModelTensor]) -> dist.ProcessGroup | None:
     if groups:
         return _resolve(next(iter(groups)))
     return dist.group.WORLD if dist.is_initialized() else None
+
+
+def _replica_group(tensors: list[_ModelTensor]) -> dist.ProcessGroup | None:
+    """Hybrid sharding's replica group (every shard group holds the whole model), else None."""
+    names = {t.info.replica_group_name for t in tensors if t.info is not None and t.info.replicas > 1}
+    return _resolve(next(iter(names))) if names else None
 
 
 def _layout(path: Path, tensors: list[_ModelTensor], limit: int) -> _Layout:
