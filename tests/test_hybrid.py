@@ -28,6 +28,7 @@ from ranks import run_on_ranks
 from test_quantised_collectives import _assert_close_to_ddp, quantised_training_report
 from test_stages import DeepMLP, _wchar
 from zerocompile.passes import ledger as ledger_module
+from zerocompile.tools import dump as dump_tool
 from zerocompile.passes import lower_markers
 from zerocompile.passes.markers import REDUCE_GRAD, UNSHARD
 from zerocompile.passes.stages import shard_numel
@@ -199,9 +200,10 @@ def test_a_rank_holds_16_phi_over_k(reports, stage: int) -> None:
 # Bytes: the ledger against the README's formulas and against what each rank wrote
 
 
-def bytes_report(rank: int, world_size: int) -> dict[str, dict]:
+def bytes_report(rank: int, world_size: int, dump_root: str) -> dict[str, dict]:
     """Per layout, one eager stage-3 step of test_stages' 1.1M-parameter MLP after two warm-up
-    steps: bytes the rank wrote (wchar), the ledger's total and its part across nodes of 2."""
+    steps: bytes the rank wrote (wchar), the ledger's total and its part across nodes of 2. The
+    graphs are dumped under dump_root/layout for `zerocompile dump`."""
     report = {}
     for layout in ("K", "hpz"):
         torch._dynamo.reset()
@@ -209,7 +211,8 @@ def bytes_report(rank: int, world_size: int) -> dict[str, dict]:
         torch.manual_seed(0)
         model = zc.shard(DeepMLP(), stage=3, **_layout(layout))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        compiled = torch.compile(model, backend="zero", options={"compiler": "eager", "bucket_bytes": 2**20})
+        options = {"compiler": "eager", "bucket_bytes": 2**20, "dump_dir": str(Path(dump_root, layout))}
+        compiled = torch.compile(model, backend="zero", options=options)
         x = torch.randn(4, 8)
         for _ in range(3):
             dist.barrier()
@@ -229,8 +232,20 @@ def bytes_report(rank: int, world_size: int) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def bytes_sent() -> dict[str, dict]:
-    return run_on_ranks(WORLD, bytes_report)[0]
+def bytes_sent(tmp_path_factory) -> dict[str, dict]:
+    root = tmp_path_factory.mktemp("hybrid-dumps")
+    return {**run_on_ranks(WORLD, bytes_report, str(root))[0], "dumps": root}
+
+
+def test_dump_shows_each_collectives_group_and_the_bytes_to_other_nodes(bytes_sent) -> None:
+    ledgers = dump_tool.load(str(bytes_sent["dumps"] / "K"))
+    text = dump_tool.report(ledgers, ranks_per_node=SHARD_SIZE)
+    across = bytes_sent["K"]["across_nodes"]
+    assert f"sent to other nodes ({SHARD_SIZE} ranks per node): {dump_tool._mb(across)}" in text
+    assert f"of the bytes sent, {dump_tool._mb(across)} across replicas (hybrid sharding)" in text
+    # The replicas' all-reduce runs on every 2nd rank (2 of them); the rest inside the group of 2.
+    replica_lines = [line for line in text.splitlines() if "mean across replicas" in line]
+    assert replica_lines and all(" 2/2 " in line for line in replica_lines), replica_lines
 
 
 @pytest.mark.parametrize("layout", ["K", "hpz"])

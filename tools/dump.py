@@ -21,6 +21,7 @@ blocks.{0..11}; a numbered block whose every parameter is there is `*`, blocks.{
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import json
 import os
@@ -32,6 +33,7 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from zerocompile.dump import ENV_VAR
+from zerocompile.passes.ledger import LedgerEntry
 
 # A collective's parameters go on the line under it: indented, the line fits a 120-column terminal.
 PARAMS_INDENT = " " * 10
@@ -45,6 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--png", metavar="OUT", help="write a memory timeline of the step (needs matplotlib)")
     parser.add_argument(
         "--verbose", action="store_true", help="list every parameter of each collective instead of a one-line summary"
+    )
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        metavar="M",
+        help="also give each rank's bytes sent to other nodes, nodes being blocks of M consecutive ranks",
     )
 
 
@@ -62,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if args.diff:
         print(diff(ledgers, load(args.diff), args.directory, args.diff, args.verbose))
     else:
-        print(report(ledgers, args.verbose))
+        print(report(ledgers, args.verbose, args.ranks_per_node))
     if args.png:
         draw_timeline(ledgers, args.png)
         print(f"memory timeline written to {args.png}")
@@ -111,6 +119,7 @@ def rank_summary(graphs: dict[str, dict]) -> dict[str, int]:
         "gathered": sum(g["gathered_bytes"] for g in graphs.values()),
         "reduced": sum(g["reduced_bytes"] for g in graphs.values()),
         "sent": sum(g["sent_bytes"] for g in graphs.values()),
+        "across_replicas": sum(g.get("replica_sent_bytes", 0) for g in graphs.values()),
         "peak_gathered": max((g["peak_gathered_bytes"] for g in graphs.values()), default=0),
         # A forward's kept parameters are its backward's: count them once, from the forwards.
         "kept": sum(g.get("kept_bytes", 0) for g in graphs.values() if g["kind"] == "forward"),
@@ -204,15 +213,17 @@ def rank_parameters(graphs: dict[str, dict]) -> list[str]:
 def graph_lines(name: str, ledger: dict, all_fqns: Collection[str], verbose: bool = False) -> list[str]:
     """One line per collective, then its parameters on the next: summarised, or all with `verbose`."""
     lines = [f"  {name}  (N={ledger['world_size']}, {ledger['node_count']} nodes)"]
-    lines.append(f"    {'pos':>4} {'op':<14} {'bkt':>3} {'in':>12} {'sent':>12} {'dtype':<9} freed after / overlaps")
+    lines.append(
+        f"    {'pos':>4} {'op':<14} {'bkt':>3} {'group':>5} {'in':>10} {'sent':>10} {'dtype':<9} freed after / overlaps"
+    )
     for e in ledger["entries"]:
         where = f"freed after {e['freed_after']} (pos {e['freed_position']})" if e["freed_after"] else ""
         overlaps = f"overlaps {', '.join(e['overlaps'])}" if e["overlaps"] else "overlaps nothing"
         if e.get("detail"):
             overlaps += f" ({e['detail']})"
         lines.append(
-            f"    {e['position']:>4} {e['op']:<14} {e['bucket']:>3} "
-            f"{_mb(e['input_bytes']):>12} {_mb(e['sent_bytes']):>12} {e['dtype']:<9} {where or overlaps}"
+            f"    {e['position']:>4} {e['op']:<14} {e['bucket']:>3} {_group(e):>5} "
+            f"{_mb(e['input_bytes']):>10} {_mb(e['sent_bytes']):>10} {e['dtype']:<9} {where or overlaps}"
         )
         if verbose:
             listing = f"{_counted(len(e['params']))}: {', '.join(e['params'])}"
@@ -238,7 +249,20 @@ def graph_lines(name: str, ledger: dict, all_fqns: Collection[str], verbose: boo
     return lines
 
 
-def report(ranks: dict[str, dict[str, dict]], verbose: bool = False) -> str:
+def _group(entry: dict) -> str:
+    """The ranks a collective runs on: their count, and `/K` for every K-th rank (a hybrid replica group)."""
+    size, stride = entry.get("group_size", 0), entry.get("group_stride", 1)
+    return "?" if not size else f"{size}" + (f"/{stride}" if stride > 1 else "")
+
+
+def sent_across_nodes(graphs: dict[str, dict], ranks_per_node: int) -> int:
+    """A rank's bytes per step to ranks on other nodes, as the ledger counts them."""
+    fields = {field.name for field in dataclasses.fields(LedgerEntry)}
+    entries = [LedgerEntry(**{k: v for k, v in e.items() if k in fields}) for g in graphs.values() for e in g["entries"]]
+    return sum(entry.sent_across_nodes(ranks_per_node) for entry in entries)
+
+
+def report(ranks: dict[str, dict[str, dict]], verbose: bool = False, ranks_per_node: int | None = None) -> str:
     lines = []
     for rank, graphs in ranks.items():
         lines.append(f"{rank}")
@@ -250,6 +274,10 @@ def report(ranks: dict[str, dict[str, dict]], verbose: bool = False) -> str:
             f"  per step: gathered {_mb(s['gathered'])}, reduced {_mb(s['reduced'])}, sent {_mb(s['sent'])}; "
             f"peak gathered {_mb(s['peak_gathered'])}, kept for the backward {_mb(s['kept'])}"
         )
+        if s["across_replicas"]:
+            lines.append(f"  of the bytes sent, {_mb(s['across_replicas'])} across replicas (hybrid sharding)")
+        if ranks_per_node:
+            lines.append(f"  sent to other nodes ({ranks_per_node} ranks per node): {_mb(sent_across_nodes(graphs, ranks_per_node))}")
         lines.append(
             f"  model state implied: params {_mb(s['params'])}, grads {_mb(s['grads'])}, "
             f"optimizer {_mb(s['optimizer'])} (Adam-like)"
