@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_leaves
 import zerocompile as zc
 from ranks import run_on_ranks
 from zerocompile import distributed as zc_distributed
+from zerocompile.distributed import loopback_rank_environment
 from zerocompile.sharding import shard_info
 
 WORLD_SIZE = 2
@@ -617,6 +618,10 @@ def test_the_tools_start_the_backend_of_their_device(monkeypatch: pytest.MonkeyP
         raise Started
 
     monkeypatch.setattr(zc, "init_distributed", init_distributed)
+    # The rank environment bench sets (RANK, WORLD_SIZE, MASTER_PORT=0...) must not outlive the
+    # test: later subprocesses of this session would take themselves for a launched rank and hang.
+    for key in loopback_rank_environment(0, 2, 0):
+        monkeypatch.setenv(key, "")  # recorded, so restored (or removed) after the test
     with pytest.raises(Started):
         if tool == "train":
             parser = argparse.ArgumentParser()
