@@ -64,7 +64,8 @@ def regather_from_secondary_shards(graph: fx.Graph) -> int:
     rewritten = 0
     for marker in [n for n in graph.nodes if is_unshard(n)]:
         args = unshard_args(marker)
-        if args.secondary_size <= 1 or marker.meta.get("recompute") != CheckpointPolicy.MUST_RECOMPUTE:
+        # A local marker (no_sync's full copy) is no gather: the backward reads the copy itself.
+        if args.secondary_size <= 1 or args.local or marker.meta.get("recompute") != CheckpointPolicy.MUST_RECOMPUTE:
             continue
         values = gathered_values_of(marker)
         if not any(user in backward for value in values for user in value.users if user not in values):
@@ -100,10 +101,11 @@ def _read_in_backward_from_secondary(marker: fx.Node, values: list[fx.Node], bac
             copy = graph.node_copy(value, lambda node: copies.get(node, node))
         copy.meta = dict(value.meta)
         copies[value] = copy
+    made = set(copies.values())
     for value, copy in copies.items():
         value.meta.pop("recompute", None)
         copy.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-        for user in [u for u in value.users if u in backward and u not in copies.values()]:
+        for user in [u for u in value.users if u in backward and u not in made]:
             user.replace_input_with(value, copy)
     # Views left without readers (the backward's own views of the forward's ones, now copied)
     # would still make the partitioner recompute the forward's gather for them.

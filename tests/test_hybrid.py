@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import zerocompile as zc
@@ -29,7 +30,7 @@ from test_quantised_collectives import _assert_close_to_ddp, quantised_training_
 from test_stages import DeepMLP, _wchar
 from zerocompile.passes import ledger as ledger_module
 from zerocompile.tools import dump as dump_tool
-from zerocompile.passes import lower_markers
+from zerocompile.passes import lower_markers, recompute_gathers, secondary_shards
 from zerocompile.passes.markers import REDUCE_GRAD, UNSHARD
 from zerocompile.passes.stages import shard_numel
 
@@ -464,3 +465,46 @@ def test_hpz_is_a_stage_3_setting_and_not_combined_with_hybrid() -> None:
         zc.ZeroConfig(stage=3, shard_size=2, secondary_shard_size=2)
     with pytest.raises(ValueError, match=r"secondary_shard_size must be None .*got 0"):
         zc.ZeroConfig(stage=3, secondary_shard_size=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The hpZ pass on a hand-built joint graph: no process group at all
+
+
+def _joint_graph(local: bool = False, secondary_size: int = 2) -> fx.Graph:
+    """One stage-3 parameter used by the forward (x @ w.t()) and read by the backward (the
+    tangent @ w, as autograd's mm formula does), its gather tagged as tag_gathers_for_recompute tags it."""
+    keywords = {"secondary_group": "node-group", "secondary_size": secondary_size} if secondary_size > 1 else {}
+
+    def joint(shard: torch.Tensor, x: torch.Tensor, tangents: torch.Tensor) -> tuple:
+        weight = UNSHARD(shard, [6, 5], 3, "all-ranks", WORLD, "reduce_scatter", "fc.weight", local=local, **keywords)
+        return x @ weight.t(), tangents @ weight
+
+    gm = trace(joint, (6, 5) if local else (shard_numel(30, WORLD),), (3, 5), (3, 6))
+    recompute_gathers.tag_gathers_for_recompute(gm.graph)
+    return gm.graph
+
+
+def test_hpz_pass_makes_the_backward_read_a_gather_of_the_saved_slice() -> None:
+    graph = _joint_graph()
+    assert secondary_shards.regather_from_secondary_shards(graph) == 1
+    graph.lint()
+    (slice_,) = [n for n in graph.nodes if n.target is secondary_shards.SECONDARY_SHARD]
+    forward_gather, backward_gather = [n for n in graph.nodes if n.target is UNSHARD]
+    assert slice_.args == (forward_gather, "node-group", 2)
+    assert slice_.meta["val"].shape == (shard_numel(30, 2),) and "recompute" not in slice_.meta
+    assert backward_gather.args[0] is slice_ and backward_gather.args[3:5] == ("node-group", 2)
+    assert backward_gather.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
+    assert "recompute" not in forward_gather.meta  # else the partitioner would recompute it, not save the slice
+    mms = [n for n in graph.nodes if n.target is torch.ops.aten.mm.default]
+    forward_mm, backward_mm = mms
+    assert backward_mm.args[1] is backward_gather  # the tangent's mm reads the node's gather
+    assert forward_gather in forward_mm.args[1].all_input_nodes  # x @ w.t() still reads the forward's
+
+
+@pytest.mark.parametrize("local,secondary_size", [(True, 2), (False, 1)])
+def test_hpz_pass_leaves_local_copies_and_plain_stage_3_alone(local: bool, secondary_size: int) -> None:
+    graph = _joint_graph(local=local, secondary_size=secondary_size)
+    before = str(graph)
+    assert secondary_shards.regather_from_secondary_shards(graph) == 0
+    assert str(graph) == before
