@@ -139,7 +139,7 @@ def parity_report(rank: int, world_size: int, compiler: str, cases: list[tuple[s
 
 EAGER_CASES = [
     *[("uneven_mlp", stage, "sgd", "K") for stage in STAGES],
-    *[("tied_gpt", stage, "adamw", "K") for stage in STAGES],
+    *[("tied_gpt", stage, "adamw", "K") for stage in (1, 3)],  # suite time: the MLP covers every stage
     ("frozen_buffer", 3, "sgd", "K"),
     ("graph_break", 3, "adamw", "K"),
     ("uneven_mlp", 2, "sgd", "mesh"),
@@ -147,7 +147,7 @@ EAGER_CASES = [
     ("tied_gpt", 3, "adamw", "hpz"),
     ("graph_break", 3, "sgd", "hpz"),
 ]
-INDUCTOR_CASES = [("uneven_mlp", 1, "sgd", "K"), ("uneven_mlp", 3, "sgd", "K"), ("tied_gpt", 3, "sgd", "hpz")]
+INDUCTOR_CASES = [("uneven_mlp", 3, "sgd", "K"), ("uneven_mlp", 3, "sgd", "hpz")]
 
 
 @pytest.fixture(scope="module")
@@ -172,10 +172,10 @@ def test_hybrid_2x2_matches_ddp(reports, compiler: str, case: tuple[str, int, st
 def test_hpz_regathers_inside_the_node_and_holds_16_phi_over_n(reports, compiler: str) -> None:
     """The backward gathers only from the 2 ranks of the secondary group; everything held between
     steps stays sharded over all 4 (hpZ spends memory only from forward to backward)."""
-    case = ("tied_gpt", 3, "adamw" if compiler == "eager" else "sgd", "hpz")
+    case = ("tied_gpt", 3, "adamw", "hpz") if compiler == "eager" else ("uneven_mlp", 3, "sgd", "hpz")
     _difference, facts = reports[compiler][case]
     assert facts["regathered"] == {SHARD_SIZE}
-    numels = [p.numel() for p in {id(p): p for p in MODELS["tied_gpt"]().parameters()}.values()]
+    numels = [p.numel() for p in {id(p): p for p in MODELS[case[0]]().parameters()}.values()]
     shards = 4 * sum(shard_numel(n, WORLD) for n in numels)
     assert facts["held"]["params"] == facts["held"]["grads"] == shards
 
@@ -185,7 +185,7 @@ def test_without_the_replicas_average_the_comparison_fails(reports, stage: int) 
     assert reports["eager"][("broken", stage)] > 1e3 * TOLERANCE["sgd"]
 
 
-@pytest.mark.parametrize("stage", (1, 2, 3))
+@pytest.mark.parametrize("stage", (1, 3))
 def test_a_rank_holds_16_phi_over_k(reports, stage: int) -> None:
     """fp32 AdamW: parameters, gradients and both moments, each a 1/K shard of every parameter
     (between steps stages 1-3 all hold shards; they differ in what lives during the step)."""

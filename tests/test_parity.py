@@ -61,12 +61,14 @@ def _reference(name: str, rank: int, world_size: int) -> tuple[list[float], dict
     return losses, {fqn: p.detach().clone() for fqn, p in model.named_parameters()}
 
 
-def parity_report(rank: int, world_size: int, names: list[str], compiler: str) -> dict:
+def parity_report(
+    rank: int, world_size: int, names: list[str], compiler: str, stages: tuple[int, ...] = STAGES
+) -> dict:
     """{(model, stage): (loss error, parameter error) or the traceback of a failure}."""
     report = {}
     for name in names:
         ref_losses, ref_params = _reference(name, rank, world_size)
-        for stage in STAGES:
+        for stage in stages:
             try:
                 torch._dynamo.reset()
                 torch.manual_seed(0)
@@ -88,9 +90,17 @@ def eager_reports() -> dict[int, dict]:
     return {n: run_on_ranks(n, parity_report, list(MODELS), "eager")[0] for n in (2, 4)}
 
 
+# Inductor runs the tied GPT (AdamW, tied embeddings, LayerNorm, attention) at stages 0 and 3 on 2
+# ranks and at stage 3 on 4; stages 1-2 share stage 0's whole-parameter compute and stage 3's
+# collectives, and the uneven MLP runs under Inductor at every stage, N = 2 and 4, in
+# test_sgd_parity (plain SGD, the stricter comparison). Suite time: one GPT compile per stage and
+# rank, on 2 shared cores, took 25 s (all four stages at N = 2 and 4: 175 s of the suite).
+INDUCTOR_CASES = {2: (0, 3), 4: (3,)}
+
+
 @pytest.fixture(scope="module")
 def inductor_reports() -> dict[int, dict]:
-    return {n: run_on_ranks(n, parity_report, ["uneven_mlp", "tied_gpt"], "inductor")[0] for n in (2, 4)}
+    return {n: run_on_ranks(n, parity_report, ["tied_gpt"], "inductor", stages)[0] for n, stages in INDUCTOR_CASES.items()}
 
 
 def _assert_parity(outcome, tolerance: float) -> None:
@@ -107,8 +117,6 @@ def test_eager_compiler_matches_ddp(eager_reports, model: str, stage: int, world
     _assert_parity(eager_reports[world_size][(model, stage)], EAGER_TOLERANCE)
 
 
-@pytest.mark.parametrize("world_size", (2, 4))
-@pytest.mark.parametrize("stage", STAGES)
-@pytest.mark.parametrize("model", ["uneven_mlp", "tied_gpt"])
-def test_inductor_matches_ddp(inductor_reports, model: str, stage: int, world_size: int) -> None:
-    _assert_parity(inductor_reports[world_size][(model, stage)], INDUCTOR_TOLERANCE)
+@pytest.mark.parametrize("world_size,stage", [(n, stage) for n, stages in INDUCTOR_CASES.items() for stage in stages])
+def test_inductor_matches_ddp(inductor_reports, stage: int, world_size: int) -> None:
+    _assert_parity(inductor_reports[world_size][("tied_gpt", stage)], INDUCTOR_TOLERANCE)
