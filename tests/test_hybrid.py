@@ -86,6 +86,8 @@ def _without_replica_average(monkeypatch: pytest.MonkeyPatch) -> None:
 def _layout(layout: str) -> dict:
     """The settings of a layout: shard_size as a number ("K") or as FSDP2's 2-D mesh (the same
     groups: rows shard, columns replicate); or hpZ, sharded over all 4 with secondary shards of 2."""
+    if layout == "plain":
+        return {}
     if layout == "hpz":
         return {"secondary_shard_size": SHARD_SIZE}
     if layout == "mesh":
@@ -94,7 +96,14 @@ def _layout(layout: str) -> dict:
 
 
 def _hybrid_run(
-    name: str, stage: int, optimizer: str, compiler: str, rank: int, broken: bool = False, layout: str = "K"
+    name: str,
+    stage: int,
+    optimizer: str,
+    compiler: str,
+    rank: int,
+    broken: bool = False,
+    layout: str = "K",
+    settings: dict | None = None,
 ) -> tuple:
     with pytest.MonkeyPatch.context() as monkeypatch:
         if broken:
@@ -102,7 +111,7 @@ def _hybrid_run(
         torch._dynamo.reset()
         torch.manual_seed(0)
         backend.compiled_graphs.clear()
-        model = zc.shard(MODELS[name](), stage=stage, **_layout(layout))
+        model = zc.shard(MODELS[name](), stage=stage, **_layout(layout), **(settings or {}))
         cls, lr = OPTIMIZERS[optimizer]
         opt = cls(model.parameters(), lr=lr)
         compiled = torch.compile(model, backend="zero", options={"compiler": compiler})
@@ -134,6 +143,13 @@ def parity_report(rank: int, world_size: int, compiler: str, cases: list[tuple[s
         for stage in (0, 3):
             model, _held = _hybrid_run("uneven_mlp", stage, "sgd", compiler, rank, broken=True)
             report[("broken", stage)] = _difference(model, references[("uneven_mlp", "sgd")])
+        # Mixed precision: hybrid against plain sharding with the same bf16 compute (DDP has none).
+        mixed = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+        plain, _held = _hybrid_run("uneven_mlp", 3, "sgd", compiler, rank, layout="plain", settings=mixed)
+        with zc.gathered(plain):
+            plain_params = {fqn: p.detach().clone() for fqn, p in plain.named_parameters()}
+        hybrid, _held = _hybrid_run("uneven_mlp", 3, "sgd", compiler, rank, settings=mixed)
+        report["bf16"] = _difference(hybrid, plain_params)
     return report
 
 
@@ -178,6 +194,12 @@ def test_hpz_regathers_inside_the_node_and_holds_16_phi_over_n(reports, compiler
     numels = [p.numel() for p in {id(p): p for p in MODELS[case[0]]().parameters()}.values()]
     shards = 4 * sum(shard_numel(n, WORLD) for n in numels)
     assert facts["held"]["params"] == facts["held"]["grads"] == shards
+
+
+def test_mixed_precision_composes_with_hybrid_sharding(reports) -> None:
+    """bf16 gathers and compute, fp32 reductions: each rank computes the same bf16 gradients under
+    either layout, so hybrid equals plain sharding up to the fp32 summation order (SGD, <= 1e-6)."""
+    assert reports["eager"]["bf16"] <= TOLERANCE["sgd"]
 
 
 @pytest.mark.parametrize("stage", (0, 3))
@@ -508,3 +530,15 @@ def test_hpz_pass_leaves_local_copies_and_plain_stage_3_alone(local: bool, secon
     before = str(graph)
     assert secondary_shards.regather_from_secondary_shards(graph) == 0
     assert str(graph) == before
+
+
+@pytest.mark.usefixtures("group_name")
+def test_a_mesh_that_disagrees_with_the_group_or_is_not_replicate_by_shard_is_refused() -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    half = DeviceMesh("cpu", [[0, 1]], mesh_dim_names=("replicate", "shard"))  # 2 of the 4 ranks
+    with pytest.raises(ValueError, match=r"DeviceMesh holds ranks \[\[0, 1\]\] but the sharding group has ranks \[0, 1, 2, 3\]"):
+        zc.shard(MODELS["uneven_mlp"](), 3, shard_size=half)
+    flat = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
+    with pytest.raises(ValueError, match=r"2 dimensions named \('replicate', 'shard'\).*got dimensions \('dp', 'tp'\)"):
+        zc.ZeroConfig(shard_size=flat)
