@@ -371,8 +371,12 @@ def test_a_hybrid_checkpoint_resumes_in_any_layout_as_if_never_interrupted(check
     reference = checkpoints["reference"]
     assert outcome.keys() == reference.keys()
     for key in reference:
-        # Resumed at another layout the gradients are averaged in another order (rounding only).
-        torch.testing.assert_close(outcome[key], reference[key], rtol=0, atol=1e-6, msg=key)
+        # Resumed at another layout (or world size) the gradients are averaged in another order,
+        # so 3 AdamW steps may differ by rounding: measured (2026-11-26) 0 resumed hybrid, 1.9e-9
+        # plain on 4 ranks, 3.0e-8 at stage 2 on 2 ranks and plain -> hybrid, i.e. a few fp32 ulps
+        # of these O(0.1-1) weights. 1e-7 keeps ~3x headroom; a wrongly loaded shard is off by
+        # the weights themselves.
+        torch.testing.assert_close(outcome[key], reference[key], rtol=0, atol=1e-7, msg=key)
 
 
 # ---------------------------------------------------------------------------------------------
