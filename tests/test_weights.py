@@ -378,7 +378,8 @@ def reports(root: Path) -> list[dict]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HF_HUB_OFFLINE", "1")  # nothing may be downloaded
         patch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # RSS follows live tensors
-        return run_on_ranks(2, two_rank_report, str(root), timeout=300)
+        # New processes: a rank that ran other jobs has heap to spare, which would hide the rise.
+        return run_on_ranks(2, two_rank_report, str(root), timeout=300, fresh=True)
 
 
 @pytest.fixture(scope="module")
