@@ -184,7 +184,9 @@ EAGER_CASES = [
     for stage in (STAGES if opt == "sgd" else (0, 3))
 ]
 EAGER_CASES_AT_4 = [case for case in EAGER_CASES if case[1] == "sgd" and case[2] in (0, 3)]
-INDUCTOR_CASES = [("tied_gpt", "sgd", 3), ("uneven_mlp", "adamw", 0)]
+# Under Inductor, the MLP: the quantise and dequantise nodes are the same whatever the model, and
+# the GPT runs under Inductor in test_parity (a cold compile of its 18 kernels costs ~35 s per rank).
+INDUCTOR_CASES = [("uneven_mlp", "sgd", 3), ("uneven_mlp", "adamw", 0)]
 
 
 @pytest.fixture(scope="module")

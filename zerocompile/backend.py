@@ -38,7 +38,7 @@ from torch.utils import _pytree as pytree
 from zerocompile import guard
 from zerocompile.config import COMPILE_TIME_FIELDS, ZeroConfig, refuse_concurrent_gloo_gathers
 from zerocompile.gathered import is_gathered
-from zerocompile import dump
+from zerocompile import dump, upstream_fixes
 from zerocompile.passes import analysis, ledger
 from zerocompile.passes.ledger import GraphLedger
 from zerocompile.passes.lower_markers import lower_markers
@@ -47,6 +47,7 @@ from zerocompile.passes.merge_unshards import merge_repeated_unshards
 from zerocompile.passes.recompute_gathers import KEPT, tag_gathers_for_recompute
 from zerocompile.passes.secondary_shards import regather_from_secondary_shards
 from zerocompile.sharding import ShardInfo, shard_info
+from zerocompile.upstream_fixes import keep_every_iteration_of_split_loops
 
 
 class CompiledGraph:
@@ -122,6 +123,8 @@ def zero_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[st
     from torch._inductor.compile_fx import compile_fx
 
     from torch._inductor.decomposition import select_decomp_table
+
+    keep_every_iteration_of_split_loops()  # int8 dequantisation would lose elements otherwise
 
     lowering = dataclasses.replace(lowering, decompositions=select_decomp_table())
     config_patches = {
@@ -345,8 +348,10 @@ def _as_meta_tensor(value: torch.Tensor) -> torch.Tensor:
 
 
 def _passes_source_hash() -> str:
+    """Of the passes and of the torch fixes the generated code depends on: a graph Inductor cached
+    before either changed is compiled afresh."""
     digest = hashlib.sha256()
-    for path in sorted(Path(analysis.__file__).parent.glob("*.py")):
+    for path in [*sorted(Path(analysis.__file__).parent.glob("*.py")), Path(upstream_fixes.__file__)]:
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
