@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 
 import zerocompile as zc
 from zerocompile.tools import bench
+from zerocompile.tools.cli import build_parser
 from zerocompile.tools.gpt import GPT, SIZES
 
 MODES = ("ddp", "fsdp2", "zero3")
@@ -37,7 +37,9 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     args = parser.parse_args(
-        ["--quick", "--ranks", "2", "--modes", ",".join(MODES), "--interleave", "ddp,zero3", "--out", str(out)]
+        # Interleaved: two uncompiled modes. Every mode compiles into a fresh cache of its own, and a
+        # cold Inductor compile of even the tiny GPT is ~30 s here, paid once by the zero3 mode.
+        ["--quick", "--ranks", "2", "--modes", ",".join(MODES), "--interleave", "ddp,fsdp2", "--out", str(out)]
     )
     return bench.run(args), out
 
@@ -93,7 +95,7 @@ def test_interleaved_modes_are_timed_round_by_round(quick_run: tuple[int, Path])
     summary, _ = _modes(quick_run)
     interleaved = summary["interleaved"]
     steps = summary["settings"]["steps"]
-    assert interleaved["modes"] == ["ddp", "zero3"]
+    assert interleaved["modes"] == ["ddp", "fsdp2"]
     for name in interleaved["modes"]:
         assert len(interleaved["step_times_s"][name]) == steps
         assert all(seconds > 0 for seconds in interleaved["step_times_s"][name])
@@ -102,13 +104,13 @@ def test_interleaved_modes_are_timed_round_by_round(quick_run: tuple[int, Path])
         phases = interleaved["phase_s"][name]
         assert list(phases) == ["forward", "backward", "optimizer"]
         assert all(0 < seconds < max(times) for seconds in phases.values())
-    ddp, zero3 = (interleaved["step_times_s"][name] for name in ("ddp", "zero3"))
-    ratios = sorted(z / d for z, d in zip(zero3, ddp))
-    quartiles = interleaved["paired_ratio"]["zero3"]["ddp"]
+    ddp, fsdp2 = (interleaved["step_times_s"][name] for name in ("ddp", "fsdp2"))
+    ratios = sorted(f / d for f, d in zip(fsdp2, ddp))
+    quartiles = interleaved["paired_ratio"]["fsdp2"]["ddp"]
     assert ratios[0] <= quartiles["p25"] <= quartiles["median"] <= quartiles["p75"] <= ratios[-1]
     assert quartiles["median"] == pytest.approx(statistics.median(ratios))
     table = (quick_run[1] / "bench.md").read_text().split("Interleaved:")[1]
-    assert "| zero3 |" in table and "| forward ms | backward ms | optimizer ms |" in table
+    assert "| fsdp2 |" in table and "| forward ms | backward ms | optimizer ms |" in table
     assert f"| {quartiles['median']:.2f} ({quartiles['p25']:.2f}-{quartiles['p75']:.2f}) |" in table
 
 
@@ -144,14 +146,16 @@ def test_interleaved_modes_trace_gpt_code_of_their_own() -> None:
     assert all(torch.equal(copy[key], original[key]) for key in original)
 
 
-def test_bench_help_documents_the_device_default() -> None:
-    result = subprocess.run(["zerocompile", "bench", "--help"], check=False, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
+def test_bench_help_documents_the_device_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["bench", "--help"])  # what `zerocompile bench --help` prints
+    assert exited.value.code == 0
+    shown = capsys.readouterr().out
     documented = (
         "--device DEVICE where every mode's model, batches and loss live, and which backend the ranks start "
         "(cpu: gloo, cuda: nccl; default: cuda:LOCAL_RANK under NCCL, which runs where CUDA exists, else cpu)"
     )
-    assert documented in " ".join(result.stdout.split()), result.stdout
+    assert documented in " ".join(shown.split()), shown
 
 
 def test_by_default_every_rank_trains_on_the_groups_device(quick_run: tuple[int, Path]) -> None:

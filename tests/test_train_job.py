@@ -9,12 +9,23 @@ import sys
 import pytest
 import torch
 
+from ranks import run_on_ranks
 from zerocompile.tools.cli import build_parser
-from zerocompile.tools.train import printable_sample, train
+from zerocompile.tools.train import printable_sample, train_this_rank
 
 STEP_LINE = re.compile(r"^\[[#.]+\] step\s+(\d+)/(\d+) \| loss (\d+\.\d+) \|", re.MULTILINE)
 # Eager graphs and the tiny model: the job's own code path, without Inductor's compile time.
 FAST_JOB = ["--compiler", "eager", "--model-size", "tiny", "--batch-size", "16", "--lr", "3e-3"]
+
+
+def _job_on_rank(rank: int, world_size: int, argv: list[str]) -> list[float]:
+    return train_this_rank(build_parser().parse_args(argv))
+
+
+def _losses(ranks: int, *flags: str) -> list[float]:
+    """The loss curve of `zerocompile train --ranks <ranks> <flags>`, run by the test's ranks: the
+    job's loop on each rank as torchrun would start it (the CLI's own spawning is tested above)."""
+    return run_on_ranks(ranks, _job_on_rank, ["train", *FAST_JOB, "--sample-bytes", "0", *flags])[0]
 
 
 def test_help_lists_train() -> None:
@@ -23,13 +34,15 @@ def test_help_lists_train() -> None:
     assert "train" in result.stdout
 
 
-def test_train_help_documents_the_device_default() -> None:
-    result = subprocess.run(["zerocompile", "train", "--help"], check=False, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert re.search(r"--device DEVICE\s+where the model, batches and sampling live", result.stdout), result.stdout
+def test_train_help_documents_the_device_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["train", "--help"])  # what `zerocompile train --help` prints
+    assert exited.value.code == 0
+    shown = capsys.readouterr().out
+    assert re.search(r"--device DEVICE\s+where the model, batches and sampling live", shown), shown
     assert "(cpu: gloo, cuda: nccl; default: cuda:LOCAL_RANK under NCCL, which runs where CUDA exists, else cpu)" in " ".join(
-        result.stdout.split()
-    ), result.stdout
+        shown.split()
+    ), shown
 
 
 def test_whole_build_lands_on_the_device() -> None:
@@ -74,18 +87,13 @@ def test_sample_is_printed_with_every_unprintable_byte_escaped(sample: bytes, sh
 
 def test_loss_curve_does_not_depend_on_the_number_of_ranks(tmp_path) -> None:
     """Every rank reads its slice of one global batch, and gradients are averaged over the ranks."""
-    losses = {}
-    for ranks in (1, 2):
-        args = build_parser().parse_args(
-            ["train", "--ranks", str(ranks), *FAST_JOB, "--steps", "4", "--sample-bytes", "0", "--out", str(tmp_path)]
-        )
-        losses[ranks] = train(args)
+    losses = {ranks: _losses(ranks, "--steps", "4", "--out", str(tmp_path)) for ranks in (1, 2)}
     assert len(losses[1]) == 4
     assert losses[2] == pytest.approx(losses[1], rel=1e-4)
 
 
 def _train(*flags: str) -> list[float]:
-    return train(build_parser().parse_args(["train", "--ranks", "2", *FAST_JOB, "--sample-bytes", "0", *flags]))
+    return _losses(2, *flags)
 
 
 def test_gradient_accumulation_both_ways_matches_one_batch(tmp_path) -> None:
