@@ -1,0 +1,68 @@
+"""The test harness's rank pool (tests/ranks.py): ranks are reused, yet every job starts as a new
+process would, and whatever went wrong in one job never reaches the next."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ranks import run_on_ranks
+
+
+def _spoil_the_process(rank: int, world_size: int) -> tuple[int, float]:
+    from zerocompile.backend import compiled_graphs
+
+    first_draw = torch.rand(1).item()
+    os.environ["ZC_LEFT_BEHIND"] = "1"
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+    compiled_graphs.append("left behind")
+    torch.manual_seed(1234)
+    return os.getpid(), first_draw
+
+
+def _what_a_job_finds(rank: int, world_size: int) -> dict:
+    from zerocompile.backend import compiled_graphs
+
+    return {
+        "pid": os.getpid(),
+        "first_draw": torch.rand(1).item(),
+        "left_behind": os.environ.get("ZC_LEFT_BEHIND"),
+        "test_variable": os.environ.get("ZC_RANKS_TEST"),
+        "dtype": torch.get_default_dtype(),
+        "grad": torch.is_grad_enabled(),
+        "graphs": len(compiled_graphs),
+    }
+
+
+def _fail_on_rank_1(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+
+
+def test_the_next_job_reuses_the_ranks_and_finds_them_as_new() -> None:
+    spoiled = run_on_ranks(2, _spoil_the_process)
+    found = run_on_ranks(2, _what_a_job_finds)
+    for (pid, first_draw), after in zip(spoiled, found):
+        assert after["pid"] == pid, "a new process: the pool did not keep its ranks"
+        assert after["first_draw"] == first_draw, "the job did not start from torch's default seed"
+        assert after["left_behind"] is None and after["dtype"] == torch.float32 and after["grad"]
+        assert after["graphs"] == 0
+
+
+def test_a_failed_job_takes_its_ranks_with_it() -> None:
+    before = [found["pid"] for found in run_on_ranks(2, _what_a_job_finds)]
+    with pytest.raises(AssertionError, match="rank 1 fails on purpose"):
+        run_on_ranks(2, _fail_on_rank_1)
+    after = [found["pid"] for found in run_on_ranks(2, _what_a_job_finds)]
+    assert not set(before) & set(after)
+
+
+def test_a_changed_environment_starts_ranks_that_inherit_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = [found["pid"] for found in run_on_ranks(2, _what_a_job_finds)]
+    monkeypatch.setenv("ZC_RANKS_TEST", "set by the test")
+    after = run_on_ranks(2, _what_a_job_finds)
+    assert not set(before) & {found["pid"] for found in after}
+    assert [found["test_variable"] for found in after] == ["set by the test"] * 2
