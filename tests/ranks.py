@@ -24,7 +24,6 @@ import queue
 import tempfile
 import traceback
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable, Hashable, Iterable
 
 import torch.multiprocessing as mp
