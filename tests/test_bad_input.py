@@ -312,6 +312,18 @@ def test_data_replaced_after_shard_fails_at_the_next_forward_or_step(single_rank
         model.fc2.weight
 
 
+def test_parameter_replaced_by_one_of_the_shard_shape_is_refused_when_compiled(single_rank) -> None:
+    """The module property's identity test is not traced (Dynamo would guard it in Python at every
+    call): a replacement with the shard's shape reaches the backend, which refuses it."""
+    model, compiled, _optimizer = _sharded_mlp()
+    shard = model.fc2._parameters["weight"]
+    model.fc2._parameters["weight"] = nn.Parameter(torch.zeros_like(shard))
+    with pytest.raises(RuntimeError, match=r"parameter 'fc2.weight' was replaced after zerocompile.shard\(\)"):
+        model(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match=r"parameter .fc2.weight. was replaced after zerocompile.shard\(\)"):
+        compiled(torch.randn(2, 7))
+
+
 def test_gathered_still_allows_full_parameters_and_reports_replacement_itself(single_rank) -> None:
     """Inside gathered() parameters are full by design; its own exit check names replacements."""
     model, compiled, optimizer = _sharded_mlp()

@@ -336,10 +336,16 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
             # is traced and guarded at every use of every parameter. Walking param._zero's
             # ShardInfo, config and stage policy instead was a fifth of Dynamo's work on a GPT
             # (Python calls while tracing a 12-layer one: 5.7M, 4.6M with this lookup).
-            shard, sharded, markers, keywords = self._zero_access[name]
-            # An identity test and a shape comparison: under torch.compile they are decided while
-            # tracing (a changed shape fails a guard and retraces), so compiled steps pay nothing.
-            if param is not shard or tuple(param.shape) != sharded:
+            sharded, markers, keywords = self._zero_access[name]
+            # Traced, testing identity with the recorded shard would make Dynamo guard that two
+            # sources are one object, in a guard function of Python run at every call; `hasattr`
+            # is guarded in C++, and a Parameter put in the shard's place has no shard info.
+            if torch.compiler.is_compiling():
+                replaced = not hasattr(param, "_zero")
+            else:
+                replaced = param is not self._zero_shards[name]
+            # The shape comparison is decided while tracing (a changed shape fails a guard).
+            if param is None or replaced or tuple(param.shape) != sharded:
                 _raise_changed_after_shard(self, name, param)
             return self._zero_slots[name].marker(param, markers, keywords)
 
@@ -363,8 +369,8 @@ def _make_module_unshard_on_access(
         # is left out: Dynamo would guard on it, and every block of a model compiled block by block
         # (or split by graph breaks) would then compile a graph of its own. The backend fills it in.
         markers = (*info.marker_args(), "", config.param_dtype, config.reduce_dtype)
-        # The property's one lookup: the Parameter, its sharded shape, its marker's arguments.
-        access[name] = (shard, sharded_shape(info), markers, _marker_keywords(info, shard.dtype))
+        # The property's one lookup: the sharded shape, the marker's arguments.
+        access[name] = (sharded_shape(info), markers, _marker_keywords(info, shard.dtype))
     module._zero_slots = slots
     module._zero_access = access
     module._zero_sync = sync  # one per model: what no_sync(model) enters and exits
