@@ -27,10 +27,10 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from .lowering import all_reduce_bucket, gather_bucket, reduce_scatter_bucket
 from .markers import UnshardArgs, is_reduce_grad, is_unshard, reduce_grad_args, unshard_args
+from .recording import record_ops
 from .stages import stage_policy
 
 
@@ -293,21 +293,21 @@ def _splice(
     graph = anchor.graph
     args = [marker.args[0] for marker in markers]
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        traced = make_fx(fn, decompositions, tracing_mode="real")(*[arg.meta["val"] for arg in args])
+        traced = record_ops(fn, [arg.meta["val"] for arg in args], decompositions)
     params = [_served(marker) for marker in markers]
     first = unshard_args(markers[0]) if is_unshard(markers[0]) else reduce_grad_args(markers[0])
     reduction = is_reduce_grad(markers[0])
     groups = {first.group_name: (first.world_size, 1)}
     if first.replicas > 1:
         groups[first.replica_group] = (first.replicas, first.world_size)
-    for new_node in traced.graph.nodes:
+    for new_node in traced.nodes:
         new_node.meta["zero_params"] = params
         new_node.meta["zero_groups"] = groups
         if reduction:  # its collectives reduce gradients, whatever their op (a quantised all-reduce gathers)
             new_node.meta["zero_reduction"] = True
     before = anchor.prev
     with graph.inserting_before(anchor):
-        outputs = graph.graph_copy(traced.graph, dict(zip(traced.graph.find_nodes(op="placeholder"), args)))
+        outputs = graph.graph_copy(traced, dict(zip(traced.find_nodes(op="placeholder"), args)))
     inserted = []
     node = before.next
     while node is not anchor:
