@@ -23,7 +23,10 @@ VOCAB = 256
 GLOBAL_BATCH, SEQ_LEN = 4, 16
 EAGER_TOLERANCE = 1e-5
 INDUCTOR_TOLERANCE = 1e-4
-EAGER_CASES = [(model, stage, "eager") for model in ("gpt2", "llama") for stage in (0, 1, 2, 3)]
+# Every stage on GPT-2 (tied embeddings); Llama (rotary buffers, untied head) at the stages that
+# keep parameters whole and that re-gather them: what a stage does does not depend on the model,
+# test_parity covers stages 1 and 2 on several (suite time).
+EAGER_CASES = [("gpt2", stage, "eager") for stage in (0, 1, 2, 3)] + [("llama", stage, "eager") for stage in (0, 3)]
 INDUCTOR_CASES = [("gpt2", 3, "inductor")]
 
 
