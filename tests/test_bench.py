@@ -131,6 +131,28 @@ def test_zero3_budget_mode_keeps_half_the_models_bytes(single_rank) -> None:
     assert settings == {(3, half)}
 
 
+def test_compile_cost_modes_use_the_eager_compilers_on_a_deeper_gpt(single_rank, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--layers` deepens the size's GPT; compile-aot-eager and zero3-eager train without Inductor."""
+    import torch._inductor.compile_fx
+
+    def no_inductor(*args, **kwargs):
+        raise AssertionError("Inductor compiled a graph")
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", no_inductor)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--model-size", "tiny", "--layers", "5", "--modes", "compile-aot-eager,zero3-eager"])
+    settings = bench.Settings(
+        ranks=1, model_size=args.model_size, layers=args.layers, steps=1, warmup=1, batch_size=1, seed=0,
+        modes=tuple(args.modes), interleave=(), cache_root="", device=None,
+    )
+    assert settings.config.n_layer == 5 and settings.config.n_embd == SIZES["tiny"].n_embd
+    batch = torch.randint(0, SIZES["tiny"].vocab_size, (1, 8))
+    for name in args.modes:
+        torch._dynamo.reset()
+        bench.MODES[name].build(GPT(settings.config)).runner(batch, batch).backward()
+
+
 def test_interleaved_modes_trace_gpt_code_of_their_own() -> None:
     """Dynamo's per-code state (a frame it gave up on) must not leak between modes of one process:
     FSDP2+compile gives up on GPT.forward, and zero3 sharing that code object ran eagerly."""

@@ -23,6 +23,13 @@ every device starts from the same ones.
   zero3-budget     stage 3 with memory_budget = half the model's fp32 parameter bytes: the
                    parameters used last in the forward stay gathered for the backward, the others
                    are gathered again (between zero2's and zero3's traffic)
+  compile-aot-eager  torch.compile(model, backend="aot_eager"), no data parallelism: AOTAutograd
+                   without Inductor, the reference for zero3-eager's compile time
+  zero3-eager      stage 3 with options={"compiler": "eager"}: our passes, graphs run op by op
+
+Compile cost: `--modes compile,zero3,compile-aot-eager,zero3-eager --layers 48` compares ours with
+plain torch.compile and with aot_eager on one deep GPT (each block adds its markers and
+collectives to the graphs our passes walk).
 
 How each figure is measured, per mode, after --warmup untimed steps (the first one compiles):
   step time   every step (forward, backward, optimizer step) starts after a barrier; the step
@@ -174,9 +181,12 @@ def _ddp(compiled: bool) -> Callable[[GPT], Prepared]:
     return build
 
 
-def _plain_compile(model: GPT) -> Prepared:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-    return Prepared(torch.compile(model), optimizer, lambda: _held_bytes(model, optimizer.state))
+def _plain_compile(backend: str) -> Callable[[GPT], Prepared]:
+    def build(model: GPT) -> Prepared:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+        return Prepared(torch.compile(model, backend=backend), optimizer, lambda: _held_bytes(model, optimizer.state))
+
+    return build
 
 
 def _zero_redundancy(model: GPT) -> Prepared:
@@ -199,11 +209,11 @@ def _fsdp2(compiled: bool) -> Callable[[GPT], Prepared]:
     return build
 
 
-def _zero(stage: int, **settings: Any) -> Callable[[GPT], Prepared]:
+def _zero(stage: int, compiler: str = "inductor", **settings: Any) -> Callable[[GPT], Prepared]:
     def build(model: GPT) -> Prepared:
         optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
         zc.shard(model, stage=stage, **settings)
-        runner = torch.compile(model, backend="zero")
+        runner = torch.compile(model, backend="zero", options={"compiler": compiler})
         return Prepared(runner, optimizer, lambda: zc.model_state_bytes(model, optimizer))
 
     return build
@@ -219,7 +229,7 @@ MODES: dict[str, Mode] = {
     for mode in [
         Mode("ddp", _ddp(compiled=False)),
         Mode("ddp-compile", _ddp(compiled=True)),
-        Mode("compile", _plain_compile),
+        Mode("compile", _plain_compile("inductor")),
         Mode("zero-redundancy", _zero_redundancy),
         Mode("fsdp2", _fsdp2(compiled=False)),
         Mode("fsdp2-compile", _fsdp2(compiled=True)),
@@ -227,6 +237,8 @@ MODES: dict[str, Mode] = {
         *(Mode(f"zero{stage}-bf16", _zero(stage, param_dtype=torch.bfloat16)) for stage in range(4)),
         Mode("zero3-int8", _zero(3, gather_quant="int8", reduce_quant="int8")),
         Mode("zero3-budget", _zero3_half_budget),
+        Mode("compile-aot-eager", _plain_compile("aot_eager")),
+        Mode("zero3-eager", _zero(3, compiler="eager")),
     ]
 }
 
@@ -263,6 +275,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=sorted(SIZES),
         default=None,
         help=f"GPT size (default {DEFAULTS[0]}; --quick: {QUICK[0]})",
+    )
+    parser.add_argument(
+        "--layers", type=_positive_int, default=None, help="blocks of the GPT (default: the size's own)"
     )
     parser.add_argument(
         "--steps",
@@ -314,6 +329,7 @@ class Settings:
 
     ranks: int
     model_size: str
+    layers: int | None  # None: the size's own
     steps: int
     warmup: int
     batch_size: int
@@ -325,7 +341,8 @@ class Settings:
 
     @property
     def config(self) -> GPTConfig:
-        return SIZES[self.model_size]
+        size = SIZES[self.model_size]
+        return size if self.layers is None else dataclasses.replace(size, n_layer=self.layers)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -340,12 +357,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     model_size = args.model_size or size
     if args.batch_size % args.ranks:
         raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the {args.ranks} ranks")
-    phi = _count_parameters(SIZES[model_size])
+    config = SIZES[model_size] if args.layers is None else dataclasses.replace(SIZES[model_size], n_layer=args.layers)
+    phi = _count_parameters(config)
     machine = {"node": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__}
     print(
         f"zerocompile bench on {machine['node']} ({machine['cpu_count']} CPUs, torch {machine['torch']}): "
-        f"{args.ranks} {default_backend(args.device)} ranks, GPT {model_size} (Φ = {phi:,}), global batch {args.batch_size} x "
-        f"{SIZES[model_size].block_size} tokens, fp32 AdamW, {args.warmup or warmup} warm-up + "
+        f"{args.ranks} {default_backend(args.device)} ranks, GPT {_described({'model_size': model_size, 'layers': args.layers})} (Φ = {phi:,}), global batch {args.batch_size} x "
+        f"{config.block_size} tokens, fp32 AdamW, {args.warmup or warmup} warm-up + "
         f"{args.steps or steps} timed steps per mode",
         flush=True,
     )
@@ -353,6 +371,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         settings = Settings(
             ranks=args.ranks,
             model_size=model_size,
+            layers=args.layers,
             steps=args.steps or steps,
             warmup=args.warmup or warmup,
             batch_size=args.batch_size,
@@ -698,12 +717,17 @@ def _progress_line(mode: dict[str, Any]) -> str:
     )
 
 
+def _described(settings: dict[str, Any]) -> str:
+    layers = settings.get("layers")
+    return settings["model_size"] if layers is None else f"{settings['model_size']} with {layers} layers"
+
+
 def markdown_table(summary: dict[str, Any]) -> str:
     """bench.md: the machine, the settings, one row per mode, the theory and how it was measured."""
     machine, settings, theory = summary["machine"], summary["settings"], summary["theory"]
     lines = [
         f"`zerocompile bench` on {machine['node']} ({machine['cpu_count']} CPUs, torch {machine['torch']}), "
-        f"{settings['ranks']} {settings['backend']} ranks, GPT {settings['model_size']} "
+        f"{settings['ranks']} {settings['backend']} ranks, GPT {_described(settings)} "
         f"(Φ = {settings['phi']:,}, tied embeddings), "
         f"global batch {settings['batch_size']} x {settings['block_size']} tokens, {settings['optimizer']}, "
         f"{settings['warmup']} warm-up + {settings['steps']} timed steps per mode, malloc {settings['malloc']}"
@@ -815,7 +839,7 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
     figure.suptitle(
         f"{machine['node']}, {machine['cpu_count']} CPUs, torch {machine['torch']}: "
         f"{settings['ranks']} {settings['backend']} ranks, "
-        f"GPT {settings['model_size']} (Φ = {settings['phi']:,}), fp32 AdamW",
+        f"GPT {_described(settings)} (Φ = {settings['phi']:,}), fp32 AdamW",
         fontsize="medium",
     )
     figure.tight_layout()
