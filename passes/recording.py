@@ -6,7 +6,8 @@ a 48-layer GPT's stage-3 forward bucket of 580 parameters is 1,800 ops, and trac
 lowering's buckets took 4 s of that model's 37 s compile. The lowering functions (`lowering.py`)
 need none of it: tensors in, a list of tensors out, static shapes. One `TorchDispatchMode`
 that runs each op on the input values (fake tensors under the graph's fake mode, or meta tensors)
-and appends it to a graph does the job at about a third of the cost.
+and appends it to a graph does the job at less than half the cost (one bucket of 600
+parameters: 1.8 s -> 0.75 s).
 
 Every recorded node carries `meta["val"]` (the op's output value) and `meta["tensor_meta"]`, as
 make_fx's do. Ops in `decompositions` are recorded as their decomposition (Inductor's post-grad
