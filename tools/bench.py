@@ -329,7 +329,6 @@ class Settings:
 
     ranks: int
     model_size: str
-    layers: int | None  # None: the size's own
     steps: int
     warmup: int
     batch_size: int
@@ -338,6 +337,7 @@ class Settings:
     interleave: tuple[str, ...]
     cache_root: str
     device: torch.device | None  # None: each rank's process group device
+    layers: int | None = None  # None: the size's own
 
     @property
     def config(self) -> GPTConfig:
