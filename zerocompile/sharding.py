@@ -345,7 +345,7 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
             else:
                 replaced = param is not self._zero_shards[name]
             # The shape comparison is decided while tracing (a changed shape fails a guard).
-            if param is None or replaced or tuple(param.shape) != sharded:
+            if replaced or tuple(param.shape) != sharded:  # a removed parameter (None) is replaced too
                 _raise_changed_after_shard(self, name, param)
             return self._zero_slots[name].marker(param, markers, keywords)
 
