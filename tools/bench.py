@@ -341,8 +341,12 @@ class Settings:
 
     @property
     def config(self) -> GPTConfig:
-        size = SIZES[self.model_size]
-        return size if self.layers is None else dataclasses.replace(size, n_layer=self.layers)
+        return _gpt_config(self.model_size, self.layers)
+
+
+def _gpt_config(model_size: str, layers: int | None) -> GPTConfig:
+    size = SIZES[model_size]
+    return size if layers is None else dataclasses.replace(size, n_layer=layers)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -357,12 +361,12 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     model_size = args.model_size or size
     if args.batch_size % args.ranks:
         raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the {args.ranks} ranks")
-    config = SIZES[model_size] if args.layers is None else dataclasses.replace(SIZES[model_size], n_layer=args.layers)
+    config = _gpt_config(model_size, args.layers)
     phi = _count_parameters(config)
     machine = {"node": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__}
     print(
         f"zerocompile bench on {machine['node']} ({machine['cpu_count']} CPUs, torch {machine['torch']}): "
-        f"{args.ranks} {default_backend(args.device)} ranks, GPT {_described({'model_size': model_size, 'layers': args.layers})} (Φ = {phi:,}), global batch {args.batch_size} x "
+        f"{args.ranks} {default_backend(args.device)} ranks, GPT {_described(model_size, args.layers)} (Φ = {phi:,}), global batch {args.batch_size} x "
         f"{config.block_size} tokens, fp32 AdamW, {args.warmup or warmup} warm-up + "
         f"{args.steps or steps} timed steps per mode",
         flush=True,
@@ -717,9 +721,8 @@ def _progress_line(mode: dict[str, Any]) -> str:
     )
 
 
-def _described(settings: dict[str, Any]) -> str:
-    layers = settings.get("layers")
-    return settings["model_size"] if layers is None else f"{settings['model_size']} with {layers} layers"
+def _described(model_size: str, layers: int | None) -> str:
+    return model_size if layers is None else f"{model_size} with {layers} layers"
 
 
 def markdown_table(summary: dict[str, Any]) -> str:
@@ -727,7 +730,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
     machine, settings, theory = summary["machine"], summary["settings"], summary["theory"]
     lines = [
         f"`zerocompile bench` on {machine['node']} ({machine['cpu_count']} CPUs, torch {machine['torch']}), "
-        f"{settings['ranks']} {settings['backend']} ranks, GPT {_described(settings)} "
+        f"{settings['ranks']} {settings['backend']} ranks, GPT {_described(settings['model_size'], settings.get('layers'))} "
         f"(Φ = {settings['phi']:,}, tied embeddings), "
         f"global batch {settings['batch_size']} x {settings['block_size']} tokens, {settings['optimizer']}, "
         f"{settings['warmup']} warm-up + {settings['steps']} timed steps per mode, malloc {settings['malloc']}"
@@ -839,7 +842,7 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
     figure.suptitle(
         f"{machine['node']}, {machine['cpu_count']} CPUs, torch {machine['torch']}: "
         f"{settings['ranks']} {settings['backend']} ranks, "
-        f"GPT {_described(settings)} (Φ = {settings['phi']:,}), fp32 AdamW",
+        f"GPT {_described(settings['model_size'], settings.get('layers'))} (Φ = {settings['phi']:,}), fp32 AdamW",
         fontsize="medium",
     )
     figure.tight_layout()
