@@ -92,16 +92,12 @@ def test_loss_curve_does_not_depend_on_the_number_of_ranks(tmp_path) -> None:
     assert losses[2] == pytest.approx(losses[1], rel=1e-4)
 
 
-def _train(*flags: str) -> list[float]:
-    return _losses(2, *flags)
-
-
 def test_gradient_accumulation_both_ways_matches_one_batch(tmp_path) -> None:
     """Two micro-batches of half the rows (reducing each, or no_sync then one reduction) follow
     the same loss curve as the whole batch at once; clipping included."""
-    plain = _train("--steps", "4", "--clip", "0.5", "--out", str(tmp_path))
+    plain = _losses(2, "--steps", "4", "--clip", "0.5", "--out", str(tmp_path))
     for accumulate in (["--grad-accum", "2"], ["--grad-accum", "2", "--no-sync"]):
-        assert _train("--steps", "4", "--clip", "0.5", "--out", str(tmp_path), *accumulate) == pytest.approx(
+        assert _losses(2, "--steps", "4", "--clip", "0.5", "--out", str(tmp_path), *accumulate) == pytest.approx(
             plain, rel=1e-5
         ), accumulate
 
@@ -109,10 +105,10 @@ def test_gradient_accumulation_both_ways_matches_one_batch(tmp_path) -> None:
 def test_resume_at_another_stage_continues_the_uninterrupted_run(tmp_path) -> None:
     """3 steps at stage 3 saved, resumed at stage 2 up to step 6: the same losses as 6 steps in one
     go (batches continue where they stopped); the loss curve is drawn."""
-    uninterrupted = _train("--steps", "6", "--out", str(tmp_path / "a"))
+    uninterrupted = _losses(2, "--steps", "6", "--out", str(tmp_path / "a"))
     checkpoint = str(tmp_path / "ckpt")
-    _train("--steps", "3", "--save", checkpoint, "--out", str(tmp_path / "b"))
-    resumed = _train("--steps", "6", "--stage", "2", "--resume", checkpoint, "--out", str(tmp_path / "c"))
+    _losses(2, "--steps", "3", "--save", checkpoint, "--out", str(tmp_path / "b"))
+    resumed = _losses(2, "--steps", "6", "--stage", "2", "--resume", checkpoint, "--out", str(tmp_path / "c"))
     assert resumed == pytest.approx(uninterrupted, rel=1e-6, abs=1e-6)
     assert (tmp_path / "c" / "loss.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -120,10 +116,10 @@ def test_resume_at_another_stage_continues_the_uninterrupted_run(tmp_path) -> No
 def test_meta_and_whole_builds_start_from_the_same_weights(tmp_path) -> None:
     """`--build meta` (the default) materialises only each rank's shards; the values, and so the
     loss curve, are those of the model built whole on every rank."""
-    meta = _train("--steps", "2", "--out", str(tmp_path))
-    assert _train("--steps", "2", "--build", "whole", "--out", str(tmp_path)) == meta
+    meta = _losses(2, "--steps", "2", "--out", str(tmp_path))
+    assert _losses(2, "--steps", "2", "--build", "whole", "--out", str(tmp_path)) == meta
     # An explicit --device cpu is what the default picks on a gloo group: the same run.
-    assert _train("--steps", "2", "--build", "whole", "--device", "cpu", "--out", str(tmp_path)) == meta
+    assert _losses(2, "--steps", "2", "--build", "whole", "--device", "cpu", "--out", str(tmp_path)) == meta
 
 
 def test_saved_weights_load_into_another_stage(tmp_path) -> None:
@@ -132,8 +128,8 @@ def test_saved_weights_load_into_another_stage(tmp_path) -> None:
     model's, far below a fresh start's."""
     from safetensors.torch import load_file
 
-    trained = _train("--steps", "6", "--save-weights", str(tmp_path / "a"), "--out", str(tmp_path))
-    loaded = _train(
+    trained = _losses(2, "--steps", "6", "--save-weights", str(tmp_path / "a"), "--out", str(tmp_path))
+    loaded = _losses(2, 
         "--steps", "1", "--stage", "2", "--lr", "0", "--load-weights", str(tmp_path / "a"),
         "--save-weights", str(tmp_path / "b.safetensors"), "--out", str(tmp_path),
     )  # fmt: skip
