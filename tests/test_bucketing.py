@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from fx_helpers import WORLD, call_targets, markers_in, node_index, on, output_args, trace
 from zerocompile.passes import analysis, ledger, lowering
@@ -36,6 +36,7 @@ from zerocompile.passes.markers import REDUCE_GRAD, UNSHARD
 aten = torch.ops.aten
 funcol = torch.ops._c10d_functional
 PACK = torch.ops.zero.pack.default
+AVERAGE_ROWS = torch.ops.zero.average_rows.default
 # A gather bucket is one coalesced all-gather: output i (a getitem) is parameter i, padded, gathered.
 AG, GI, WAIT = funcol.all_gather_into_tensor_coalesced.default, operator.getitem, funcol.wait_tensor.default
 SLICE, VIEW, MM, SPLIT = aten.slice.Tensor, aten.view.default, aten.mm.default, aten.split_with_sizes.default
@@ -604,17 +605,9 @@ def test_reduction_bucket_is_one_collective_over_rank_major_blocks(group_name, t
         (wait,) = a2a.users
         (rows,) = wait.users
         assert rows.target is aten.view.default and rows.args == (wait, [WORLD, total])
-        (summed,) = rows.users
-        assert summed.target is aten.sum.dim_IntList and summed.args == (rows, [0])
-        (reduced,) = summed.users
-        assert reduced.target is aten.div.Tensor and reduced.args == (summed, WORLD) and shape(reduced) == (total,)
-        collective_ops = [
-            funcol.all_to_all_single.default,
-            funcol.wait_tensor.default,
-            aten.view.default,
-            aten.sum.dim_IntList,
-            aten.div.Tensor,
-        ]
+        (reduced,) = rows.users
+        assert reduced.target is AVERAGE_ROWS and reduced.args == (rows, WORLD) and shape(reduced) == (total,)
+        collective_ops = [funcol.all_to_all_single.default, funcol.wait_tensor.default, aten.view.default, AVERAGE_ROWS]
     (split,) = reduced.users
     assert split.target is aten.split_with_sizes.default and split.args == (reduced, list(SHARDS))
     outs = output_args(gm.graph)
@@ -649,6 +642,23 @@ def test_pack_of_one_row_is_the_concatenation():
     assert torch.equal(lowering.pack(shards, 1, [3, 4]), torch.tensor([1.0, 1, 1, 0, 0, 0, 0]))
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_average_rows_is_the_mean_rounded_once(dtype):
+    """average_rows(rows, ranks): the sum over dim 0 divided by `ranks`, accumulated in fp32 and
+    rounded to the rows' dtype once, as the fused kernel it replaces rounded (3 ranks: dividing
+    a sum already rounded to bf16 rounds twice and differs in some elements)."""
+    rows = torch.randn(3, 4096, generator=torch.Generator().manual_seed(0)).to(dtype)
+    mean = lowering.average_rows(rows, 3)
+    assert mean.shape == (4096,) and mean.dtype == dtype
+    in_fp32 = rows.float()
+    assert torch.equal(mean, ((in_fp32[0] + in_fp32[1] + in_fp32[2]) / 3).to(dtype))
+    one_row = lowering.average_rows(rows[:1], 4)  # after an all-reduce: one summed row
+    assert torch.equal(one_row, (in_fp32[0] / 4).to(dtype))
+    with FakeTensorMode():
+        fake = lowering.average_rows(torch.empty(4, 6, 5, dtype=dtype), 4)
+    assert fake.shape == (6, 5) and fake.dtype == dtype
+
 def test_stage0_reduction_bucket_is_one_all_reduce_viewed_back(group_name):
     gm = backward_model(group_name, stage=0)
     grads = find(gm.graph, aten.mul.Tensor)
@@ -663,8 +673,10 @@ def test_stage0_reduction_bucket_is_one_all_reduce_viewed_back(group_name):
     assert shape(packed) == (sum(FULL_BYTES_F32) // 4,)
     assert ar.args[1:] == ("sum", group_name)
     (wait,) = ar.users
-    (mean,) = wait.users
-    assert mean.target is aten.div.Tensor and mean.args == (wait, WORLD)
+    (row,) = wait.users
+    assert row.target is aten.unsqueeze.default and row.args == (wait, 0)
+    (mean,) = row.users
+    assert mean.target is AVERAGE_ROWS and mean.args == (row, WORLD)
     (split,) = mean.users
     numels = [math.prod(s) for s in SHAPES]
     assert split.target is aten.split_with_sizes.default and split.args == (mean, numels)
@@ -678,7 +690,8 @@ def test_stage0_reduction_bucket_is_one_all_reduce_viewed_back(group_name):
         PACK,
         funcol.all_reduce.default,
         funcol.wait_tensor.default,
-        aten.div.Tensor,
+        aten.unsqueeze.default,
+        AVERAGE_ROWS,
         aten.split_with_sizes.default,
         *[operator.getitem] * 4,
         *[aten.view.default] * 4,
@@ -1060,7 +1073,7 @@ def _three_reductions(group_name: str, textbook: bool = True) -> fx.GraphModule:
 
 
 MUL, ADD, SIN, COS = aten.mul.Tensor, aten.add.Tensor, aten.sin.default, aten.cos.default
-RS, A2A, SUM, DIV = funcol.reduce_scatter_tensor.default, funcol.all_to_all_single.default, aten.sum.dim_IntList, aten.div.Tensor
+RS, A2A, MEAN = funcol.reduce_scatter_tensor.default, funcol.all_to_all_single.default, AVERAGE_ROWS
 
 
 @pytest.mark.parametrize(
@@ -1072,8 +1085,8 @@ RS, A2A, SUM, DIV = funcol.reduce_scatter_tensor.default, funcol.all_to_all_sing
         (
             1,
             False,
-            [MUL, PACK, A2A, ADD, WAIT, VIEW, SUM, DIV, VIEW, A2A, SIN, WAIT, VIEW, SUM, DIV]
-            + [VIEW, A2A, WAIT, VIEW, SUM, DIV],
+            [MUL, PACK, A2A, ADD, WAIT, VIEW, MEAN, VIEW, A2A, SIN, WAIT, VIEW, MEAN]
+            + [VIEW, A2A, WAIT, VIEW, MEAN],
         ),
     ],
     ids=["none", "one", "two", "one-gloo"],
@@ -1088,7 +1101,7 @@ def test_prefetch_waits_each_reduction_just_before_the_next_starts(group_name, p
     # the last bucket's wait (and unpacking) is untouched: the outputs are its values
     outs = output_args(gm.graph)
     last = outs[-1]
-    assert (last.target, shape(last)) == ((WAIT, (2,)) if textbook else (DIV, (2,)))
+    assert (last.target, shape(last)) == ((WAIT, (2,)) if textbook else (MEAN, (2,)))
     assert [shape(o) for o in outs] == [(4,), (5,), (2,)]
 
 

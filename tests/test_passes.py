@@ -39,17 +39,17 @@ GATHER = [GATHER_OP, operator.getitem, funcol.wait_tensor.default, aten.view.def
 GATHER_PADDED = [GATHER_OP, operator.getitem, funcol.wait_tensor.default, aten.slice.Tensor, aten.view.default]
 REDUCE_SCATTER = [aten.view.default, funcol.reduce_scatter_tensor.default, funcol.wait_tensor.default]
 PACK = torch.ops.zero.pack.default
+AVERAGE_ROWS = torch.ops.zero.average_rows.default
 REDUCE_SCATTER_PADDED = [PACK, *REDUCE_SCATTER[1:]]
 ALL_TO_ALL = [
     aten.view.default,
     funcol.all_to_all_single.default,
     funcol.wait_tensor.default,
     aten.view.default,
-    aten.sum.dim_IntList,
-    aten.div.Tensor,
+    AVERAGE_ROWS,
 ]
 ALL_TO_ALL_PADDED = [PACK, *ALL_TO_ALL[1:]]
-ALL_REDUCE = [funcol.all_reduce.default, funcol.wait_tensor.default, aten.div.Tensor]
+ALL_REDUCE = [funcol.all_reduce.default, funcol.wait_tensor.default, aten.unsqueeze.default, AVERAGE_ROWS]
 
 pytestmark = pytest.mark.usefixtures("group_name")
 
@@ -320,10 +320,8 @@ def test_lower_markers_gloo_builds_reduce_scatter_from_all_to_all(group_name, st
     assert_new_nodes_have_vals(gm.graph, before)
     _, r1, r2 = output_args(gm.graph)
     for result, shard_numel, sent in ((r1, 4, 16), (r2, 5, 20)):
-        assert result.target is aten.div.Tensor and result.args[1] == WORLD
-        summed = result.args[0]
-        assert summed.target is aten.sum.dim_IntList and summed.args[1] == [0]
-        rows = summed.args[0]
+        assert result.target is AVERAGE_ROWS and result.args[1] == WORLD
+        rows = result.args[0]
         assert rows.target is aten.view.default and rows.args[1] == [WORLD, shard_numel]
         wait = rows.args[0]
         assert wait.target is funcol.wait_tensor.default
@@ -347,8 +345,10 @@ def test_lower_markers_stage0_unshard_rewired_and_reduce_grad_all_reduces(group_
     assert gm.graph.find_nodes(op="call_function", target=GATHER_OP) == []
     _, r1, r2 = output_args(gm.graph)
     for result, shape in ((r1, (3, 5)), (r2, (5, 4))):
-        assert result.target is aten.div.Tensor and result.args[1] == WORLD
-        wait = result.args[0]
+        assert result.target is AVERAGE_ROWS and result.args[1] == WORLD
+        row = result.args[0]
+        assert row.target is aten.unsqueeze.default and row.args[1] == 0
+        wait = row.args[0]
         assert wait.target is funcol.wait_tensor.default
         assert wait.args[0].target is funcol.all_reduce.default and wait.args[0].args[1:] == ("sum", group_name)
         assert tuple(result.meta["val"].shape) == shape
