@@ -23,6 +23,7 @@ MODES = ("ddp", "fsdp2", "zero3")
 FIELDS = (
     "step_time_s",
     "compile_time_s",
+    "compile_cpu_s",
     "peak_rss_bytes",
     "rss_before_bytes",
     "sent_bytes_per_step",
@@ -87,6 +88,15 @@ def test_model_state_and_loss_are_what_each_mode_promises(quick_run: tuple[int, 
         assert sum(modes[name]["model_state_bytes"].values()) == pytest.approx(16 * phi / ranks, rel=0.02)
     losses = [mode["final_loss"] for mode in modes.values()]
     assert losses == pytest.approx([losses[0]] * len(losses), rel=1e-4)
+
+
+def test_compile_cpu_is_seconds_where_the_first_step_compiles(quick_run: tuple[int, Path]) -> None:
+    """Only zero3 compiles (with Inductor: Python and g++); its compile CPU is seconds (measured
+    on the tiny GPT: ~13 s), while eager DDP's first step costs what any step does, give or take
+    scheduling noise (measured: ~0.01 s)."""
+    _, modes = _modes(quick_run)
+    assert modes["zero3"]["compile_cpu_s"] > 1.0
+    assert abs(modes["ddp"]["compile_cpu_s"]) < 0.5 * modes["zero3"]["compile_cpu_s"]
 
 
 def test_interleaved_modes_are_timed_round_by_round(quick_run: tuple[int, Path]) -> None:

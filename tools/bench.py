@@ -36,7 +36,10 @@ How each figure is measured, per mode, after --warmup untimed steps (the first o
               time is the slowest rank's, and the table shows the median over --steps steps (on
               an accelerator each phase ends when the device has finished its queued work)
   compile     first warm-up step minus the median step; each mode compiles into its own fresh
-              Inductor cache, so compile times are cold and comparable across modes and runs
+              Inductor cache, so compile times are cold and comparable across modes and runs.
+              "compile CPU" is the same difference in CPU seconds of the rank and the compilers it
+              ran (g++ here): on a shared machine the ranks' concurrent compiles and other load
+              stretch the wall clock, the work itself far less (the largest rank's)
   peak RSS    VmHWM over the timed steps (reset through /proc/self/clear_refs before them; where
               that is refused, ru_maxrss since the rank started, and the JSON says so), largest
               rank; "RSS between steps" is VmRSS after the warm-up steps. Every mode runs in its
@@ -414,6 +417,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "method": {
             "step_time": "median over timed steps of the slowest rank's step; each step starts after a barrier",
             "compile_time": "first warm-up step minus the median step; a fresh Inductor cache per mode",
+            "compile_cpu": "the same in CPU seconds of a rank and the compilers it ran, largest rank",
             "rss_between_steps": "largest rank's VmRSS after the warm-up steps, before the timed ones",
             "peak_rss": "largest rank; VmHWM after resetting it before the timed steps, unless rss_source says "
             "ru_maxrss; every mode in its own processes",
@@ -570,6 +574,7 @@ def _measure_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
     return {
         "step_times": [step.seconds for step in timed],
         "first_step": warmup[0].seconds,
+        "compile_cpu": warmup[0].cpu_seconds - statistics.median(step.cpu_seconds for step in timed),
         "sent": [step.sent for step in timed],
         "losses": [step.loss.item() for step in warmup + timed],
         "held": held,
@@ -585,6 +590,7 @@ class Step(NamedTuple):
     """One timed training step on this rank."""
 
     seconds: float  # forward + backward + optimizer step
+    cpu_seconds: float  # CPU time of this rank and of the child processes it waited for (compilers)
     phases: tuple[float, float, float]  # seconds in the forward, the backward, the optimizer step
     sent: int  # bytes written (wchar)
     loss: torch.Tensor
@@ -600,6 +606,7 @@ def _one_step(prepared: Prepared, batches: _RandomBatches) -> Step:
     _finish_queued_work(inputs.device)
     dist.barrier()
     written = _wchar()
+    cpu_start = _cpu_seconds()
     start = time.perf_counter()
     loss = prepared.runner(inputs, targets)
     _finish_queued_work(inputs.device)
@@ -611,7 +618,12 @@ def _one_step(prepared: Prepared, batches: _RandomBatches) -> Step:
     _finish_queued_work(inputs.device)
     end = time.perf_counter()
     phases = (forward_done - start, backward_done - forward_done, end - backward_done)
-    return Step(end - start, phases, _wchar() - written, loss.detach())
+    return Step(end - start, _cpu_seconds() - cpu_start, phases, _wchar() - written, loss.detach())
+
+
+def _cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
 
 
 def _finish_queued_work(device: torch.device) -> None:
@@ -661,6 +673,7 @@ def _summarise(name: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "status": "ok",
         "step_time_s": median_step,
         "compile_time_s": first_step - median_step,
+        "compile_cpu_s": max(m["compile_cpu"] for m in per_rank),
         "first_step_s": first_step,
         "step_times_s": step_times,
         "peak_rss_bytes": max(m["peak_rss"] for m in per_rank),
@@ -715,7 +728,8 @@ def _progress_line(mode: dict[str, Any]) -> str:
         return f"{mode['mode']:<16} FAILED {mode['error']}"
     held = mode["model_state_bytes"]
     return (
-        f"{mode['mode']:<16} step {mode['step_time_s']:.3f} s | compile {mode['compile_time_s']:.1f} s | "
+        f"{mode['mode']:<16} step {mode['step_time_s']:.3f} s | compile {mode['compile_time_s']:.1f} s "
+        f"({mode['compile_cpu_s']:.1f} s CPU) | "
         f"peak RSS {mode['peak_rss_bytes'] / MB:.0f} MB | sent {mode['sent_bytes_per_step'] / MB:.2f} MB/step | "
         f"state {sum(held.values()) / MB:.1f} MB | loss {mode['final_loss']:.4f} | load {mode['load_avg_1min']:.1f}"
     )
@@ -738,7 +752,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
         + ".",
         "",
         (
-            "| mode | step s | compile s | RSS between steps MB | peak RSS MB | sent MB/step/rank "
+            "| mode | step s | compile s (CPU s) | RSS between steps MB | peak RSS MB | sent MB/step/rank "
             "| params / grads / optim MB per rank | final loss | vs ddp | load |"
         ),
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -752,7 +766,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
             continue
         held = mode["model_state_bytes"]
         lines.append(
-            f"| {mode['mode']} | {mode['step_time_s']:.3f} | {mode['compile_time_s']:.1f} | "
+            f"| {mode['mode']} | {mode['step_time_s']:.3f} | {mode['compile_time_s']:.1f} ({mode['compile_cpu_s']:.1f}) | "
             f"{mode['rss_before_bytes'] / MB:.0f} | {mode['peak_rss_bytes'] / MB:.0f} | "
             f"{mode['sent_bytes_per_step'] / MB:.2f} | "
             f"{held['params'] / MB:.1f} / {held['grads'] / MB:.1f} / {held['optimizer'] / MB:.1f} | "
