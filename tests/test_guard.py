@@ -130,6 +130,18 @@ def _recompiling_alone(rank: int) -> dict:
     return {"unanswered": guard.stats.unanswered - unanswered, "waits": waits}
 
 
+def _recompiling_together_after_a_reset(rank: int) -> dict:
+    """After `_recompiling_alone` (rank 1 compiled frame 0/1 alone) and a reset, both ranks train
+    and recompile frame 0/1 together: the guard must compare every graph, waiting for nothing."""
+    unanswered, checks = guard.stats.unanswered, guard.stats.checks
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(guard, "PEER_WAIT", PEER_WAIT)
+        compiled = _compiled(3, branch_on_rank=False)  # resets Dynamo
+        compiled(_batch(rank)).backward()
+        compiled(torch.randn(3, 8)).backward()
+    return {"unanswered": guard.stats.unanswered - unanswered, "checks": guard.stats.checks - checks}
+
+
 def guard_report(rank: int, world_size: int) -> dict:
     """Every case on this rank: its outcome, or the traceback of an unexpected failure."""
     peer_wait = guard.PEER_WAIT
@@ -139,6 +151,7 @@ def guard_report(rank: int, world_size: int) -> dict:
             ("diverging stage 3", lambda: _diverging(3, rank)),
             ("diverging stage 2", lambda: _diverging(2, rank)),
             ("recompiling alone", lambda: _recompiling_alone(rank)),
+            ("recompiling together after a reset", lambda: _recompiling_together_after_a_reset(rank)),
             ("stall in forward", lambda: _stalled_peer(rank, "forward")),
             ("exit before backward", lambda: _stalled_peer(rank, "backward")),
             ("globals afterwards", lambda: {"PEER_WAIT": (peer_wait, guard.PEER_WAIT)}),
@@ -205,6 +218,12 @@ def test_a_rank_recompiling_alone_waits_a_bounded_time_and_trains_on(reports) ->
     # Bounded by what it asked the store for, not by how long that took on this machine.
     assert rank1["waits"] and all(wait <= PEER_WAIT for wait in rank1["waits"]), rank1["waits"]
     assert rank1["waits"][-1] == PEER_WAIT, rank1["waits"]
+
+
+def test_after_a_reset_ranks_that_once_compiled_alone_compare_again(reports) -> None:
+    for rank, report in enumerate(reports):
+        outcome = _case(report, "recompiling together after a reset")
+        assert outcome == {"unanswered": 0, "checks": 2}, f"rank {rank}: {outcome}"
 
 
 def test_equal_schedules_agree() -> None:

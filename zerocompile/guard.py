@@ -11,8 +11,12 @@ graph it is seen on every compile, Inductor/AOT cache hit or not.
 
 The exchange goes through the group's c10d store, not a collective: a collective could itself be
 mismatched and hang. A graph is named by its Dynamo frame (e.g. "0/1", the same on ranks running
-the same code) and how often this rank compiled that frame before (`store.add`, so it starts afresh
-with every process group, and a `torch._dynamo.reset()` on every rank stays aligned). Each rank
+the same code), the Dynamo session (how many `torch._dynamo.reset()`s this rank has seen, which
+restart the frame numbers) and how often this rank compiled that frame in the session
+(`store.add`, so it starts afresh with every process group too). Counting per session keeps the
+ranks aligned after a rank-local recompile: counted over the group's life, the rank that compiled
+frame "0/1" alone stayed one compile ahead on "0/1" after every later reset, so each later "0/1"
+waited `PEER_WAIT` and was compared with nothing. Each rank
 `set`s its description under that name, `wait`s a bounded time for the other ranks', and compares;
 every rank reads the same descriptions and so raises the same error.
 
@@ -41,6 +45,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from torch._dynamo.callback import callback_handler
 from torch.distributed.distributed_c10d import _get_process_group_store, _resolve_process_group
 
 from zerocompile.distributed import process_group_timeout
@@ -238,9 +243,9 @@ def _exchange_and_compare(group: dist.ProcessGroup, group_name: str, schedule: S
     started = time.perf_counter()
     store = _get_process_group_store(group)  # already prefixed by the group's name
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    frame = schedule.compile_id
+    frame = f"{_dynamo_session()}/{schedule.compile_id}"
     occurrence = store.add(f"{_KEY_PREFIX}/count/{frame}/rank{rank}", 1)
-    name = f"Dynamo frame {frame} (compile #{occurrence} of it)"
+    name = f"Dynamo frame {schedule.compile_id} (compile #{occurrence} of it)"
     keys = [f"{_KEY_PREFIX}/{frame}#{occurrence}/rank{r}" for r in range(world_size)]
     payload = schedule.to_json()
     store.set(keys[rank], payload)
@@ -269,6 +274,22 @@ def _exchange_and_compare(group: dist.ProcessGroup, group_name: str, schedule: S
             f"ranks traced different collective schedules for {name}, group '{group_name}': "
             f"{difference}. {_DIVERGENCE_FIX}."
         )
+
+
+_sessions = {"seen": 0}
+
+
+def _dynamo_session() -> int:
+    """How many Dynamo sessions this process has compiled in: `torch._dynamo.reset()` clears
+    Dynamo's compile-callback registry, so a marker callback that is gone means a new session."""
+    if _session_marker not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(_session_marker)
+        _sessions["seen"] += 1
+    return _sessions["seen"]
+
+
+def _session_marker(_args: Any) -> None:
+    """Registered only to be found again (see `_dynamo_session`)."""
 
 
 # A transport failure or timeout, as gloo, NCCL and the c10d stores word them.
