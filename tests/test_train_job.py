@@ -129,7 +129,7 @@ def test_saved_weights_load_into_another_stage(tmp_path) -> None:
     from safetensors.torch import load_file
 
     trained = _losses(2, "--steps", "6", "--save-weights", str(tmp_path / "a"), "--out", str(tmp_path))
-    loaded = _losses(2, 
+    loaded = _losses(2,
         "--steps", "1", "--stage", "2", "--lr", "0", "--load-weights", str(tmp_path / "a"),
         "--save-weights", str(tmp_path / "b.safetensors"), "--out", str(tmp_path),
     )  # fmt: skip
