@@ -17,8 +17,11 @@ import zerocompile as zc
 from fx_helpers import WORLD
 
 # New examples every run, yet any run repeatable: property tests that spawn ranks pass this seed to
-# every rank (hypothesis' own --hypothesis-seed does not reach spawned processes).
-HYPOTHESIS_SEED = int(os.environ.get("ZC_HYPOTHESIS_SEED") or int.from_bytes(os.urandom(4), "big"))
+# every rank (hypothesis' own --hypothesis-seed does not reach spawned processes). Put in the
+# environment, so pytest-xdist's workers, started after this module is imported, draw with the seed
+# the header names rather than one of their own.
+os.environ.setdefault("ZC_HYPOTHESIS_SEED", str(int.from_bytes(os.urandom(4), "big")))
+HYPOTHESIS_SEED = int(os.environ["ZC_HYPOTHESIS_SEED"])
 
 
 def pytest_report_header(config: pytest.Config) -> str:

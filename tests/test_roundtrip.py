@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import sys
 import traceback
 from datetime import timedelta
@@ -337,6 +338,12 @@ def _drawn(hypothesis_seed: int) -> list[str]:
 
     record()
     return examples
+
+
+def test_workers_started_later_draw_with_the_seed_the_header_names(hypothesis_seed: int) -> None:
+    """pytest-xdist starts its workers after the conftest chose (and printed) the seed: each must
+    inherit it, not draw a seed of its own that no header shows."""
+    assert os.environ.get("ZC_HYPOTHESIS_SEED") == str(hypothesis_seed)
 
 
 def test_the_seed_alone_decides_the_examples() -> None:
