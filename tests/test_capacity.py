@@ -31,7 +31,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
 
 
 def test_capacity_is_a_subcommand() -> None:
-    assert cli.SUBCOMMANDS["capacity"] is capacity
+    assert cli.subcommand("capacity") is capacity
     args = cli.build_parser().parse_args(["capacity", "--sizes", "tiny", "--ranks", "2,4", "--modes", "ddp,zero3"])
     assert (args.sizes, args.ranks, args.modes, args.compiler) == (["tiny"], [2, 4], ["ddp", "zero3"], "eager")
     assert args.run is capacity.run

@@ -34,6 +34,22 @@ def test_help_lists_train() -> None:
     assert "train" in result.stdout
 
 
+def test_a_command_imports_only_its_own_module() -> None:
+    """`zerocompile plan` (or `dump`) starts without importing the other commands' modules: the
+    benchmark's FSDP and chart, the trainer's spawning."""
+    probe = (
+        "import sys; from zerocompile.tools import cli; assert cli.main(sys.argv[1:]) == 0; "
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('zerocompile.tools.'))))"
+    )
+    command = [sys.executable, "-c", probe, "plan", "--params", "1e9", "--ranks", "8"]
+    result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    loaded = set(result.stdout.splitlines()[-1].split())
+    assert "zerocompile.tools.plan" in loaded, result.stdout
+    others = {f"zerocompile.tools.{name}" for name in ("train", "bench", "soak", "capacity", "convert", "dump")}
+    assert not loaded & others, sorted(loaded & others)
+
+
 def test_train_help_documents_the_device_default(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         build_parser().parse_args(["train", "--help"])  # what `zerocompile train --help` prints

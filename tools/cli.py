@@ -1,36 +1,38 @@
 """The `zerocompile` command: one subcommand per job, each defined by a module of zerocompile.tools.
 
 A subcommand module has a docstring (its first line is the one-line help), `add_arguments(parser)`
-and `run(args) -> exit code`; adding a subcommand is importing its module and listing it in
-SUBCOMMANDS.
+and `run(args) -> exit code`; adding a subcommand is listing its module in SUBCOMMANDS.
+
+A command imports only its own module: the modules import what their jobs need (FSDP, the
+benchmark's chart, spawning ranks), and importing all of them cost every command 4.5 s of CPU
+where `dump` or `plan` alone need 2 (2026-11-26, 2 cores). `zerocompile --help` imports them all.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from types import ModuleType
 
-from zerocompile.tools import bench, capacity, convert, dump, plan, soak, train
-
-SUBCOMMANDS: dict[str, ModuleType] = {
-    "train": train,
-    "dump": dump,
-    "plan": plan,
-    "bench": bench,
-    "convert": convert,
-    "soak": soak,
-    "capacity": capacity,
+SUBCOMMANDS: dict[str, str] = {
+    name: f"zerocompile.tools.{name}" for name in ("train", "dump", "plan", "bench", "convert", "soak", "capacity")
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The parser of `zerocompile`, with one sub-parser per entry of SUBCOMMANDS."""
+def subcommand(name: str) -> ModuleType:
+    """The module that defines subcommand `name`."""
+    return importlib.import_module(SUBCOMMANDS[name])
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser of `zerocompile`, with one sub-parser per entry of SUBCOMMANDS (or only `only`'s)."""
     parser = argparse.ArgumentParser(
         prog="zerocompile", description="ZeRO data parallelism (stages 0-3) inside torch.compile."
     )
     subcommands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
-    for name, module in SUBCOMMANDS.items():
+    for name in SUBCOMMANDS if only is None else [only]:
+        module = subcommand(name)
         subparser = subcommands.add_parser(
             name,
             help=module.__doc__.splitlines()[0],
@@ -47,7 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # Everything after "--" is a command for the subcommand to run (`zerocompile dump DIR -- python x.py`).
     command = argv[argv.index("--") + 1 :] if "--" in argv else []
-    args = build_parser().parse_args(argv[: len(argv) - len(command) - (1 if "--" in argv else 0)])
+    own = argv[: len(argv) - len(command) - (1 if "--" in argv else 0)]
+    # The top level has no options but --help, so a known command comes first.
+    parser = build_parser(own[0] if own and own[0] in SUBCOMMANDS else None)
+    args = parser.parse_args(own)
     args.command = command
     return args.run(args)
 
