@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 STEPS, RSS_FROM, RANKS = 30, 10, 2
 
 
@@ -20,6 +22,7 @@ def test_short_soak_writes_its_json_and_never_recompiles_after_step_2(tmp_path: 
     # RSS growth over 20 steps says little (allocator pools still filling): the limit is opened
     # here so the exit status reflects recompiles only.
     command += [str(RSS_FROM), "--rss-every", "10", "--compiler", "eager", "--max-rss-growth", "100", "--out", str(out)]
+    command += ["--allocations"]
     result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "| rank | recompiles after step 2 |" in result.stdout and "PASSED" in result.stdout, result.stdout
@@ -39,6 +42,30 @@ def test_short_soak_writes_its_json_and_never_recompiles_after_step_2(tmp_path: 
         growth = 100 * (rank["rss_last_bytes"] / rank["rss_from_bytes"] - 1)
         assert abs(rank["rss_growth_percent"] - growth) < 1e-9
     assert results["rss_growth_percent"] == max(r["rss_growth_percent"] for r in results["per_rank"])
+
+    # --allocations: the profiled step after the last. Stage 3 gathers parameters and
+    # reduce-scatters gradients at every step, so both collectives' allocations are listed.
+    census = results["per_rank"][0]["allocations"]
+    assert [row["bytes"] for row in census] == sorted((row["bytes"] for row in census), reverse=True)
+    assert all(row["bytes"] >= row["allocations"] * 64 * 1024 for row in census), census
+    ops = " ".join(row["op"] for row in census)
+    assert "all_gather_into_tensor_coalesced" in ops and "all_to_all_single" in ops, ops
+    assert "One step of stage 3 after the last, rank 0:" in result.stdout and "| MB | allocations |" in result.stdout
+
+
+def test_census_counts_each_large_allocation_under_its_op() -> None:
+    """Two 4 MiB tensors kept and one small one: the census lists the two, under the op and the
+    function that made them, and nothing for the small one."""
+    from zerocompile.tools.allocations import allocation_census
+
+    kept = []
+
+    def step() -> None:
+        with torch.profiler.record_function("make_buffers"):
+            kept.extend([torch.empty(2**20), torch.empty(2**20), torch.empty(8)])
+
+    (row,) = allocation_census(step)
+    assert row == {"op": "aten::empty <- make_buffers", "allocations": 2, "bytes": 2 * 4 * 2**20}
 
 
 def test_compare_ddp_table_lists_both_modes_per_rank() -> None:

@@ -13,6 +13,10 @@ as the rank torchrun/srun started, for --steps optimizer steps, and reports for 
                here.
   steps/s      optimizer steps per second after step 2 (compiling excluded).
 
+With --allocations one more step runs after the last under torch.profiler, and the table lists
+rank 0's allocations of at least 64 KiB in it by the op that made them (`tools/allocations.py`):
+the per-step churn that fragments a CPU heap, for each mode.
+
 With --compare-ddp the same run (model, seed, batches, steps) is then trained again with
 DDP+compile (`torch.compile(DistributedDataParallel(model))`, default Inductor) in freshly spawned
 ranks, and the table shows both modes per rank: under glibc's default allocator RSS also grows
@@ -49,6 +53,7 @@ from zerocompile.distributed import (
     leave_process_group,
     loopback_rank_environment,
 )
+from zerocompile.tools.allocations import allocation_census, format_census
 from zerocompile.tools.gpt import GPT, SIZES
 from zerocompile.tools.rss import reset_peak_rss, status_bytes
 from zerocompile.tools.train import GlobalBatches, load_text
@@ -103,6 +108,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="then run DDP+compile the same way in fresh ranks and report both modes' RSS per rank "
         "(spawned ranks only)",
+    )
+    parser.add_argument(
+        "--allocations",
+        action="store_true",
+        help="after the last step, profile one more and list its allocations of >= 64 KiB by op (rank 0, each mode)",
     )
     parser.add_argument("--out", type=Path, default=Path("soak.json"), help="JSON results (default ./soak.json)")
 
@@ -203,16 +213,20 @@ def _measure(args: argparse.Namespace, rank: int, world_size: int, mode: str = Z
     step_peaks: dict[int, int] = {}
     frames_after_compiling = graphs_after_compiling = 0
     start = steady_start = time.perf_counter()
-    for step in range(1, args.steps + 1):
+
+    def train_step() -> float:
         inputs, targets = batches.next(mine)
-        if step in (args.rss_from, args.steps):
-            if not reset_peak_rss():
-                raise RuntimeError("/proc/self/clear_refs refused: the soak cannot take the peak of one step")
         loss = compiled(inputs, targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        loss_value = loss.item()  # waits for the step: RSS and time are taken after it
+        return loss.item()  # waits for the step: RSS and time are taken after it
+
+    for step in range(1, args.steps + 1):
+        if step in (args.rss_from, args.steps):
+            if not reset_peak_rss():
+                raise RuntimeError("/proc/self/clear_refs refused: the soak cannot take the peak of one step")
+        loss_value = train_step()
         if step == COMPILING_STEPS:
             frames_after_compiling, graphs_after_compiling = frames["total"], len(backend.compiled_graphs)
             steady_start = time.perf_counter()
@@ -222,6 +236,7 @@ def _measure(args: argparse.Namespace, rank: int, world_size: int, mode: str = Z
             rss_samples[step] = status_bytes("VmRSS")
     end = time.perf_counter()
     steady_steps = args.steps - COMPILING_STEPS
+    census = allocation_census(train_step) if args.allocations else None
     return {
         "rank": rank,
         "mode": mode,
@@ -239,6 +254,7 @@ def _measure(args: argparse.Namespace, rank: int, world_size: int, mode: str = Z
         "seconds": end - start,
         "steps_per_second": steady_steps / (end - steady_start) if steady_steps > 0 else None,
         "last_loss": loss_value,
+        "allocations": census,
     }
 
 
@@ -305,6 +321,13 @@ def format_table(results: dict[str, Any]) -> str:
                     f"{rank['step_peak_growth_percent']:+.2f} |"
                 )
         lines.append("")
+    modes = [(f"stage {settings['stage']}", results["per_rank"])]
+    if compare is not None:
+        modes.append((compare["mode"], compare["per_rank"]))
+    for name, per_rank in modes:
+        census = per_rank[0].get("allocations")
+        if census is not None:
+            lines += [*format_census(census, f"One step of {name} after the last, rank 0"), ""]
     verdict = "PASSED" if results["passed"] else "FAILED"
     lines.append(
         f"{verdict}: {results['recompiles_after_step_2']} recompiles after step 2 (limit 0), RSS growth "
