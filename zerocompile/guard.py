@@ -11,8 +11,8 @@ graph it is seen on every compile, Inductor/AOT cache hit or not.
 
 The exchange goes through the group's c10d store, not a collective: a collective could itself be
 mismatched and hang. A graph is named by its Dynamo frame (e.g. "0/1", the same on ranks running
-the same code), the Dynamo session (how many `torch._dynamo.reset()`s this rank has seen, which
-restart the frame numbers) and how often this rank compiled that frame in the session
+the same code), the Dynamo session (how many of the spans between `torch._dynamo.reset()`s, which
+restart the frame numbers, this rank has compiled in) and how often this rank compiled that frame in the session
 (`store.add`, so it starts afresh with every process group too). Counting per session keeps the
 ranks aligned after a rank-local recompile: counted over the group's life, the rank that compiled
 frame "0/1" alone stayed one compile ahead on "0/1" after every later reset, so each later "0/1"
