@@ -177,7 +177,8 @@ def test_bad_extra_fails_before_touching_the_previous_checkpoint(tmp_path: Path)
 _MEASURED_CONVERT = """
 import re, sys
 from zerocompile.tools.cli import main
-import torch._subclasses.fake_tensor  # what converting imports, before measuring
+# What converting imports, before measuring: the cli imports only the command's module when it runs.
+import torch._dynamo, torch._subclasses.fake_tensor, zerocompile.tools.convert
 
 def status_bytes(field):
     return 1024 * int(re.search(field + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
