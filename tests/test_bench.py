@@ -94,8 +94,8 @@ def test_model_state_and_loss_are_what_each_mode_promises(quick_run: tuple[int, 
 
 def test_compile_cpu_is_seconds_where_the_first_step_compiles(quick_run: tuple[int, Path]) -> None:
     """Only stage 3 compiles (with the eager compiler: Python only); its compile CPU is seconds
-    (measured on the tiny GPT, 2026-11-26: 3.0 s), while eager DDP's first step costs what any step does, give or take
-    scheduling noise (measured: ~0.01 s)."""
+    (measured on the tiny GPT, 2026-11-26: 3.0 s), while eager DDP's first step costs what any
+    step does, give or take scheduling noise (measured: ~0.01 s)."""
     _, modes = _modes(quick_run)
     assert modes["zero3-eager"]["compile_cpu_s"] > 1.0
     assert abs(modes["ddp"]["compile_cpu_s"]) < 0.5 * modes["zero3-eager"]["compile_cpu_s"]

@@ -55,4 +55,3 @@ def format_census(rows: list[dict[str, Any]], title: str, top: int = 12) -> list
         rest = rows[top:]
         lines.append(f"| {sum(r['bytes'] for r in rest) / 1e6:.1f} | {sum(r['allocations'] for r in rest)} | {len(rest)} more |")
     return lines
-
