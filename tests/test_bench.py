@@ -101,6 +101,22 @@ def test_compile_cpu_is_seconds_where_the_first_step_compiles(quick_run: tuple[i
     assert abs(modes["ddp"]["compile_cpu_s"]) < 0.5 * modes["zero3-eager"]["compile_cpu_s"]
 
 
+def test_compile_phases_say_where_the_compile_went(quick_run: tuple[int, Path]) -> None:
+    """Stage 3's compile shows Dynamo, AOTAutograd, the partition and our own passes (each timed as
+    zerocompile.*) by torch's compile timers, and no C++ with the eager compiler; uncompiled DDP
+    and FSDP2 time nothing and have no row."""
+    exit_code, out = quick_run
+    _, modes = _modes(quick_run)
+    phases = modes["zero3-eager"]["compile_phases_s"]
+    for column in ("Dynamo", "AOT trace", "partition", "zerocompile passes"):
+        assert phases[column] > 0, (column, phases)
+    assert phases["Inductor codegen"] == phases["C++"] == modes["zero3-eager"]["compiled_cpp_files"] == 0
+    for name in ("ddp", "fsdp2"):
+        assert not any(modes[name]["compile_phases_s"].values()), modes[name]["compile_phases_s"]
+    table = (out / "bench.md").read_text().split("Compile phases")[1].split("ZeRO theory")[0]
+    assert "| zero3-eager |" in table and "| ddp |" not in table and "| fsdp2 |" not in table
+
+
 def test_interleaved_modes_are_timed_round_by_round(quick_run: tuple[int, Path]) -> None:
     """Each --interleave mode gets one timed step per round, every step a real (positive) time, split
     into forward, backward and optimizer step."""

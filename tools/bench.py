@@ -40,6 +40,12 @@ How each figure is measured, per mode, after --warmup untimed steps (the first o
               "compile CPU" is the same difference in CPU seconds of the rank and the compilers it
               ran (g++ here): on a shared machine the ranks' concurrent compiles and other load
               stretch the wall clock, the work itself far less (the largest rank's)
+  compile     where the warm-up steps' compiling went, by torch's own compile timers
+  phases      (`dynamo_timed`, the spans tlparse shows), wall seconds summed over every graph
+              the rank compiled, largest rank per column: Dynamo tracing, AOTAutograd's trace,
+              the min-cut partition (where torch times it: not inside aot_eager), zerocompile's
+              passes (each timed as zerocompile.*), Inductor's code generation, and the C++
+              files it compiled (count and seconds; 0 with the eager compilers)
   peak RSS    VmHWM over the timed steps (reset through /proc/self/clear_refs before them; where
               that is refused, ru_maxrss since the rank started, and the JSON says so), largest
               rank; "RSS between steps" is VmRSS after the warm-up steps. Every mode runs in its
@@ -105,6 +111,7 @@ import torch._inductor.config
 import torch.distributed as dist
 import torch.multiprocessing
 from torch import nn
+from torch._dynamo.utils import compilation_time_metrics as compile_timers
 from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -129,6 +136,15 @@ MB = 1e6
 LEARNING_RATE = 3e-4
 FP32_BYTES = 4
 PHASES = ("forward", "backward", "optimizer")
+# Columns of the compile-phase table: torch's `dynamo_timed` spans summed per column. A pass of ours
+# shows as "zerocompile.<pass>"; the partition wrapped by our eager compiler is the partition's.
+COMPILE_PHASES: dict[str, tuple[str, ...]] = {
+    "Dynamo": ("bytecode_tracing", "build_guards"),
+    "AOT trace": ("aot_collect_metadata", "aot_trace_joint_graph"),
+    "partition": ("min_cut_rematerialization_partition", "zerocompile.min_cut_rematerialization_partition"),
+    "zerocompile passes": (),  # every other zerocompile.* span
+    "Inductor codegen": ("GraphLowering.codegen",),
+}
 # (model size, timed steps, warm-up steps) of a normal run and of --quick.
 DEFAULTS = ("12m", 17, 3)  # 20 steps: the bf16-vs-fp32 loss check runs over 20
 DEFAULT_INTERLEAVE = ("ddp-compile", "fsdp2-compile", "zero2", "zero3")  # the acceptance ratios
@@ -418,6 +434,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "step_time": "median over timed steps of the slowest rank's step; each step starts after a barrier",
             "compile_time": "first warm-up step minus the median step; a fresh Inductor cache per mode",
             "compile_cpu": "the same in CPU seconds of a rank and the compilers it ran, largest rank",
+            "compile_phases": "torch's dynamo_timed spans of the warm-up steps, summed per column, largest rank "
+            "per column: Dynamo = bytecode_tracing + build_guards; AOT trace = aot_collect_metadata + "
+            "aot_trace_joint_graph; partition = min_cut_rematerialization_partition where torch times it (not "
+            "inside aot_eager); zerocompile passes = the zerocompile.* spans; Inductor codegen = "
+            "GraphLowering.codegen; C++ = compile_file (files compiled)",
             "rss_between_steps": "largest rank's VmRSS after the warm-up steps, before the timed ones",
             "peak_rss": "largest rank; VmHWM after resetting it before the timed steps, unless rss_source says "
             "ru_maxrss; every mode in its own processes",
@@ -561,7 +582,9 @@ def _measure_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
     torch.manual_seed(settings.seed)
     prepared = mode.build(GPT(settings.config).to(device))
     batches = _RandomBatches(settings.config, settings, rank, device)
+    compile_timers.clear()  # a mode has processes of its own: what is timed from here on is its compile
     warmup = [_one_step(prepared, batches) for _ in range(settings.warmup)]
+    compiled = {name: [len(spans), sum(spans)] for name, spans in compile_timers.items()}
     rss_source = "VmHWM" if reset_peak_rss() else "ru_maxrss"
     rss_before = status_bytes("VmRSS")
     load = os.getloadavg()[0]
@@ -575,6 +598,7 @@ def _measure_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
         "step_times": [step.seconds for step in timed],
         "first_step": warmup[0].seconds,
         "compile_cpu": warmup[0].cpu_seconds - statistics.median(step.cpu_seconds for step in timed),
+        "compile_timers": compiled,
         "sent": [step.sent for step in timed],
         "losses": [step.loss.item() for step in warmup + timed],
         "held": held,
@@ -674,6 +698,8 @@ def _summarise(name: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "step_time_s": median_step,
         "compile_time_s": first_step - median_step,
         "compile_cpu_s": max(m["compile_cpu"] for m in per_rank),
+        "compile_phases_s": _compile_phases(per_rank),
+        "compiled_cpp_files": max(m["compile_timers"].get("compile_file", [0, 0.0])[0] for m in per_rank),
         "first_step_s": first_step,
         "step_times_s": step_times,
         "peak_rss_bytes": max(m["peak_rss"] for m in per_rank),
@@ -686,6 +712,22 @@ def _summarise(name: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "losses": [statistics.fmean(step) for step in zip(*(m["losses"] for m in per_rank))],
         "per_rank": per_rank,
     }
+
+
+def _compile_phases(per_rank: list[dict[str, Any]]) -> dict[str, float]:
+    """Seconds per `COMPILE_PHASES` column and of the C++ compiles ("C++"), largest rank per column."""
+
+    def columns(timers: dict[str, list]) -> dict[str, float]:
+        named = {span for spans in COMPILE_PHASES.values() for span in spans}
+        seconds = {column: sum(timers.get(span, [0, 0.0])[1] for span in spans) for column, spans in COMPILE_PHASES.items()}
+        seconds["zerocompile passes"] = sum(
+            total for span, (_count, total) in timers.items() if span.startswith("zerocompile.") and span not in named
+        )
+        seconds["C++"] = timers.get("compile_file", [0, 0.0])[1]
+        return seconds
+
+    each = [columns(m["compile_timers"]) for m in per_rank]
+    return {column: max(rank[column] for rank in each) for column in each[0]}
 
 
 def _summarise_interleaved(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -773,6 +815,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
             f"{mode['final_loss']:.4f} | {_loss_difference(mode, ddp)} | {mode['load_avg_1min']:.1f} |"
         )
     method = summary["method"]
+    lines += _compile_phase_table(summary["modes"])
     lines += [
         "",
         (
@@ -788,6 +831,27 @@ def markdown_table(summary: dict[str, Any]) -> str:
         *_interleaved_table(summary["interleaved"]),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _compile_phase_table(modes: list[dict[str, Any]]) -> list[str]:
+    """Where each compiling mode's compile went (see "compile phases" in the module docstring)."""
+    compiled = [mode for mode in modes if mode["status"] == "ok" and any(mode["compile_phases_s"].values())]
+    if not compiled:
+        return []
+    columns = [*COMPILE_PHASES, "C++"]
+    lines = [
+        "",
+        "Compile phases (torch's compile timers, wall s, largest rank per column):",
+        "",
+        "| mode | " + " | ".join(columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
+    for mode in compiled:
+        phases = mode["compile_phases_s"]
+        cells = [f"{phases[column]:.1f}" for column in COMPILE_PHASES]
+        cells.append(f"{phases['C++']:.1f} ({mode['compiled_cpp_files']} files)")
+        lines.append(f"| {mode['mode']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _interleaved_table(interleaved: dict[str, Any] | None) -> list[str]:
