@@ -35,8 +35,9 @@ How each figure is measured, per mode, after --warmup untimed steps (the first o
   step time   every step (forward, backward, optimizer step) starts after a barrier; the step
               time is the slowest rank's, and the table shows the median over --steps steps (on
               an accelerator each phase ends when the device has finished its queued work)
-  compile     first warm-up step minus the median step; each mode compiles into its own fresh
-              Inductor cache, so compile times are cold and comparable across modes and runs.
+  compile     first warm-up step minus the median step; each rank of each mode compiles into a
+              fresh Inductor cache of its own, so compile times are cold and comparable across
+              modes, ranks and runs.
               "compile CPU" is the same difference in CPU seconds of the rank and the compilers it
               ran (g++ here): on a shared machine the ranks' concurrent compiles and other load
               stretch the wall clock, the work itself far less (the largest rank's)
@@ -112,7 +113,7 @@ import torch.distributed as dist
 import torch.multiprocessing
 from torch import nn
 from torch._dynamo.utils import compilation_time_metrics as compile_timers
-from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+from torch._inductor.runtime.cache_dir_utils import cache_dir, temporary_cache_dir
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -432,7 +433,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         },
         "method": {
             "step_time": "median over timed steps of the slowest rank's step; each step starts after a barrier",
-            "compile_time": "first warm-up step minus the median step; a fresh Inductor cache per mode",
+            "compile_time": "first warm-up step minus the median step; a fresh Inductor cache per mode and rank",
             "compile_cpu": "the same in CPU seconds of a rank and the compilers it ran, largest rank",
             "compile_phases": "torch's dynamo_timed spans of the warm-up steps, summed per column, largest rank "
             "per column: Dynamo = bytecode_tracing + build_guards; AOT trace = aot_collect_metadata + "
@@ -538,7 +539,9 @@ def _rank_session(rank: int, settings: Settings, port: int, cache_name: str) -> 
     # modes do not look leaner than the compiled ones by that much.
     importlib.import_module("torch._inductor.compile_fx")
     zc.init_distributed(device=settings.device)
-    with temporary_cache_dir(os.path.join(settings.cache_root, cache_name)):
+    # Per rank too: ranks sharing a cache split the C++ compiles between them (the first to reach a
+    # kernel compiles it, its peer loads it), so a rank's compile CPU depended on that race.
+    with temporary_cache_dir(os.path.join(settings.cache_root, cache_name, f"rank{rank}")):
         yield
 
 
@@ -599,6 +602,7 @@ def _measure_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
         "first_step": warmup[0].seconds,
         "compile_cpu": warmup[0].cpu_seconds - statistics.median(step.cpu_seconds for step in timed),
         "compile_timers": compiled,
+        "inductor_cache": cache_dir(),
         "sent": [step.sent for step in timed],
         "losses": [step.loss.item() for step in warmup + timed],
         "held": held,
