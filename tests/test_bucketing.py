@@ -395,14 +395,14 @@ def test_gather_bucket_is_one_coalesced_all_gather_of_the_shards(group_name, dty
     mm1, mm2, mm3 = find(gm.graph, MM)
     (add,) = find(gm.graph, aten.add.Tensor)
     assert (mm1.args[1], mm2.args[1], mm3.args[1], add.args[1]) == tuple(fulls)
-    # The bucket goes where its first marker was: after the first relu, before the first mm; its
-    # outputs are all taken, then all waited on, then each cut and viewed.
+    # The bucket goes where its first marker was, before the first mm, and up above the relu that
+    # Inductor writes into one kernel with what precedes it; its outputs are all taken, then all
+    # waited on, then each cut and viewed.
     relu = aten.relu.default
     (relu1, relu2) = find(gm.graph, relu)
     nodes = list(gm.graph.nodes)
     index = node_index(gm.graph)
-    assert nodes[index[relu1] : index[mm1] + 1] == [
-        relu1,
+    assert nodes[index[ag] : index[mm1] + 1] == [
         ag,
         *getitems,
         *waits,
@@ -412,10 +412,10 @@ def test_gather_bucket_is_one_coalesced_all_gather_of_the_shards(group_name, dty
         fulls[2],
         slices[3],
         fulls[3],
+        relu1,
         mm1,
     ]
     assert call_targets(gm.graph) == [
-        relu,
         AG,
         *[GI] * 4,
         *[WAIT] * 4,
@@ -425,6 +425,7 @@ def test_gather_bucket_is_one_coalesced_all_gather_of_the_shards(group_name, dty
         VIEW,
         SLICE,
         VIEW,
+        relu,
         MM,
         relu,
         MM,
@@ -460,8 +461,7 @@ def test_mixed_precision_gather_bucket_casts_once_and_sends_the_pieces(group_nam
     assert (mm1.args[1], mm2.args[1], mm3.args[1], add.args[1]) == tuple(fulls)
     assert gather_issue(ag) == [packed, split, *pieces, ag, *getitems]
     relu = aten.relu.default
-    assert call_targets(gm.graph) == [
-        relu,
+    assert call_targets(gm.graph) == [  # the cast and the bucket above the relu, as in fp32
         PACK,
         SPLIT,
         *[GI] * 4,
@@ -474,6 +474,7 @@ def test_mixed_precision_gather_bucket_casts_once_and_sends_the_pieces(group_nam
         VIEW,
         SLICE,
         VIEW,
+        relu,
         MM,
         relu,
         MM,
@@ -963,15 +964,15 @@ def test_prefetch_moves_a_buckets_whole_issue_behind_the_last_wait_of_the_bucket
     (add,) = find(gm.graph, aten.add.Tensor)
     nodes = list(gm.graph.nodes)
     index = node_index(gm.graph)
-    assert nodes[index[relu1] :] == [
-        relu1,
-        *issue1,
+    assert nodes[index[issue1[0]] :] == [
+        *issue1,  # above the first relu, which joins the kernel after the waits
         wait1a,
         wait1b,  # bucket 1's last wait, and right after it:
         *issue2,
         slice1a,
         view1a,
         view1b,
+        relu1,
         mm1,
         relu2,
         mm2,  # bucket 1's last use; bucket 2 in flight since its wait
@@ -1176,10 +1177,10 @@ def test_ledger_of_a_bucketed_forward_lists_every_member(group_name):
     assert [e.wait_position for e in entries] == [index[wait1b], index[wait2b]]
     assert index[wait1a] < index[wait1b] and index[wait2a] < index[wait2b]
     # bucket 2's all-gather is issued right after bucket 1's last wait (nothing to pack: no
-    # cast) and is in flight over bucket 1's slice and views and both mms
+    # cast) and is in flight over bucket 1's slice and views, both relus and both mms
     assert entries[1].position == entries[0].wait_position + 1
     assert entries[0].overlaps == []  # only its own outputs and waits in between
-    assert entries[1].overlaps == ["slice_1", "view", "view_1", "mm", "relu_1", "mm_1"]
+    assert entries[1].overlaps == ["slice_1", "view", "view_1", "relu", "mm", "relu_1", "mm_1"]
     # each bucket's buffers are freed after the last use of its last parameter
     mm1, mm2, mm3 = find(gm.graph, MM)
     (add,) = find(gm.graph, ADD)

@@ -592,11 +592,6 @@ input relu: f32[4, 13]
 input relu_1: f32[4, 11]
 input addmm_2: f32[4, 3]
 input tangents_1: f32[]
-expand: f32[4, 3] = aten.expand(tangents_1, [4, 3])  # free: tangents_1
-div: f32[4, 3] = aten.div.Scalar(expand, 12)  # free: expand
-pow_2: f32[4, 3] = aten.pow.Tensor_Scalar(addmm_2, 1.0)  # free: addmm_2
-mul: f32[4, 3] = aten.mul.Scalar(pow_2, 2.0)  # free: pow_2
-mul_1: f32[4, 3] = aten.mul.Tensor(div, mul)  # free: div, mul
 all_gather_into_tensor_coalesced: (f32[64], f32[192]) = _c10d_functional.all_gather_into_tensor_coalesced([primals_6, primals_4], 4, WORLD)  # param: fc3.weight, fc2.weight; free: primals_6, primals_4
 getitem: f32[64] = all_gather_into_tensor_coalesced[0]
 getitem_1: f32[192] = all_gather_into_tensor_coalesced[1]  # free: all_gather_into_tensor_coalesced
@@ -606,6 +601,11 @@ slice_1: f32[33] = aten.slice.Tensor(wait_tensor, 0, 0, 33)  # free: wait_tensor
 view_3: f32[3, 11] = aten.view(slice_1, [3, 11])  # free: slice_1
 slice_2: f32[143] = aten.slice.Tensor(wait_tensor_1, 0, 0, 143)  # free: wait_tensor_1
 view_4: f32[11, 13] = aten.view(slice_2, [11, 13])  # free: slice_2
+expand: f32[4, 3] = aten.expand(tangents_1, [4, 3])  # free: tangents_1
+div: f32[4, 3] = aten.div.Scalar(expand, 12)  # free: expand
+pow_2: f32[4, 3] = aten.pow.Tensor_Scalar(addmm_2, 1.0)  # free: addmm_2
+mul: f32[4, 3] = aten.mul.Scalar(pow_2, 2.0)  # free: pow_2
+mul_1: f32[4, 3] = aten.mul.Tensor(div, mul)  # free: div, mul
 t_2: f32[11, 3] = aten.t(view_3)  # free: view_3
 t_3: f32[3, 11] = aten.t(t_2)  # free: t_2
 mm: f32[4, 11] = aten.mm(mul_1, t_3)  # free: t_3
@@ -2089,7 +2089,6 @@ input primals_27: f32[16]
 input primals_28: f32[16]
 input primals_29: f32[16]
 input primals_30: i64[2, 8]
-arange: i64[8] = aten.arange(8, device = device(type='cpu'), pin_memory = False)
 all_gather_into_tensor_coalesced: (f32[512], f32[128], f32[64], f32[64], f32[768], f32[64], f32[256], f32[64], f32[64], f32[64], f32[1024], f32[64], f32[1024], f32[64], f32[64], f32[64], f32[768], f32[64], f32[256], f32[64], f32[64], f32[64], f32[1024], f32[64], f32[1024], f32[64], f32[64], f32[64]) = _c10d_functional.all_gather_into_tensor_coalesced([primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15, primals_16, primals_17, primals_18, primals_19, primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26, primals_27, primals_28, primals_29], 4, WORLD)  # param: wte.weight, wpe.weight, blocks.0.ln1.weight, blocks.0.ln1.bias, blocks.0.attn.qkv.weight, blocks.0.attn.qkv.bias, blocks.0.attn.proj.weight, blocks.0.attn.proj.bias, blocks.0.ln2.weight, blocks.0.ln2.bias, blocks.0.fc.weight, blocks.0.fc.bias, blocks.0.out.weight, blocks.0.out.bias, blocks.1.ln1.weight, blocks.1.ln1.bias, blocks.1.attn.qkv.weight, blocks.1.attn.qkv.bias, blocks.1.attn.proj.weight, blocks.1.attn.proj.bias, blocks.1.ln2.weight, blocks.1.ln2.bias, blocks.1.fc.weight, blocks.1.fc.bias, blocks.1.out.weight, blocks.1.out.bias, ln_f.weight, ln_f.bias; free: primals_3, primals_7, primals_9, primals_13, primals_15, primals_19, primals_21, primals_25, primals_27
 getitem_27: f32[512] = all_gather_into_tensor_coalesced[0]
 getitem_28: f32[128] = all_gather_into_tensor_coalesced[1]
@@ -2191,6 +2190,7 @@ slice_15: f32[16] = aten.slice.Tensor(wait_tensor_26, 0, 0, 16)  # free: wait_te
 view_53: f32[16] = aten.view(slice_15, [16])  # free: slice_15
 slice_16: f32[16] = aten.slice.Tensor(wait_tensor_27, 0, 0, 16)  # free: wait_tensor_27
 view_54: f32[16] = aten.view(slice_16, [16])  # free: slice_16
+arange: i64[8] = aten.arange(8, device = device(type='cpu'), pin_memory = False)
 embedding: f32[2, 8, 16] = aten.embedding(view_27, primals_1)
 embedding_1: f32[8, 16] = aten.embedding(view_28, arange)  # free: view_28
 add: f32[2, 8, 16] = aten.add.Tensor(embedding, embedding_1)  # free: embedding, embedding_1
@@ -2367,7 +2367,6 @@ view_27: f32[2, 8, 32] = aten.view(_log_softmax_backward_data, [2, 8, 32])  # fr
 view_28: f32[16, 32] = aten.view(view_27, [16, 32])  # free: view_27
 t_9: f32[32, 16] = aten.t(view_28)
 mm_1: f32[32, 16] = aten.mm(t_9, view_24)  # free: t_9, view_24
-t_10: f32[16, 32] = aten.t(mm_1)  # free: mm_1
 all_gather_into_tensor_coalesced: (f32[512], f32[64], f32[64], f32[1024], f32[1024], f32[64], f32[64], f32[256], f32[768], f32[64], f32[64], f32[1024], f32[1024], f32[64], f32[64], f32[256], f32[768], f32[64], f32[64]) = _c10d_functional.all_gather_into_tensor_coalesced([primals_2, primals_28, primals_29, primals_26, primals_24, primals_22, primals_23, primals_20, primals_18, primals_16, primals_17, primals_14, primals_12, primals_10, primals_11, primals_8, primals_6, primals_4, primals_5], 4, WORLD)  # param: wte.weight, ln_f.weight, ln_f.bias, blocks.1.out.weight, blocks.1.fc.weight, blocks.1.ln2.weight, blocks.1.ln2.bias, blocks.1.attn.proj.weight, blocks.1.attn.qkv.weight, blocks.1.ln1.weight, blocks.1.ln1.bias, blocks.0.out.weight, blocks.0.fc.weight, blocks.0.ln2.weight, blocks.0.ln2.bias, blocks.0.attn.proj.weight, blocks.0.attn.qkv.weight, blocks.0.ln1.weight, blocks.0.ln1.bias; free: primals_2, primals_28, primals_29, primals_26, primals_24, primals_22, primals_23, primals_20, primals_18, primals_16, primals_17, primals_14, primals_12, primals_10, primals_11, primals_8, primals_6, primals_4, primals_5
 getitem: f32[512] = all_gather_into_tensor_coalesced[0]
 getitem_48: f32[64] = all_gather_into_tensor_coalesced[1]
@@ -2436,6 +2435,7 @@ slice_9: f32[16] = aten.slice.Tensor(wait_tensor_17, 0, 0, 16)  # free: wait_ten
 view_65: f32[16] = aten.view(slice_9, [16])  # free: slice_9
 slice_10: f32[16] = aten.slice.Tensor(wait_tensor_18, 0, 0, 16)  # free: wait_tensor_18
 view_66: f32[16] = aten.view(slice_10, [16])  # free: slice_10
+t_10: f32[16, 32] = aten.t(mm_1)  # free: mm_1
 t_8: f32[16, 32] = aten.t(view_63)  # free: view_63
 t_11: f32[32, 16] = aten.t(t_8)  # free: t_8
 mm_2: f32[16, 16] = aten.mm(view_28, t_11)  # free: view_28, t_11
