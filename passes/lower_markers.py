@@ -195,9 +195,10 @@ def _gather_after_the_last_kernel_call(bucket: list[fx.Node]) -> None:
     statistics from its affine part, the positions' arange from the embedding) into kernels of
     their own. On the 12m GPT at stage 3 the forward compiled 12 kernels against plain
     torch.compile's 10 (the same saved tensors), and every extra kernel is a compiler run and a
-    pass over the activations. The gathered buffer exists from the issue on, so waiting a few
-    fused nodes earlier costs no memory, only the overlap with them. A no-op for a gather already
-    after such a node, and for nodes the gather reads (it never moves above its inputs).
+    pass over the activations. The cost is a few fused nodes: with prefetch the issue sits earlier
+    anyway and only the wait moves, giving up the overlap with them; without, the gathered buffer
+    is also allocated that much earlier. A no-op for a gather already after such a node, and it
+    never moves above a node the gather reads.
     """
     members = set(bucket)
     inputs = {arg for node in bucket for arg in node.all_input_nodes if arg not in members}
