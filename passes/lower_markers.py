@@ -92,6 +92,9 @@ def lower_markers(
     counts["reduction_buckets"] = len(reductions)
     for bucket in gathers:
         _gather_after_the_last_kernel_call(bucket)
+    spliced_reductions = {node for bucket in reductions for node in bucket}
+    for bucket in reductions:
+        _reduce_before_the_next_kernel_call(bucket, spliced_reductions)
     if prefetch:
         _wait_gathers_at_first_use(gathers_up_front)
         _issue_gathers_early(_in_wait_order(gathers_up_front), prefetch)
@@ -212,16 +215,61 @@ def _gather_after_the_last_kernel_call(bucket: list[fx.Node]) -> None:
         anchor.prepend(node)
 
 
+def _reduce_before_the_next_kernel_call(bucket: list[fx.Node], spliced: set[fx.Node]) -> None:
+    """Move a spliced reduction (pack, collective, waits, unpacking) down past the pointwise,
+    reduction and view nodes right after it, to just before the next node that runs as a call of
+    its own, reads the reduction, or belongs to another reduction (`spliced`: buckets keep their
+    order, so `_wait_reductions_late` finds each one's collective before the next one's start).
+
+    The mirror of `_gather_after_the_last_kernel_call`: placed just after a bucket's last gradient
+    is produced, the pack (an extern node) split that gradient's kernel from the computation
+    after it (an MLP's bias-gradient sum from the LayerNorm backward that follows), so the 12m
+    GPT's stage-3 backward compiled more kernels than plain torch.compile's. The cost is a few
+    fused nodes of delay before the collective starts, and the bucket's gradients live that much
+    longer. A no-op for a reduction already before such a node (one moved to the backward's end
+    sits before the output).
+    """
+    members = set(bucket)
+    stop = bucket[-1].next
+    while (
+        stop.op == "call_function"
+        and stop not in spliced
+        and not any(arg in members for arg in stop.all_input_nodes)
+        and _fused_into_kernels(stop)
+    ):
+        stop = stop.next
+    if stop is bucket[-1].next:
+        return
+    for node in bucket:
+        stop.prepend(node)
+
+
+# Indexing ops Inductor lowers into kernels (loads and stores at computed indices) that no aten
+# tag marks as such: the embedding and its backward's accumulating index_put, gathers, scatters.
+_INDEXING_KERNELS = frozenset(
+    getattr(torch.ops.aten, name)
+    for name in (
+        "embedding", "index", "_unsafe_index", "_unsafe_masked_index", "index_put", "_unsafe_index_put",
+        "_unsafe_masked_index_put_accumulate", "gather", "scatter_add",
+    )
+)
+
+
 def _fused_into_kernels(node: fx.Node) -> bool:
     """The node's op is one Inductor generates into a kernel with its neighbours: a view, a
-    pointwise op or a reduction (as aten tags them), a tensor made from no input (arange, full),
-    or the getitem of a multi-output one."""
+    pointwise op or a reduction (as aten tags them), an indexing op, a tensor made from no input
+    (arange, full), or the getitem of a multi-output one."""
     if node.target is operator.getitem or not node.all_input_nodes:
         return True
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or target.namespace in ("_c10d_functional", "zero"):
         return False
-    return target.is_view or torch.Tag.pointwise in target.tags or torch.Tag.reduction in target.tags
+    return (
+        target.is_view
+        or torch.Tag.pointwise in target.tags
+        or torch.Tag.reduction in target.tags
+        or target.overloadpacket in _INDEXING_KERNELS
+    )
 
 
 def _wait_gathers_at_first_use(buckets: list[list[fx.Node]]) -> None:

@@ -40,6 +40,8 @@ AVERAGE_ROWS = torch.ops.zero.average_rows.default
 # A gather bucket is one coalesced all-gather: output i (a getitem) is parameter i, padded, gathered.
 AG, GI, WAIT = funcol.all_gather_into_tensor_coalesced.default, operator.getitem, funcol.wait_tensor.default
 SLICE, VIEW, MM, SPLIT = aten.slice.Tensor, aten.view.default, aten.mm.default, aten.split_with_sizes.default
+MUL, ADD, SIN, MV = aten.mul.Tensor, aten.add.Tensor, aten.sin.default, aten.mv.default
+RS, A2A, MEAN = funcol.reduce_scatter_tensor.default, funcol.all_to_all_single.default, AVERAGE_ROWS
 
 # The forward/backward test model: four parameters, two of them padded over 4 ranks.
 SHAPES = ([3, 5], [5, 4], [4, 2], [2])  # numel 15, 20, 8, 2
@@ -755,6 +757,48 @@ def test_reduction_read_by_another_node_stays_alone(group_name):
     assert index[r2] < index[plus] < index[rss[2]]
 
 
+# ------------------------------------------------------------- reductions: placement around kernels
+
+
+_FUSED_AFTER_A_GRADIENT = {
+    "pointwise-reduction": lambda x, i: (x.sin() * 2).sum(0, keepdim=True),
+    "views": lambda x, i: x.t().unsqueeze(0)[0],
+    "embedding": lambda x, i: torch.nn.functional.embedding(i, x),
+    "index_put": lambda x, i: torch.zeros(4, 4).index_put((i,), x, accumulate=True),
+}
+
+
+@pytest.mark.parametrize("fused", _FUSED_AFTER_A_GRADIENT, ids=str)
+def test_reduction_moves_down_past_what_inductor_fuses_into_the_next_kernel(group_name, fused):
+    """Spliced where its gradient is produced, a reduction moves below the nodes Inductor writes
+    into one kernel with their neighbours, to just before the next call of its own (the mm): its
+    pack and collective, extern calls, would otherwise end that kernel early."""
+
+    def f(a, b, x, i, w):
+        r = REDUCE_GRAD(a @ b, 4, 3, *on(group_name), "w")  # [3, 5]: padded, packed
+        return r, _FUSED_AFTER_A_GRADIENT[fused](x, i) @ w
+
+    gm = trace(f, (3, 2), (2, 5), (4, 4), ((4,), torch.int64), (4, 4))
+    fused_targets = call_targets(gm.graph)[2:-1]  # between the marker and the last mm
+
+    lower(gm)
+
+    assert call_targets(gm.graph) == [MM, *fused_targets, PACK, RS, WAIT, MM]
+
+
+def test_reduction_moves_down_no_further_than_its_first_reader(group_name):
+    def f(a, b, x):
+        r = REDUCE_GRAD(a @ b, 4, 3, *on(group_name), "w")
+        y = x.sin()
+        return r * 2, y
+
+    gm = trace(f, (3, 2), (2, 5), (4, 4))
+
+    lower(gm)
+
+    assert call_targets(gm.graph) == [MM, SIN, PACK, RS, WAIT, MUL]
+
+
 # -------------------------------------------------------------- numbers: lockstep simulated ranks
 
 
@@ -1062,31 +1106,30 @@ def test_prefetch_does_not_move_a_gather_of_a_computed_shard(group_name):
 
 
 def _three_reductions(group_name: str, textbook: bool = True) -> fx.GraphModule:
-    """Three gradients produced between other compute, each reduced where it is produced."""
+    """Three weight gradients, each a matmul (a call of its own, as in a real backward), each
+    reduced where it is produced."""
 
-    def f(g1, g2, g3):
-        r1 = REDUCE_GRAD(g1 * 2, 4, 2, *on(group_name, textbook), "w1")  # [3, 5]: padded
-        r2 = REDUCE_GRAD(g2 + 1, 5, 2, *on(group_name, textbook), "w2")  # [5, 4]
-        r3 = REDUCE_GRAD(g3.sin(), 2, 2, *on(group_name, textbook), "w3")  # [4, 2]
+    def f(a1, b1, a2, b2, a3, b3):
+        r1 = REDUCE_GRAD(a1 @ b1, 4, 2, *on(group_name, textbook), "w1")  # [3, 5]: padded
+        r2 = REDUCE_GRAD(a2 @ b2, 5, 2, *on(group_name, textbook), "w2")  # [5, 4]
+        r3 = REDUCE_GRAD(a3 @ b3, 2, 2, *on(group_name, textbook), "w3")  # [4, 2]
         return r1, r2, r3
 
-    return trace(f, (3, 5), (5, 4), (4, 2))
+    return trace(f, (3, 2), (2, 5), (5, 2), (2, 4), (4, 2), (2, 2))
 
 
-MUL, ADD, SIN, COS = aten.mul.Tensor, aten.add.Tensor, aten.sin.default, aten.cos.default
-RS, A2A, MEAN = funcol.reduce_scatter_tensor.default, funcol.all_to_all_single.default, AVERAGE_ROWS
 
 
 @pytest.mark.parametrize(
     "prefetch, textbook, expected",
     [
-        (0, True, [MUL, PACK, RS, WAIT, ADD, VIEW, RS, WAIT, SIN, VIEW, RS, WAIT]),
-        (1, True, [MUL, PACK, RS, ADD, WAIT, VIEW, RS, SIN, WAIT, VIEW, RS, WAIT]),
-        (2, True, [MUL, PACK, RS, ADD, WAIT, VIEW, RS, SIN, WAIT, VIEW, RS, WAIT]),  # always one ahead
+        (0, True, [MM, PACK, RS, WAIT, MM, VIEW, RS, WAIT, MM, VIEW, RS, WAIT]),
+        (1, True, [MM, PACK, RS, MM, WAIT, VIEW, RS, MM, WAIT, VIEW, RS, WAIT]),
+        (2, True, [MM, PACK, RS, MM, WAIT, VIEW, RS, MM, WAIT, VIEW, RS, WAIT]),  # always one ahead
         (
             1,
             False,
-            [MUL, PACK, A2A, ADD, WAIT, VIEW, MEAN, VIEW, A2A, SIN, WAIT, VIEW, MEAN]
+            [MM, PACK, A2A, MM, WAIT, VIEW, MEAN, VIEW, A2A, MM, WAIT, VIEW, MEAN]
             + [VIEW, A2A, WAIT, VIEW, MEAN],
         ),
     ],
@@ -1107,14 +1150,14 @@ def test_prefetch_waits_each_reduction_just_before_the_next_starts(group_name, p
 
 
 def test_prefetch_moves_a_reduction_buckets_wait_and_unpacking_before_the_next_bucket(group_name):
-    def f(g1, g2, g3, g4):
+    def f(g1, g2, a3, b3, a4, b4):
         r1 = REDUCE_GRAD(g1 * 2, 4, 2, *on(group_name), "w1")  # [3, 5]
         r2 = REDUCE_GRAD(g2 * 2, 5, 2, *on(group_name), "w2")  # [5, 4]: bucket [r1, r2], 140 bytes
-        r3 = REDUCE_GRAD(g3.sin(), 2, 2, *on(group_name), "w3")  # [4, 2]
-        r4 = REDUCE_GRAD(g4.cos(), 1, 2, *on(group_name), "b3")  # [2]: bucket [r3, r4]
+        r3 = REDUCE_GRAD(a3 @ b3, 2, 2, *on(group_name), "w3")  # [4, 2]
+        r4 = REDUCE_GRAD(a4 @ b4, 1, 2, *on(group_name), "b3")  # [2]: bucket [r3, r4]
         return r1, r2, r3, r4
 
-    gm = trace(f, (3, 5), (5, 4), (4, 2), (2,))
+    gm = trace(f, (3, 5), (5, 4), (4, 3), (3, 2), (2, 3), (3,))
 
     assert lower(gm, bucket_bytes=140, prefetch=1) == counts_of(reductions=4, reduction_buckets=2)
 
@@ -1123,22 +1166,22 @@ def test_prefetch_moves_a_reduction_buckets_wait_and_unpacking_before_the_next_b
         MUL,
         MUL,
         *[PACK, RS],  # bucket 1 issued where r2 was
-        SIN,
-        COS,
-        *[WAIT, split, getitem, getitem],  # bucket 1 waited on only now: in flight over sin, cos
+        MM,
+        MV,
+        *[WAIT, split, getitem, getitem],  # bucket 1 waited on only now: in flight over mm, mv
         *[PACK, RS],  # bucket 2
         *[WAIT, split, getitem, getitem],  # the last bucket's wait stays after its collective
     ]
     rs1, rs2 = find(gm.graph, RS)
     wait1, wait2 = find(gm.graph, WAIT)
     split1, split2 = find(gm.graph, split)
-    sin_node, cos_node = find(gm.graph, SIN)[0], find(gm.graph, COS)[0]
+    mm_node, mv_node = find(gm.graph, MM)[0], find(gm.graph, MV)[0]
     assert wait1.args == (rs1,) and split1.args[0] is wait1 and wait2.args == (rs2,) and split2.args[0] is wait2
     nodes = list(gm.graph.nodes)
     index = node_index(gm.graph)
     packing_2 = nodes[index[split1] + 3]
-    assert packing_2.target is PACK and packing_2.args[0] == [sin_node, cos_node]
-    assert nodes[index[cos_node] + 1] is wait1
+    assert packing_2.target is PACK and packing_2.args[0] == [mm_node, mv_node]
+    assert nodes[index[mv_node] + 1] is wait1
     assert [shape(o) for o in output_args(gm.graph)] == [(4,), (5,), (2,), (1,)]
 
 

@@ -202,7 +202,8 @@ def test_tag_gathers_for_recompute_ignores_other_stages(group_name, stage):
 
 
 def _stage_graph(stage: int, group_name: str, dtype=torch.float32, textbook: bool = True) -> fx.GraphModule:
-    """A forward part (two gathers around compute) and a backward part (two gradient reductions).
+    """A forward part (two gathers around compute) and a backward part (two gradient reductions
+    with a matmul between them).
 
     w1 is [3, 5] (15 elements: padded to 16 over 4 ranks, shard 4), w2 is [5, 4] (20: shard 5).
     """
@@ -216,7 +217,7 @@ def _stage_graph(stage: int, group_name: str, dtype=torch.float32, textbook: boo
         h = h.relu()
         h = h @ UNSHARD(s2, [5, 4], stage, *on(group_name))
         r1 = REDUCE_GRAD(g1 * 2, shard_numel([3, 5]), stage, *on(group_name, textbook))
-        y = h.sin()
+        y = h @ h.t()
         r2 = REDUCE_GRAD(g2 + 1, shard_numel([5, 4]), stage, *on(group_name, textbook))
         return y, r1, r2
 
@@ -232,16 +233,18 @@ def _expected_order(stage: int, textbook: bool = True) -> list:
     else:
         r1, r2 = ALL_TO_ALL_PADDED, ALL_TO_ALL
     g1, g2 = GATHER_PADDED, GATHER
-    relu, mm, mul, sin, add = aten.relu.default, aten.mm.default, aten.mul.Tensor, aten.sin.default, aten.add.Tensor
+    relu, mm, mul, t, add = aten.relu.default, aten.mm.default, aten.mul.Tensor, aten.t.default, aten.add.Tensor
+    # Reductions where the gradient is produced, below the view Inductor would fuse into the
+    # kernel after it (lower_markers._reduce_before_the_next_kernel_call).
     if stage == 0:
-        return [relu, mm, relu, mm, mul, *r1, sin, add, *r2]
+        return [relu, mm, relu, mm, mul, t, *r1, mm, add, *r2]
     if stage == 1:  # gathers first, reductions last
-        return [*g1, *g2, relu, mm, relu, mm, mul, sin, add, *r1, *r2]
-    if stage == 2:  # gathers first, reductions where the gradient is produced
-        return [*g1, *g2, relu, mm, relu, mm, mul, *r1, sin, add, *r2]
-    # Stage 3: reductions in place; each gather just before its use, above the relu Inductor would
-    # fuse into the kernel before it (lower_markers._gather_after_the_last_kernel_call).
-    return [*g1, relu, mm, *g2, relu, mm, mul, *r1, sin, add, *r2]
+        return [*g1, *g2, relu, mm, relu, mm, mul, t, mm, add, *r1, *r2]
+    if stage == 2:  # gathers first
+        return [*g1, *g2, relu, mm, relu, mm, mul, t, *r1, mm, add, *r2]
+    # Stage 3: each gather just before its use, above the relu Inductor would fuse into the kernel
+    # before it (lower_markers._gather_after_the_last_kernel_call).
+    return [*g1, relu, mm, *g2, relu, mm, mul, t, *r1, mm, add, *r2]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -283,7 +286,7 @@ def test_lower_markers_gathers_shapes_with_padding(group_name, stage):
     assert shapes == [(16,), (16,), (15,), (3, 5), (20,), (20,), (5, 4)]
     assert {n.meta["val"].dtype for n in (ag1, wait1, slice1, view1, ag2, wait2, view2)} == {torch.bfloat16}
     # the matmuls now consume the full views
-    (mm1, mm2) = gm.graph.find_nodes(op="call_function", target=aten.mm.default)
+    (mm1, mm2, _) = gm.graph.find_nodes(op="call_function", target=aten.mm.default)
     assert mm1.args[1] is view1 and mm2.args[1] is view2
 
 
@@ -305,7 +308,7 @@ def test_lower_markers_reduce_scatter_shapes_with_padding(group_name, stage):
     assert [tuple(n.meta["val"].shape) for n in (pad, rs1, r1, rs2.args[0], rs2, r2)] == [
         (16,), (4,), (4,), (20,), (5,), (5,)
     ]
-    assert tuple(y.meta["val"].shape) == (2, 4)
+    assert tuple(y.meta["val"].shape) == (2, 2)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -342,7 +345,7 @@ def test_lower_markers_stage0_unshard_rewired_and_reduce_grad_all_reduces(group_
 
     lower_markers(gm.graph)
 
-    (mm1, mm2) = gm.graph.find_nodes(op="call_function", target=aten.mm.default)
+    (mm1, mm2, _) = gm.graph.find_nodes(op="call_function", target=aten.mm.default)
     assert mm1.args[1] is s1 and mm2.args[1] is s2  # the parameter itself, no copy
     assert gm.graph.find_nodes(op="call_function", target=GATHER_OP) == []
     _, r1, r2 = output_args(gm.graph)
@@ -407,10 +410,10 @@ def test_lower_markers_stage23_reductions_stay_where_gradient_is_produced(group_
 
     index = node_index(gm.graph)
     (mul,) = gm.graph.find_nodes(op="call_function", target=aten.mul.Tensor)
-    (sin,) = gm.graph.find_nodes(op="call_function", target=aten.sin.default)
+    (*_, mm) = gm.graph.find_nodes(op="call_function", target=aten.mm.default)
     (add,) = gm.graph.find_nodes(op="call_function", target=aten.add.Tensor)
     rs1, rs2 = gm.graph.find_nodes(op="call_function", target=funcol.reduce_scatter_tensor.default)
-    assert index[mul] < index[rs1] < index[sin] < index[add] < index[rs2]
+    assert index[mul] < index[rs1] < index[mm] < index[add] < index[rs2]
     assert [n.target for n in list(gm.graph.nodes)[index[rs2] :]] == [*REDUCE_SCATTER[1:], "output"]
 
 
