@@ -13,7 +13,8 @@ Where they go is the stage's policy (`stages.py`):
 - `reduces_at_backward_end`: reductions read only by the output move to the end of the backward;
 - otherwise gathers go just before their use (the backward's re-gathers too, placed by the
   partitioner at first use), above the pointwise and reduction nodes that lead up to it
-  (`_gather_after_the_last_kernel_call`), and reductions where the gradient is produced; values
+  (`_gather_after_the_last_kernel_call`), and reductions where the gradient is produced, below
+  the pointwise and reduction nodes that follow it (`_reduce_before_the_next_kernel_call`); values
   die after their last use, which Inductor's buffer reuse and FX's generated `del`s both honour.
 
 Every inserted node carries `meta["val"]`, computed under the graph's own fake mode.
