@@ -146,6 +146,7 @@ COMPILE_PHASES: dict[str, tuple[str, ...]] = {
     "zerocompile passes": (),  # every other zerocompile.* span
     "Inductor codegen": ("GraphLowering.codegen",),
 }
+_SPANS_OF_NAMED_COLUMNS = frozenset(span for spans in COMPILE_PHASES.values() for span in spans)
 # (model size, timed steps, warm-up steps) of a normal run and of --quick.
 DEFAULTS = ("12m", 17, 3)  # 20 steps: the bf16-vs-fp32 loss check runs over 20
 DEFAULT_INTERLEAVE = ("ddp-compile", "fsdp2-compile", "zero2", "zero3")  # the acceptance ratios
@@ -722,10 +723,11 @@ def _compile_phases(per_rank: list[dict[str, Any]]) -> dict[str, float]:
     """Seconds per `COMPILE_PHASES` column and of the C++ compiles ("C++"), largest rank per column."""
 
     def columns(timers: dict[str, list]) -> dict[str, float]:
-        named = {span for spans in COMPILE_PHASES.values() for span in spans}
         seconds = {column: sum(timers.get(span, [0, 0.0])[1] for span in spans) for column, spans in COMPILE_PHASES.items()}
         seconds["zerocompile passes"] = sum(
-            total for span, (_count, total) in timers.items() if span.startswith("zerocompile.") and span not in named
+            total
+            for span, (_count, total) in timers.items()
+            if span.startswith("zerocompile.") and span not in _SPANS_OF_NAMED_COLUMNS
         )
         seconds["C++"] = timers.get("compile_file", [0, 0.0])[1]
         return seconds
