@@ -22,14 +22,12 @@ Every inserted node carries `meta["val"]`, computed under the graph's own fake m
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import operator
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
 
 from .lowering import all_reduce_bucket, gather_bucket, reduce_scatter_bucket
 from .markers import UnshardArgs, is_reduce_grad, is_unshard, reduce_grad_args, unshard_args
@@ -51,8 +49,7 @@ def lower_markers(
     """
     counts = {"gathers": 0, "reductions": 0, "identities": 0, "gather_buckets": 0, "reduction_buckets": 0}
     _place_by_stage(graph)
-    fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.find_nodes(op="placeholder")])
-    tracer = functools.partial(_splice, fake_mode=fake_mode, decompositions=decompositions)
+    tracer = functools.partial(_splice, decompositions=decompositions)
     for node in [n for n in graph.nodes if is_unshard(n) and _is_whole(unshard_args(n))]:
         _forward_whole_parameter(node, tracer)
         counts["identities"] += 1
@@ -372,10 +369,9 @@ def _splice(
     anchor: fx.Node,
     fn: Callable[..., list[torch.Tensor]],
     *,
-    fake_mode: Any,
     decompositions: dict | None,
 ) -> list[fx.Node]:
-    """Trace `fn(*marker tensors)` under the graph's fake mode, insert the traced nodes before
+    """Record `fn(*marker tensors)` (values in the graph's fake mode), insert the traced nodes before
     `anchor` and let its outputs replace the markers; returns the inserted nodes in order.
 
     Each new node's meta["zero_params"] lists (FQN, bytes this rank holds of it) for the
@@ -385,8 +381,7 @@ def _splice(
     """
     graph = anchor.graph
     args = [marker.args[0] for marker in markers]
-    with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        traced = record_ops(fn, [arg.meta["val"] for arg in args], decompositions)
+    traced = record_ops(fn, [arg.meta["val"] for arg in args], decompositions)
     params = [_served(marker) for marker in markers]
     first = unshard_args(markers[0]) if is_unshard(markers[0]) else reduce_grad_args(markers[0])
     reduction = is_reduce_grad(markers[0])
