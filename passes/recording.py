@@ -71,19 +71,28 @@ def _meta_like(value: torch.Tensor) -> torch.Tensor:
 
 
 def _make_values_fake(graph: fx.Graph, inputs: list[torch.Tensor], fake_mode: FakeTensorMode, device: torch.device) -> None:
-    """The meta values recorded become `fake_mode`'s fake tensors on `device`; placeholders get
-    the inputs themselves back."""
+    """The meta values recorded become `fake_mode`'s fake tensors on `device`, and every meta device
+    an op was given (a factory's `device=`, e.g. `ones_like` decomposed to `full`) becomes `device`;
+    placeholders get the inputs themselves back."""
     converter = fake_mode.fake_tensor_converter
+    meta = torch.device("meta")
 
     def fake(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.device.type == "meta":
+        if isinstance(value, torch.Tensor) and value.device == meta:
             return converter.from_meta_and_device(fake_mode, value, device)
         return value
+
+    def real_device(value: Any) -> Any:
+        return device if isinstance(value, torch.device) and value == meta else value
 
     for node, value in zip(graph.find_nodes(op="placeholder"), inputs):
         node.meta["val"] = value
     for node in graph.nodes:
-        if node.op == "call_function" and "val" in node.meta:
+        if node.op != "call_function":
+            continue
+        node.args = pytree.tree_map(real_device, node.args)
+        node.kwargs = pytree.tree_map(real_device, node.kwargs)
+        if "val" in node.meta:
             node.meta["val"] = pytree.tree_map(fake, node.meta["val"])
 
 

@@ -77,7 +77,8 @@ def test_static_fake_inputs_are_recorded_on_meta_and_come_back_fake_on_their_dev
 
     def gather_and_cut(a: torch.Tensor, b: torch.Tensor) -> list[torch.Tensor]:
         outputs = funcol.all_gather_into_tensor_coalesced([a, b], 2, group_name)
-        return [funcol.wait_tensor(outputs[0])[:5].view(5, 1) * 2, funcol.wait_tensor(outputs[1]).view(2, 3)]
+        ones = torch.full([5, 1], 2.0, device=a.device)  # a factory: its device= argument is recorded
+        return [funcol.wait_tensor(outputs[0])[:5].view(5, 1) * ones, funcol.wait_tensor(outputs[1]).view(2, 3)]
 
     mode = FakeTensorMode()
     with mode:
@@ -89,9 +90,11 @@ def test_static_fake_inputs_are_recorded_on_meta_and_come_back_fake_on_their_dev
     graph.lint()
     assert [n.meta["val"] for n in graph.find_nodes(op="placeholder")] == [a, b]
     values = [v for n in graph.nodes if n.op == "call_function" for v in pytree_leaves(n.meta["val"])]
-    assert len(values) == 10  # the coalesced pair, its two getitems and waits, slice, view, mul, view
+    assert len(values) == 12  # the coalesced pair, its getitems and waits, slice, view, full, detach, mul, view
     for value in values:
         assert isinstance(value, FakeTensor) and value.fake_mode is mode and value.device == a.device
+    (full,) = graph.find_nodes(op="call_function", target=aten.full.default)
+    assert full.kwargs["device"] == a.device
     first, second = graph.output_node().args[0]
     assert tuple(first.meta["val"].shape) == (5, 1) and tuple(second.meta["val"].shape) == (2, 3)
     assert first.meta["tensor_meta"].shape == (5, 1)
