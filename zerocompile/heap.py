@@ -6,7 +6,8 @@ up to 32 MB from its heap once its dynamic mmap threshold has risen, their order
 to step, freed holes are not always reused, and the pages of a hole stay resident: a rank's
 memory creeps with no live tensor behind it. Measured on the 12M GPT at stage 3 (2 gloo ranks,
 batch 4, 2026-11-25), each step's peak RSS went from 604 to 1400 MB on one rank between steps 20
-and 300. glibc gives free pages in the middle of its heap back only through `malloc_trim`. After
+and 300. glibc gives free pages in the middle of its heap back only through `malloc_trim` (what a PyTorch
+maintainer advises for glibc's retained pages, pytorch/pytorch#41486). After
 every step that kept the peaks flat (560 -> 588 MB) but cost 20 % of that small model's steps/s
 (the next step faults every returned page in again); every `TRIM_EVERY` steps keeps them within
 8 % (584 -> 629 MB) at no measurable cost (2.8 steps/s either way).
