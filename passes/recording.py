@@ -11,7 +11,7 @@ Fake-tensor inputs of static shape are recorded through meta tensors of the same
 dtype: the ops then run on meta kernels in C++ instead of through the fake mode's Python dispatch
 (about half a millisecond an op, most of the recording's cost), and each recorded value is made a
 fake tensor of the inputs' mode and device afterwards. The 48-layer GPT's `lower_markers` (4,070
-recorded ops) went from 1.9-2.0 s to 0.6-0.7 s. Symbolic sizes, which meta tensors cannot carry,
+recorded ops) went from 1.9-2.2 s to 1.25-1.35 s. Symbolic sizes, which meta tensors cannot carry,
 are recorded under the fake mode itself.
 
 Every recorded node carries `meta["val"]` (the op's output value) and `meta["tensor_meta"]`, as
@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -74,13 +74,17 @@ def _make_values_fake(graph: fx.Graph, inputs: list[torch.Tensor], fake_mode: Fa
     """The meta values recorded become `fake_mode`'s fake tensors on `device`, and every meta device
     an op was given (a factory's `device=`, e.g. `ones_like` decomposed to `full`) becomes `device`;
     placeholders get the inputs themselves back."""
-    converter = fake_mode.fake_tensor_converter
     meta = torch.device("meta")
+    # One fake tensor per meta value (a list's items are its getitems' values too). Kept here, not
+    # in the fake mode's converter memo: its weak-keyed lookup cost more than making the tensors.
+    fakes: dict[int, FakeTensor] = {}
 
     def fake(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.device == meta:
-            return converter.from_meta_and_device(fake_mode, value, device)
-        return value
+        if not isinstance(value, torch.Tensor) or value.device != meta:
+            return value
+        if id(value) not in fakes:
+            fakes[id(value)] = FakeTensor(fake_mode, value, device)
+        return fakes[id(value)]
 
     def real_device(value: Any) -> Any:
         return device if isinstance(value, torch.device) and value == meta else value
@@ -90,8 +94,9 @@ def _make_values_fake(graph: fx.Graph, inputs: list[torch.Tensor], fake_mode: Fa
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        node.args = pytree.tree_map(real_device, node.args)
-        node.kwargs = pytree.tree_map(real_device, node.kwargs)
+        if any(value == meta for value in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(value, torch.device)):
+            node.args = pytree.tree_map(real_device, node.args)
+            node.kwargs = pytree.tree_map(real_device, node.kwargs)
         if "val" in node.meta:
             node.meta["val"] = pytree.tree_map(fake, node.meta["val"])
 
