@@ -170,3 +170,26 @@ def test_no_sync_on_an_unsharded_model_names_shard() -> None:
     with pytest.raises(TypeError, match=r"got an unsharded Linear: call zerocompile.shard"):
         with zc.no_sync(nn.Linear(2, 2)):
             pass
+
+
+def test_a_synced_step_after_no_sync_reuses_the_first_synced_graph(single_rank) -> None:
+    """Synced, inside no_sync, synced with pending gradients: three forward graphs, and a synced
+    step after a no_sync cycle is the first graph again (the optimizer step that finds nothing
+    waiting makes the model quiet, so its properties skip their slots), not a fourth."""
+    torch.manual_seed(0)
+    model = zc.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), stage=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
+    compiled_graphs.clear()
+
+    def step(accumulate: bool) -> None:
+        if accumulate:
+            with zc.no_sync(model):
+                compiled(torch.randn(2, 4)).sum().backward()
+        compiled(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for accumulate in (False, True, False, True, False):
+        step(accumulate)
+    assert sum(g.kind == "forward" for g in compiled_graphs) == 3

@@ -347,6 +347,8 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
             # The shape comparison is decided while tracing (a changed shape fails a guard).
             if replaced or tuple(param.shape) != sharded:  # a removed parameter (None) is replaced too
                 _raise_changed_after_shard(self, name, param)
+            if self._zero_sync.quiet:  # no no_sync copy or pending gradient: the plain marker
+                return UNSHARD(param, *markers, **keywords)
             return self._zero_slots[name].marker(param, markers, keywords)
 
         return property(full_parameter, doc=f"the full `{name}`, gathered from its shards")
