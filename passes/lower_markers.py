@@ -17,7 +17,7 @@ Where they go is the stage's policy (`stages.py`):
   the pointwise and reduction nodes that follow it (`_reduce_before_the_next_kernel_call`); values
   die after their last use, which Inductor's buffer reuse and FX's generated `del`s both honour.
 
-Every inserted node carries `meta["val"]`, computed under the graph's own fake mode.
+Every inserted node carries `meta["val"]`, a fake tensor of the graph's own fake mode (`recording`).
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ import operator
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils._pytree import tree_leaves
 
 from fx_helpers import call_targets
-from torch.utils._pytree import tree_leaves as pytree_leaves
 from zerocompile.passes.recording import record_ops
 
 aten = torch.ops.aten
@@ -89,7 +90,7 @@ def test_static_fake_inputs_are_recorded_on_meta_and_come_back_fake_on_their_dev
     assert dispatched == dispatched_before
     graph.lint()
     assert [n.meta["val"] for n in graph.find_nodes(op="placeholder")] == [a, b]
-    values = [v for n in graph.nodes if n.op == "call_function" for v in pytree_leaves(n.meta["val"])]
+    values = [v for n in graph.nodes if n.op == "call_function" for v in tree_leaves(n.meta["val"])]
     assert len(values) == 12  # the coalesced pair, its getitems and waits, slice, view, full, detach, mul, view
     for value in values:
         assert isinstance(value, FakeTensor) and value.fake_mode is mode and value.device == a.device
@@ -101,8 +102,6 @@ def test_static_fake_inputs_are_recorded_on_meta_and_come_back_fake_on_their_dev
 
 
 def test_symbolic_inputs_are_recorded_under_their_fake_mode() -> None:
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
     mode = FakeTensorMode(shape_env=ShapeEnv())
     x = mode.from_tensor(torch.empty(6), static_shapes=False)
     graph = record_ops(lambda t: [t * 2], [x])
