@@ -42,11 +42,12 @@ def record_ops(
     if fake_mode is None:
         return _record(fn, inputs, decompositions)
     devices = {value.device for value in inputs}
-    if len(devices) != 1 or not all(_is_static(value) for value in inputs):
+    metas = [meta_like(value) if value.storage_offset() == 0 else None for value in inputs]
+    if len(devices) != 1 or any(meta is None for meta in metas):  # an offset would be lost on meta
         with fake_mode:
             return _record(fn, inputs, decompositions)
     with unset_fake_temporarily():
-        graph = _record(fn, [_meta_like(value) for value in inputs], decompositions)
+        graph = _record(fn, metas, decompositions)
     _make_values_fake(graph, inputs, fake_mode, devices.pop())
     return graph
 
@@ -62,11 +63,11 @@ def _record(fn: Callable[..., list[torch.Tensor]], inputs: list[torch.Tensor], d
     return graph
 
 
-def _is_static(value: torch.Tensor) -> bool:
-    return all(isinstance(n, int) for n in (*value.shape, *value.stride(), value.storage_offset()))
-
-
-def _meta_like(value: torch.Tensor) -> torch.Tensor:
+def meta_like(value: torch.Tensor) -> torch.Tensor | None:
+    """A meta tensor of `value`'s shape, strides and dtype (at storage offset 0); None where they
+    are symbolic."""
+    if not all(isinstance(n, int) for n in (*value.shape, *value.stride())):
+        return None
     return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
 
 

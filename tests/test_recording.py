@@ -108,3 +108,14 @@ def test_symbolic_inputs_are_recorded_under_their_fake_mode() -> None:
     (doubled,) = graph.output_node().args[0]
     assert doubled.meta["val"].fake_mode is mode and doubled.meta["val"].shape == x.shape
     assert not isinstance(doubled.meta["val"].shape[0], int)
+
+
+def test_an_input_at_a_storage_offset_keeps_it_in_its_views() -> None:
+    """A meta stand-in starts at offset 0, so such an input is recorded under its fake mode: a view of
+    it (a gradient that is a slice of a larger buffer, viewed flat by a reduction) keeps the offset."""
+    mode = FakeTensorMode()
+    with mode:
+        x = torch.empty(8)[2:]
+    graph = record_ops(lambda t: [t.view(2, 3)], [x])
+    (viewed,) = graph.output_node().args[0]
+    assert viewed.meta["val"].fake_mode is mode and viewed.meta["val"].storage_offset() == 2

@@ -45,6 +45,7 @@ from zerocompile.passes.lower_markers import lower_markers
 from zerocompile.passes.markers import UnshardArgs, is_reduce_grad, is_unshard, reduce_grad_args, unshard_args
 from zerocompile.passes.merge_unshards import merge_repeated_unshards
 from zerocompile.passes.recompute_gathers import KEPT, tag_gathers_for_recompute
+from zerocompile.passes.recording import meta_like
 from zerocompile.passes.secondary_shards import regather_from_secondary_shards
 from zerocompile.sharding import ShardInfo, shard_info
 from zerocompile.upstream_fixes import keep_every_iteration_of_split_loops
@@ -342,9 +343,8 @@ def _facts_only_copy(graph: fx.Graph) -> fx.Graph:
 
 
 def _as_meta_tensor(value: torch.Tensor) -> torch.Tensor:
-    if not all(isinstance(n, int) for n in (*value.shape, *value.stride())):
-        return value
-    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    meta = meta_like(value)
+    return value if meta is None else meta
 
 
 def _passes_source_hash() -> str:
