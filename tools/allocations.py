@@ -1,8 +1,8 @@
 """Which large allocations one training step makes, and which ops make them: what churns a heap.
 
 On CPU, glibc serves allocations of up to 32 MB from its heap once its dynamic mmap threshold has
-risen, and a heap whose holes come back in another order each step fragments (README Limits: the
-heap creep). The census profiles one step with torch.profiler's memory events and counts every op
+risen, and a heap whose holes come back in another order each step fragments (README: Memory that
+stays put). The census profiles one step with torch.profiler's memory events and counts every op
 event whose own allocations (net of what it freed itself) reach `min_bytes`, under the op and its
 two enclosing ops, e.g. `aten::empty <- c10d::allgather_into_tensor_coalesced_ <- ...`. Ops that
 ran on a collective backend's own thread (gloo's copies) have no enclosing op: they show alone.

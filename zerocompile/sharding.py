@@ -24,7 +24,7 @@ from zerocompile.accumulation import GradientSync
 from zerocompile.buffers import broadcast_buffers_in_forward
 from zerocompile.config import ZeroConfig, config_from_kwargs, refuse_concurrent_gloo_gathers
 from zerocompile.distributed import backend_for, group_device, reduce_scatter_flavour
-from zerocompile.heap import trim_heap_while_alive
+from zerocompile.heap import keep_heap_steady_while_alive
 from zerocompile.hybrid import hybrid_groups
 from zerocompile.meta_init import built_on_meta, check_meta_model, local_slice, materialise_sharded
 from zerocompile.optimizers import refuse_unsupported_optimizer
@@ -166,8 +166,8 @@ def shard(
         module._zero_prefix = prefix  # what the registration guard names; its mark of a sharded model
     _install_optimizer_check()
     _install_registration_guard()
-    if config.trim_heap and group_device(group).type == "cpu":
-        trim_heap_while_alive(model)
+    if config.steady_heap and group_device(group).type == "cpu":
+        keep_heap_steady_while_alive(model)
     return model
 
 
