@@ -99,8 +99,6 @@ def build_block_cache() -> BlockCache:
     once each write their own file and rename it)."""
     if not sys.platform.startswith("linux"):
         raise RuntimeError(f"the block cache is built for Linux only, not {sys.platform}")
-    from torch.utils.cpp_extension import include_paths, library_paths
-
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not compiler:
         raise RuntimeError("no C++ compiler found (set CXX)")
@@ -112,6 +110,8 @@ def build_block_cache() -> BlockCache:
             target.parent.mkdir(parents=True, exist_ok=True)
         except OSError:  # a read-only home: this process's own directory will do
             target = Path(tempfile.mkdtemp(prefix="zerocompile-")) / target.name
+        from torch.utils.cpp_extension import include_paths, library_paths  # 0.2 s: only to build
+
         (lib_dir,) = library_paths()
         fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
