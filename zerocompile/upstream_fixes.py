@@ -11,11 +11,17 @@ at stage 3 on 2 ranks under Inductor had a first loss of 0.082 against the eager
 No upstream issue was found (the issues corpus, searched 2026-11-26); the code is in
 torch/_inductor/codegen/cpp.py, `loop_split` inside `try_loop_split`, in 2.13.0.
 
-The fix keeps the loop as it was whenever the split would change its number of iterations; a split
-that keeps them all is left alone, so correct code is generated exactly as before. It applies to
-every C++ kernel Inductor generates in the process once installed, since the backward's kernels are
-generated after our backend has returned (which only ever turns wrong code into right code). On
-CUDA, Triton kernels do not go through this function.
+The fix declines the split whenever it would change a loop's number of iterations: before
+torch's `try_loop_split` runs, every division it could split on (an iteration variable divided by
+an integer above 8, the conditions torch checks) is checked against that variable's range, and a
+range that is not a whole number of divisors keeps the nodes as they are. A split that keeps every
+iteration is left to torch, so correct code is generated exactly as before. Checking first rather
+than undoing afterwards needs nothing but the loop bodies' sizes and indexing, which every torch
+from 2.11 to 2.15 has (2.13's `snapshot_loop_state` does not exist in 2.11). Measured per version
+by tests/test_upstream_fixes.py: 2.11.0 and 2.13.0 have the bug. It applies to every C++ kernel
+Inductor generates in the process once installed, since the backward's kernels are generated after
+our backend has returned (which only ever turns wrong code into right code). On CUDA, Triton
+kernels do not go through this function.
 """
 
 from __future__ import annotations
@@ -36,19 +42,31 @@ def keep_every_iteration_of_split_loops() -> None:
 
     @functools.wraps(original)
     def try_loop_split(self: CppScheduling, nodes: list[Any]) -> list[Any]:
-        before = [(node, node.snapshot_loop_state(), _iterations(node)) for node in nodes]
-        split = original(self, nodes)
-        if all(_iterations(node) == iterations for node, _state, iterations in before):
-            return split
-        for node, state, _iterations_before in reversed(before):
-            node.restore_loop_state(state)
-        return nodes
+        if any(_split_would_drop_iterations(node) for node in nodes):
+            return nodes
+        return original(self, nodes)
 
     setattr(try_loop_split, _MARK, True)
     CppScheduling.try_loop_split = try_loop_split
 
 
-def _iterations(node: Any) -> Any:
-    from torch._inductor.utils import sympy_product
+def _split_would_drop_iterations(node: Any) -> bool:
+    """Whether `node` divides an iteration variable by an integer above 8 (what torch may split
+    on) whose range is not a whole number of that divisor (or not known to be)."""
+    import sympy
+    from torch.utils._sympy.functions import FloorDiv
 
-    return sympy_product(node.get_ranges()[0])
+    sizes_body = getattr(node.node, "get_default_sizes_body", None)
+    if sizes_body is None:  # not a computed buffer: torch does not split it either
+        return False
+    (sizes, _reduction_sizes), body, _vars = sizes_body()
+    ranges = dict(zip(body.iter_vars, sizes))
+    for expr in body.indexing_exprs.values():
+        if not isinstance(expr, sympy.Expr):
+            continue
+        for division in expr.find(FloorDiv):
+            variable, divisor = division.args
+            if variable in ranges and divisor.is_Integer and divisor > 8:
+                if not (ranges[variable] % divisor == 0):
+                    return True
+    return False
