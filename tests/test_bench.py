@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import zerocompile as zc
+from zerocompile.passes.stages import shard_numel
 from zerocompile.tools import bench
 from zerocompile.tools.cli import build_parser
 from zerocompile.tools.gpt import GPT, SIZES
@@ -238,3 +239,63 @@ def test_device_flag_reaches_the_ranks(tmp_path: Path) -> None:
     (mode,) = summary["modes"]
     assert mode["status"] == "failed", mode
     assert [("meta" in rank["error"]) for rank in mode["per_rank"]] == [True, True], mode["error"]
+
+
+FAKE_MODES = ("compile-bf16", "fsdp2-compile-bf16", "zero3-bf16")
+FAKE_RANKS = 8
+
+
+@pytest.fixture(scope="module")
+def fake_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The three mixed-precision modes as rank 0 of 8 on a fake group, as on one GPU but on the CPU.
+    Each compiles with Inductor (a fresh cache per mode): ~35 s of CPU per mode here."""
+    out = tmp_path_factory.mktemp("fake-bench")
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    argv = ["--quick", "--fake-ranks", str(FAKE_RANKS), "--batch-size", str(FAKE_RANKS), "--device", "cpu"]
+    args = parser.parse_args([*argv, "--modes", ",".join(FAKE_MODES), "--out", str(out)])
+    assert bench.run(args) == 0
+    return json.loads((out / "bench.json").read_text()) | {"table": (out / "bench.md").read_text()}
+
+
+def test_fake_ranks_run_every_mode_in_one_process_of_a_world_of_n(fake_run: dict) -> None:
+    """One process per mode, rank 0 of a fake group of 8: nothing is sent, so bytes sent and the
+    losses (from uninitialised collective outputs) are reported as not measured, not as numbers."""
+    assert fake_run["settings"]["fake"] and fake_run["settings"]["backend"] == "fake"
+    assert [mode["mode"] for mode in fake_run["modes"]] == list(FAKE_MODES)
+    for mode in fake_run["modes"]:
+        assert mode["status"] == "ok", mode
+        (rank,) = mode["per_rank"]
+        assert (rank["world_size"], rank["device"]) == (FAKE_RANKS, "cpu"), mode["mode"]
+        assert mode["sent_bytes_per_step"] is None and mode["device_peak_run_bytes"] is None
+        assert f"| {mode['mode']} |" in fake_run["table"]
+        assert "| n/a | n/a |" in fake_run["table"].split(f"| {mode['mode']} |")[1].splitlines()[0]
+    assert fake_run["interleaved"] is None
+
+
+def test_fake_ranks_hold_one_ranks_model_state(fake_run: dict) -> None:
+    """zero3-bf16 holds fp32 master shards, fp32 gradient shards and AdamW's two fp32 moments of
+    each distinct parameter's padded 1/8 slice (`shard_numel`): 16 bytes per shard element, about
+    4 % above 16Φ/8 for the tiny GPT's small parameters, so the formula, not 16Φ/8, is what it must
+    equal. FSDP2's dim-0 chunks divide the tiny GPT evenly, 16Φ/8; plain compile holds the whole 16Φ.
+    A group that ran as world size 1 would show 8x these (checked by breaking it)."""
+    modes = {mode["mode"]: mode["model_state_bytes"] for mode in fake_run["modes"]}
+    with torch.device("meta"):
+        model = GPT(SIZES["tiny"])
+    shard_elements = sum(shard_numel(p.numel(), FAKE_RANKS) for p in {id(p): p for p in model.parameters()}.values())
+    assert modes["zero3-bf16"] == {"params": 4 * shard_elements, "grads": 4 * shard_elements, "optimizer": 8 * shard_elements}
+    phi = fake_run["settings"]["phi"]
+    assert sum(modes["fsdp2-compile-bf16"].values()) == pytest.approx(16 * phi / FAKE_RANKS, rel=0.01)
+    assert sum(modes["compile-bf16"].values()) == 16 * phi
+
+
+def test_fake_ranks_refuse_interleaving_and_real_ranks(tmp_path: Path) -> None:
+    """--interleave needs real ranks side by side, and --ranks contradicts --fake-ranks, even
+    given its default value (argparse would let that through)."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--quick", "--fake-ranks", "2", "--interleave", "ddp,fsdp2", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--interleave"):
+        bench.bench(args)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--ranks", "2", "--fake-ranks", "2"])

@@ -27,6 +27,29 @@ every device starts from the same ones.
                    without Inductor, the reference for zero3-eager's compile time
   zero3-eager      stage 3 with options={"compiler": "eager"}: our passes, graphs run op by op
 
+Mixed precision, bf16 in compute, fp32 master weights and AdamW state in each (like zero3-bf16):
+  compile-bf16     torch.compile(model) as `compile` (fp32 parameters, nothing sharded), its forward
+                   and loss run under torch.autocast(device type, torch.bfloat16); the backward
+                   outside it, as autocast is meant to be used
+  fsdp2-compile-bf16  fsdp2-compile with MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                   reduce_dtype=torch.bfloat16) on every Block and the root: fp32 shards, gathered
+                   and computed in bf16, gradients reduce-scattered in bf16 (what zerocompile's
+                   stage 3 does with param_dtype=bf16: its reduce_dtype defaults to the dtype the
+                   gradients were computed in) and kept in fp32
+  zero3-bf16       zerocompile.shard(model, stage=3, param_dtype=torch.bfloat16), as listed above
+
+Fake ranks: `--fake-ranks N` measures a mode at N ranks in one process on one device, without the
+other N-1. Each mode runs in a process of its own (a fresh Inductor cache, as always) that is rank
+0 of a torch.distributed group of world size N on the "fake" backend (FakeStore), with 1/N of
+--batch-size on --device (default: the accelerator if there is one, else the CPU). Every
+collective has its real shapes (all-gathers return N shards, reduce-scatters take N) and costs its
+call and its output's memory, no transfer: the fake backend sends nothing and leaves outputs
+uninitialised. So the step times are compute and our overheads with communication free, model
+state and peak memory are one rank's of an N-rank run, and the values are garbage: losses are not
+compared (vs ddp and final loss say n/a) and bytes sent are not measured (null in the JSON, n/a in
+the table). No --interleave: it needs the modes side by side in one set of real ranks. On one GPU:
+`--fake-ranks 8 --model-size 1.3b --batch-size 64 --modes compile-bf16,fsdp2-compile-bf16,zero3-bf16`.
+
 Compile cost: `--modes compile,zero3,compile-aot-eager,zero3-eager --layers 48` compares ours with
 plain torch.compile and with aot_eager on one deep GPT (each block adds its markers and
 collectives to the graphs our passes walk).
@@ -47,6 +70,10 @@ How each figure is measured, per mode, after --warmup untimed steps (the first o
               the min-cut partition (where torch times it: not inside aot_eager), zerocompile's
               passes (each timed as zerocompile.*), Inductor's code generation, and the C++
               files it compiled (count and seconds; 0 with the eager compilers)
+  device peak on an accelerator, max_memory_allocated: "run" from just after the model is built
+              (and sharded: building puts the whole fp32 model on the device first, which a
+              sharded run would not) to the end, compile included; "steps" over the timed steps
+              only (reset before them). Not measured on the CPU, where peak RSS is the figure
   peak RSS    VmHWM over the timed steps (reset through /proc/self/clear_refs before them; where
               that is refused, ru_maxrss since the rank started, and the JSON says so), largest
               rank; "RSS between steps" is VmRSS after the warm-up steps. Every mode runs in its
@@ -59,7 +86,7 @@ How each figure is measured, per mode, after --warmup untimed steps (the first o
   sent        bytes written by the rank (/proc/self/io wchar) around one step: gloo's socket
               writes, i.e. everything sent, not what we think we send; median over the timed
               steps, largest rank. Host-side, like peak RSS: NCCL's GPU transfers do not pass
-              through write(), and GPU memory is not measured
+              through write()
   model state bytes this rank holds in parameters, gradients and optimizer state after the last
               optimizer step (largest rank): zerocompile.model_state_bytes for ours; for the
               others the local tensors, for FSDP2 the local shards of its DTensors
@@ -102,7 +129,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -115,10 +142,11 @@ from torch import nn
 from torch._dynamo.utils import compilation_time_metrics as compile_timers
 from torch._inductor.runtime.cache_dir_utils import cache_dir, temporary_cache_dir
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import zerocompile as zc
 from zerocompile.distributed import (
@@ -149,8 +177,17 @@ COMPILE_PHASES: dict[str, tuple[str, ...]] = {
 _SPANS_OF_NAMED_COLUMNS = frozenset(span for spans in COMPILE_PHASES.values() for span in spans)
 # (model size, timed steps, warm-up steps) of a normal run and of --quick.
 DEFAULTS = ("12m", 17, 3)  # 20 steps: the bf16-vs-fp32 loss check runs over 20
+DEFAULT_RANKS = 2
 DEFAULT_INTERLEAVE = ("ddp-compile", "fsdp2-compile", "zero2", "zero3")  # the acceptance ratios
 QUICK = ("tiny", 2, 1)
+# What the figures mean under --fake-ranks, where they differ from a real run (see the docstring).
+FAKE_METHOD = {
+    "fake_ranks": "one process per mode, rank 0 of a world of `ranks` on the fake backend: collectives have "
+    "their real shapes but send nothing and leave their outputs uninitialised, so values are garbage",
+    "sent": "not measured (null): the fake backend sends nothing",
+    "final_loss": "meaningless: computed from uninitialised collective outputs",
+    "loss_vs_ddp": "not compared (n/a)",
+}
 # glibc unmaps every freed allocation over 64 kB at once instead of keeping it for reuse.
 EXACT_RSS_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
@@ -202,12 +239,27 @@ def _ddp(compiled: bool) -> Callable[[GPT], Prepared]:
     return build
 
 
-def _plain_compile(backend: str) -> Callable[[GPT], Prepared]:
+def _plain_compile(backend: str, autocast_dtype: torch.dtype | None = None) -> Callable[[GPT], Prepared]:
     def build(model: GPT) -> Prepared:
         optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-        return Prepared(torch.compile(model, backend=backend), optimizer, lambda: _held_bytes(model, optimizer.state))
+        compiled = torch.compile(model, backend=backend)
+        runner = compiled if autocast_dtype is None else _under_autocast(compiled, autocast_dtype)
+        return Prepared(runner, optimizer, lambda: _held_bytes(model, optimizer.state))
 
     return build
+
+
+def _under_autocast(
+    runner: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dtype: torch.dtype
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`runner` with its forward (and loss) under torch.autocast on the inputs' device; the
+    backward, called on the loss afterwards, runs outside it as autocast prescribes."""
+
+    def run(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(inputs.device.type, dtype=dtype):
+            return runner(inputs, targets)
+
+    return run
 
 
 def _zero_redundancy(model: GPT) -> Prepared:
@@ -217,12 +269,12 @@ def _zero_redundancy(model: GPT) -> Prepared:
     return Prepared(wrapped, optimizer, lambda: _held_bytes(model, optimizer.optim.state))
 
 
-def _fsdp2(compiled: bool) -> Callable[[GPT], Prepared]:
+def _fsdp2(compiled: bool, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()) -> Callable[[GPT], Prepared]:
     def build(model: GPT) -> Prepared:
         mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
         for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
         runner = torch.compile(model) if compiled else model
         return Prepared(runner, optimizer, lambda: _held_bytes(model, optimizer.state))
@@ -260,6 +312,12 @@ MODES: dict[str, Mode] = {
         Mode("zero3-budget", _zero3_half_budget),
         Mode("compile-aot-eager", _plain_compile("aot_eager")),
         Mode("zero3-eager", _zero(3, compiler="eager")),
+        Mode("compile-bf16", _plain_compile("inductor", autocast_dtype=torch.bfloat16)),
+        # reduce_dtype: what zero3-bf16 reduces in (ZeroConfig.reduce_dtype None: the gradients' bf16).
+        Mode(
+            "fsdp2-compile-bf16",
+            _fsdp2(compiled=True, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)),
+        ),
     ]
 }
 
@@ -290,7 +348,18 @@ def _interleave_list(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `zerocompile bench`; size, steps and warm-up default to --quick's when it is given."""
-    parser.add_argument("--ranks", type=_positive_int, default=2, help="ranks to spawn (default 2)")
+    world = parser.add_mutually_exclusive_group()
+    # Default None (2 is decided in `bench`): argparse lets a mutually exclusive flag through when
+    # its value is its default, so `--ranks 2 --fake-ranks 8` would pass.
+    world.add_argument("--ranks", type=_positive_int, default=None, help=f"ranks to spawn (default {DEFAULT_RANKS})")
+    world.add_argument(
+        "--fake-ranks",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="instead, run each mode as rank 0 of N in one process on a fake process group: one rank's "
+        "compute and memory at N ranks with communication free, values garbage (see the description)",
+    )
     parser.add_argument(
         "--model-size",
         choices=sorted(SIZES),
@@ -359,6 +428,12 @@ class Settings:
     cache_root: str
     device: torch.device | None  # None: each rank's process group device
     layers: int | None = None  # None: the size's own
+    fake: bool = False  # one process, rank 0 of `ranks` on the fake backend (--fake-ranks)
+
+    @property
+    def processes(self) -> int:
+        """Processes spawned per mode (they share the machine's cores)."""
+        return 1 if self.fake else self.ranks
 
     @property
     def config(self) -> GPTConfig:
@@ -380,21 +455,24 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     """Spawn the ranks, run every mode, write bench.json/.md/.png to --out; returns the JSON."""
     size, steps, warmup = QUICK if args.quick else DEFAULTS
     model_size = args.model_size or size
-    if args.batch_size % args.ranks:
-        raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the {args.ranks} ranks")
+    fake = args.fake_ranks is not None
+    ranks = args.fake_ranks if fake else args.ranks or DEFAULT_RANKS
+    if args.batch_size % ranks:
+        raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the {ranks} ranks")
+    backend = "fake" if fake else default_backend(args.device)
     config = _gpt_config(model_size, args.layers)
     phi = _count_parameters(config)
     machine = {"node": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__}
     print(
         f"zerocompile bench on {machine['node']} ({machine['cpu_count']} CPUs, torch {machine['torch']}): "
-        f"{args.ranks} {default_backend(args.device)} ranks, GPT {_described(model_size, args.layers)} (Φ = {phi:,}), global batch {args.batch_size} x "
+        f"{ranks} {backend} ranks, GPT {_described(model_size, args.layers)} (Φ = {phi:,}), global batch {args.batch_size} x "
         f"{config.block_size} tokens, fp32 AdamW, {args.warmup or warmup} warm-up + "
         f"{args.steps or steps} timed steps per mode",
         flush=True,
     )
     with tempfile.TemporaryDirectory(prefix="zerocompile-bench-") as tmp:
         settings = Settings(
-            ranks=args.ranks,
+            ranks=ranks,
             model_size=model_size,
             layers=args.layers,
             steps=args.steps or steps,
@@ -402,16 +480,19 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             batch_size=args.batch_size,
             seed=args.seed,
             modes=tuple(args.modes),
-            interleave=tuple(args.interleave if args.interleave is not None else () if args.quick else DEFAULT_INTERLEAVE),
+            interleave=_interleaved_modes(args),
             cache_root=tmp,
             device=args.device,
+            fake=fake,
         )
         measured = {}
         with inherited_environment(EXACT_RSS_ENVIRONMENT if args.exact_rss else {}):
             for name in settings.modes:
                 results_file = Path(tmp) / f"{name}.json"
                 torch.multiprocessing.spawn(
-                    _spawned_rank, args=(name, settings, free_loopback_port(), str(results_file)), nprocs=args.ranks
+                    _spawned_rank,
+                    args=(name, settings, free_loopback_port(), str(results_file)),
+                    nprocs=settings.processes,
                 )
                 measured[name] = json.loads(results_file.read_text())
                 print(_progress_line(measured[name]), flush=True)
@@ -425,7 +506,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 if k not in ("modes", "interleave", "cache_root", "device")
             },
             "device": None if args.device is None else str(args.device),  # None: the process group's
-            "backend": default_backend(args.device),
+            "backend": backend,
             "phi": phi,
             "block_size": settings.config.block_size,
             "optimizer": f"torch.optim.AdamW(lr={LEARNING_RATE}), fp32",
@@ -444,6 +525,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "rss_between_steps": "largest rank's VmRSS after the warm-up steps, before the timed ones",
             "peak_rss": "largest rank; VmHWM after resetting it before the timed steps, unless rss_source says "
             "ru_maxrss; every mode in its own processes",
+            "device_peak": "on an accelerator, largest rank's max_memory_allocated: run = from after the model is "
+            "built and sharded to the end, compile included; steps = reset before the timed steps; null on the CPU",
             "sent": "largest rank's median over timed steps of the /proc/self/io wchar delta around a step",
             "model_state": "largest rank, after the last optimizer step, gradients still held",
             "final_loss": "mean over ranks of the last timed step's loss",
@@ -452,8 +535,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "interleaved": "the --interleave modes in one set of ranks, one step of each per round after their "
             "warm-up; median over rounds of the slowest rank's step, and of that rank's forward, backward and "
             "optimizer step (medians of their own)",
+            **(FAKE_METHOD if fake else {}),
         },
-        "theory": _theory(phi, args.ranks),
+        "theory": _theory(phi, ranks),
         "modes": [measured[name] for name in args.modes],
         "interleaved": interleaved,
     }
@@ -464,6 +548,18 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     _plot(summary, args.out / "bench.png")
     print(f"\n{table}\nwrote {args.out}/bench.json, bench.md, bench.png", flush=True)
     return summary
+
+
+def _interleaved_modes(args: argparse.Namespace) -> tuple[str, ...]:
+    """--interleave resolved: none under --fake-ranks (refused if asked for), and with --quick."""
+    if args.fake_ranks is not None:
+        if args.interleave:
+            raise SystemExit(
+                "--interleave times modes side by side in one set of real ranks; --fake-ranks runs each mode "
+                "alone as one rank of a fake group: leave --interleave out (or pass --interleave none)"
+            )
+        return ()
+    return tuple(args.interleave if args.interleave is not None else () if args.quick else DEFAULT_INTERLEAVE)
 
 
 def _count_parameters(config: GPTConfig) -> int:
@@ -531,25 +627,38 @@ def _gpt_class_of_its_own(name: str) -> type[GPT]:
 @contextlib.contextmanager
 def _rank_session(rank: int, settings: Settings, port: int, cache_name: str) -> Iterator[None]:
     """This rank's process group, threads and a fresh Inductor cache of its own for the run."""
-    os.environ.update(loopback_rank_environment(rank, settings.ranks, port))
     # The ranks share the machine's cores, and each compiles with one worker: more threads than
     # cores slows every rank down.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings.ranks))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings.processes))
     torch._inductor.config.compile_threads = 1
     # Inductor's modules take tens of MB once imported: import them in every mode, so the eager
     # modes do not look leaner than the compiled ones by that much.
     importlib.import_module("torch._inductor.compile_fx")
-    zc.init_distributed(device=settings.device)
+    _start_process_group(rank, settings, port)
     # Per rank too: ranks sharing a cache split the C++ compiles between them (the first to reach a
     # kernel compiles it, its peer loads it), so a rank's compile CPU depended on that race.
     with temporary_cache_dir(os.path.join(settings.cache_root, cache_name, f"rank{rank}")):
         yield
 
 
+def _start_process_group(rank: int, settings: Settings, port: int) -> None:
+    """Rank `rank` of the spawned ranks on 127.0.0.1:`port`; under --fake-ranks, rank 0 of a fake
+    group of `settings.ranks` (no peers, no port), whose collectives take tensors on every device."""
+    if settings.fake:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=settings.ranks)
+        return
+    os.environ.update(loopback_rank_environment(rank, settings.ranks, port))
+    zc.init_distributed(device=settings.device)
+
+
 def _gather_to_file(measured: dict[str, Any], results_file: str, summarise: Callable[[list[dict]], dict]) -> None:
-    """Rank 0 writes `summarise` of every rank's `measured` to `results_file`; the process ends."""
-    per_rank: list[dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
-    dist.all_gather_object(per_rank, measured)
+    """Rank 0 writes `summarise` of every rank's `measured` to `results_file`; the process ends.
+    A fake group's other ranks do not exist (and its all-gathers return garbage): rank 0's alone."""
+    if _communicates():
+        per_rank: list[dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(per_rank, measured)
+    else:
+        per_rank = [measured]
     if dist.get_rank() == 0:
         Path(results_file).write_text(json.dumps(summarise(per_rank)))
     exit_spawned_rank()
@@ -587,12 +696,16 @@ def _measure_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
     prepared = mode.build(GPT(settings.config).to(device))
     batches = _RandomBatches(settings.config, settings, rank, device)
     compile_timers.clear()  # a mode has processes of its own: what is timed from here on is its compile
+    _reset_device_peak(device)
     warmup = [_one_step(prepared, batches) for _ in range(settings.warmup)]
     compiled = {name: [len(spans), sum(spans)] for name, spans in compile_timers.items()}
+    warmup_device_peak = _device_peak(device)
+    _reset_device_peak(device)
     rss_source = "VmHWM" if reset_peak_rss() else "ru_maxrss"
     rss_before = status_bytes("VmRSS")
     load = os.getloadavg()[0]
     timed = [_one_step(prepared, batches) for _ in range(settings.steps)]
+    steps_device_peak = _device_peak(device)
     held = prepared.state_bytes()  # the last step's gradients are still there
     if rss_source == "VmHWM":
         peak = status_bytes("VmHWM")
@@ -604,15 +717,40 @@ def _measure_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
         "compile_cpu": warmup[0].cpu_seconds - statistics.median(step.cpu_seconds for step in timed),
         "compile_timers": compiled,
         "inductor_cache": cache_dir(),
-        "sent": [step.sent for step in timed],
+        "sent": [step.sent for step in timed] if _communicates() else None,
         "losses": [step.loss.item() for step in warmup + timed],
         "held": held,
         "peak_rss": peak,
+        "device_peak_run": None if steps_device_peak is None else max(warmup_device_peak, steps_device_peak),
+        "device_peak_steps": steps_device_peak,
         "rss_before": rss_before,
         "rss_source": rss_source,
         "load": load,
         "device": str(device),
+        "world_size": dist.get_world_size(),
     }
+
+
+def _communicates() -> bool:
+    """Whether the world group's collectives send anything (not on the fake backend)."""
+    return dist.get_backend() != "fake"
+
+
+def _on_accelerator(device: torch.device) -> bool:
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    return accelerator is not None and device.type == accelerator.type
+
+
+def _reset_device_peak(device: torch.device) -> None:
+    """Start `_device_peak` afresh from the bytes allocated now (on an accelerator)."""
+    if _on_accelerator(device):
+        torch.accelerator.reset_peak_memory_stats(device)
+
+
+def _device_peak(device: torch.device) -> int | None:
+    """The most bytes allocated at once on `device` since `_reset_device_peak`; None where the
+    accelerator's allocator does not serve `device` (the CPU: see peak RSS)."""
+    return torch.accelerator.max_memory_allocated(device) if _on_accelerator(device) else None
 
 
 class Step(NamedTuple):
@@ -710,13 +848,21 @@ def _summarise(name: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "peak_rss_bytes": max(m["peak_rss"] for m in per_rank),
         "rss_before_bytes": max(m["rss_before"] for m in per_rank),
         "rss_source": per_rank[0]["rss_source"],
+        "device_peak_run_bytes": _largest(m["device_peak_run"] for m in per_rank),
+        "device_peak_steps_bytes": _largest(m["device_peak_steps"] for m in per_rank),
         "load_avg_1min": per_rank[0]["load"],
-        "sent_bytes_per_step": max(statistics.median(m["sent"]) for m in per_rank),
+        "sent_bytes_per_step": _largest(None if m["sent"] is None else statistics.median(m["sent"]) for m in per_rank),
         "model_state_bytes": largest_held,
         "final_loss": statistics.fmean(m["losses"][-1] for m in per_rank),
         "losses": [statistics.fmean(step) for step in zip(*(m["losses"] for m in per_rank))],
         "per_rank": per_rank,
     }
+
+
+def _largest(values: Iterable[float | None]) -> float | None:
+    """The largest rank's figure, or None where it was not measured (the same on every rank)."""
+    measured = [value for value in values if value is not None]
+    return max(measured) if measured else None
 
 
 def _compile_phases(per_rank: list[dict[str, Any]]) -> dict[str, float]:
@@ -778,9 +924,20 @@ def _progress_line(mode: dict[str, Any]) -> str:
     return (
         f"{mode['mode']:<16} step {mode['step_time_s']:.3f} s | compile {mode['compile_time_s']:.1f} s "
         f"({mode['compile_cpu_s']:.1f} s CPU) | "
-        f"peak RSS {mode['peak_rss_bytes'] / MB:.0f} MB | sent {mode['sent_bytes_per_step'] / MB:.2f} MB/step | "
+        f"peak RSS {mode['peak_rss_bytes'] / MB:.0f} MB | "
+        + ("" if mode["device_peak_run_bytes"] is None else f"device peak {_device_peaks(mode)} MB | ")
+        + f"sent {_megabytes(mode['sent_bytes_per_step'], 2)} MB/step | "
         f"state {sum(held.values()) / MB:.1f} MB | loss {mode['final_loss']:.4f} | load {mode['load_avg_1min']:.1f}"
     )
+
+
+def _megabytes(value: float | None, decimals: int) -> str:
+    return "n/a" if value is None else f"{value / MB:.{decimals}f}"
+
+
+def _device_peaks(mode: dict[str, Any]) -> str:
+    """"run / steps" accelerator peaks of a mode, in MB."""
+    return f"{_megabytes(mode['device_peak_run_bytes'], 0)} / {_megabytes(mode['device_peak_steps_bytes'], 0)}"
 
 
 def _described(model_size: str, layers: int | None) -> str:
@@ -790,35 +947,54 @@ def _described(model_size: str, layers: int | None) -> str:
 def markdown_table(summary: dict[str, Any]) -> str:
     """bench.md: the machine, the settings, one row per mode, the theory and how it was measured."""
     machine, settings, theory = summary["machine"], summary["settings"], summary["theory"]
+    fake = settings["fake"]
+    ran = [mode for mode in summary["modes"] if mode["status"] == "ok"]
+    devices = sorted({rank["device"] for mode in ran for rank in mode["per_rank"]})
+    device_peaks = any(mode["device_peak_run_bytes"] is not None for mode in ran)
+    columns = [
+        "mode", "step s", "compile s (CPU s)", "RSS between steps MB", "peak RSS MB",
+        *(["device peak MB run / steps"] if device_peaks else []),
+        "sent MB/step/rank", "params / grads / optim MB per rank", "final loss", "vs ddp", "load",
+    ]  # fmt: skip
     lines = [
         f"`zerocompile bench` on {machine['node']} ({machine['cpu_count']} CPUs, torch {machine['torch']}), "
         f"{settings['ranks']} {settings['backend']} ranks, GPT {_described(settings['model_size'], settings.get('layers'))} "
         f"(Φ = {settings['phi']:,}, tied embeddings), "
         f"global batch {settings['batch_size']} x {settings['block_size']} tokens, {settings['optimizer']}, "
         f"{settings['warmup']} warm-up + {settings['steps']} timed steps per mode, malloc {settings['malloc']}"
+        + (f", on {', '.join(devices)}" if devices else "")
         + (" (--quick: times mean nothing)" if settings["quick"] else "")
         + ".",
-        "",
-        (
-            "| mode | step s | compile s (CPU s) | RSS between steps MB | peak RSS MB | sent MB/step/rank "
-            "| params / grads / optim MB per rank | final loss | vs ddp | load |"
+        *(
+            [
+                "",
+                f"Fake process group: each mode ran alone as rank 0 of {settings['ranks']}; the collectives had their "
+                "real shapes but sent nothing and left their outputs uninitialised. Step times are compute with "
+                "communication free, memory one rank's; losses and bytes sent mean nothing (n/a).",
+            ]
+            if fake
+            else []
         ),
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
     ]
     notes = []
-    ddp = next((m for m in summary["modes"] if m["mode"] == "ddp" and m["status"] == "ok"), None)
+    ddp = next((m for m in ran if m["mode"] == "ddp"), None)
     for mode in summary["modes"]:
         if mode["status"] != "ok":
-            lines.append(f"| {mode['mode']} | {mode['status']} | | | | | | | | |")
+            lines.append(f"| {mode['mode']} | {mode['status']} |" + " |" * (len(columns) - 2))
             notes.append(f"- {mode['mode']} {mode['status']}: {mode['error']}")
             continue
         held = mode["model_state_bytes"]
         lines.append(
             f"| {mode['mode']} | {mode['step_time_s']:.3f} | {mode['compile_time_s']:.1f} ({mode['compile_cpu_s']:.1f}) | "
             f"{mode['rss_before_bytes'] / MB:.0f} | {mode['peak_rss_bytes'] / MB:.0f} | "
-            f"{mode['sent_bytes_per_step'] / MB:.2f} | "
+            + (f"{_device_peaks(mode)} | " if device_peaks else "")
+            + f"{_megabytes(mode['sent_bytes_per_step'], 2)} | "
             f"{held['params'] / MB:.1f} / {held['grads'] / MB:.1f} / {held['optimizer'] / MB:.1f} | "
-            f"{mode['final_loss']:.4f} | {_loss_difference(mode, ddp)} | {mode['load_avg_1min']:.1f} |"
+            + ("n/a | n/a" if fake else f"{mode['final_loss']:.4f} | {_loss_difference(mode, ddp)}")
+            + f" | {mode['load_avg_1min']:.1f} |"
         )
     method = summary["method"]
     lines += _compile_phase_table(summary["modes"])
@@ -902,7 +1078,8 @@ def _loss_difference(mode: dict[str, Any], ddp: dict[str, Any] | None) -> str:
 
 
 def _plot(summary: dict[str, Any], path: Path) -> None:
-    """bench.png: step time and bytes sent per mode, with ZeRO's 2Φ and 3Φ volumes marked."""
+    """bench.png: step time and bytes sent per mode, with ZeRO's 2Φ and 3Φ volumes marked (step
+    time alone where nothing was sent: --fake-ranks)."""
     try:
         import matplotlib
 
@@ -912,15 +1089,19 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
         raise SystemExit("zerocompile bench draws bench.png with matplotlib: pip install matplotlib") from error
     modes = [mode for mode in summary["modes"] if mode["status"] == "ok"]
     names = [mode["mode"] for mode in modes]
-    figure, (time_axis, sent_axis) = plt.subplots(1, 2, figsize=(11, 0.45 * len(names) + 1.8), sharey=True)
+    sent = not summary["settings"]["fake"]
+    figure, axes = plt.subplots(1, 1 + sent, figsize=(11, 0.45 * len(names) + 1.8), sharey=True, squeeze=False)
+    time_axis = axes[0][0]
     time_axis.barh(names, [mode["step_time_s"] for mode in modes], color="tab:blue")
     time_axis.set_xlabel("median step time (s)")
-    sent_axis.barh(names, [mode["sent_bytes_per_step"] / MB for mode in modes], color="tab:orange")
-    sent_axis.set_xlabel("sent per step per rank (MB)")
-    theory = summary["theory"]
-    for key, label, style in (("sent_2phi", "2Φ(N−1)/N", "--"), ("sent_3phi", "3Φ(N−1)/N", ":")):
-        sent_axis.axvline(theory[key] / MB, color="black", linestyle=style, linewidth=1, label=label)
-    sent_axis.legend(loc="lower right", fontsize="small")
+    if sent:
+        sent_axis = axes[0][1]
+        sent_axis.barh(names, [mode["sent_bytes_per_step"] / MB for mode in modes], color="tab:orange")
+        sent_axis.set_xlabel("sent per step per rank (MB)")
+        theory = summary["theory"]
+        for key, label, style in (("sent_2phi", "2Φ(N−1)/N", "--"), ("sent_3phi", "3Φ(N−1)/N", ":")):
+            sent_axis.axvline(theory[key] / MB, color="black", linestyle=style, linewidth=1, label=label)
+        sent_axis.legend(loc="lower right", fontsize="small")
     time_axis.invert_yaxis()
     machine, settings = summary["machine"], summary["settings"]
     figure.suptitle(

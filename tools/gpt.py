@@ -28,12 +28,15 @@ SIZES = {
     "tiny": GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32),
     "small": GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128),
     "12m": GPTConfig(n_layer=6, n_head=6, n_embd=384, block_size=128),
-    # Benchmark and capacity sizes (Φ = 50.1M, 201.9M, 394.0M, 926.1M): build them on the meta
-    # device and let zerocompile.shard(..., init=GPT._init_weights) materialise the shards.
+    # Benchmark and capacity sizes (Φ = 50.1M, 201.9M, 394.0M, 926.1M, 1209.4M): build them on the
+    # meta device and let zerocompile.shard(..., init=GPT._init_weights) materialise the shards.
     "50m": GPTConfig(n_layer=8, n_head=8, n_embd=720, block_size=128),
     "200m": GPTConfig(n_layer=16, n_head=16, n_embd=1024, block_size=128),
     "400m": GPTConfig(n_layer=20, n_head=20, n_embd=1280, block_size=128),
     "1b": GPTConfig(n_layer=24, n_head=14, n_embd=1792, block_size=128),
+    # GPT-3 XL's shape (1.3B parameters with its 50k-token vocabulary, 1.21B with bytes): the size
+    # `zerocompile bench --fake-ranks 8` compares stage 3 with FSDP2 at on one GPU.
+    "1.3b": GPTConfig(n_layer=24, n_head=16, n_embd=2048, block_size=128),
 }
 
 
