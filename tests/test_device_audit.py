@@ -44,6 +44,7 @@ from ranks import run_on_ranks
 from zerocompile import distributed as zc_distributed
 from zerocompile.distributed import loopback_rank_environment
 from zerocompile.sharding import shard_info
+from zerocompile.config import ZeroConfig, refuse_gloo_gathers_on_accelerator
 
 WORLD_SIZE = 2
 # Every eager torch.distributed collective ends in one of these ProcessGroup methods.
@@ -640,3 +641,17 @@ def test_the_tools_start_the_backend_of_their_device(monkeypatch: pytest.MonkeyP
 def test_nccl_without_a_visible_gpu_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(RuntimeError, match=r"sees no CUDA device.*backend='gloo'"):
         _start(monkeypatch, LAUNCHERS["torchrun"], gpus_visible=0, backend="nccl")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("backend, device", [("gloo", "cuda:0"), ("gloo", "cpu"), ("nccl", "cuda:0")])
+def test_gloo_never_gathers_accelerator_parameters(stage: int, backend: str, device: str) -> None:
+    """Stages 1-3 gather parameters with coalesced all-gathers, which gloo cannot run on
+    accelerator tensors: on an H200 two gloo ranks sharing cuda:0 matched DDP at stage 0 and a rank
+    died (SIGSEGV) at stage 1. shard() refuses that combination, naming the fix, and only that one."""
+    config = ZeroConfig(stage=stage)
+    if stage > 0 and backend == "gloo" and device != "cpu":
+        with pytest.raises(ValueError, match=rf"stage {stage} on a gloo group.*pytorch/pytorch#152645.*use nccl"):
+            refuse_gloo_gathers_on_accelerator(config, backend, torch.device(device))
+    else:
+        refuse_gloo_gathers_on_accelerator(config, backend, torch.device(device))

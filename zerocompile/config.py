@@ -205,6 +205,23 @@ def default_bucket_bytes(backend: str) -> int:
     return GLOO_BUCKET_BYTES if backend == "gloo" else ACCELERATOR_BUCKET_BYTES
 
 
+def refuse_gloo_gathers_on_accelerator(config: ZeroConfig, backend: str, device: torch.device) -> None:
+    """Refuse stages 1-3 on gloo for parameters on an accelerator, before anything changes.
+
+    Those stages gather parameters, each bucket with one coalesced all-gather, and gloo's
+    coalesced all-gather of accelerator tensors kills the process: SIGSEGV in `gloo::allgather`'s
+    memmove, pytorch/pytorch#152645 (open). Seen on an H200 with torch 2.11 (2026-11-27): two gloo
+    ranks sharing cuda:0 trained stage 0 (all-reduce) exactly like DDP, and a rank died at stage 1.
+    """
+    if stage_policy(config.stage).shards_parameters and backend == "gloo" and device.type != "cpu":
+        raise ValueError(
+            f"stage {config.stage} on a gloo group gathers the parameters on {device} with coalesced "
+            "all-gathers, which gloo cannot run on accelerator tensors (the process dies: "
+            "pytorch/pytorch#152645): use nccl for the group (or 'cpu:gloo,cuda:nccl'), keep the model "
+            "on the CPU, or use stage 0"
+        )
+
+
 def refuse_concurrent_gloo_gathers(config: ZeroConfig, group: dist.ProcessGroup) -> None:
     """Refuse `prefetch` > 1 on a gloo group: it would keep that many all-gathers in flight.
 

@@ -22,7 +22,12 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from zerocompile.accumulation import GradientSync
 from zerocompile.buffers import broadcast_buffers_in_forward
-from zerocompile.config import ZeroConfig, config_from_kwargs, refuse_concurrent_gloo_gathers
+from zerocompile.config import (
+    ZeroConfig,
+    config_from_kwargs,
+    refuse_concurrent_gloo_gathers,
+    refuse_gloo_gathers_on_accelerator,
+)
 from zerocompile.distributed import backend_for, group_device, reduce_scatter_flavour
 from zerocompile.heap import keep_heap_steady_while_alive
 from zerocompile.hybrid import hybrid_groups
@@ -113,6 +118,7 @@ def shard(
     refuse_concurrent_gloo_gathers(config, group)
     # Every parameter is on one device (checked above); a meta-built model lands on the group's.
     device = group_device(group) if on_meta else next((p.device for p in model.parameters()), group_device(group))
+    refuse_gloo_gathers_on_accelerator(config, backend_for(group, device), device)
     config = config.for_backend(backend_for(group, device))
     hybrid = hybrid_groups(group, config.shard_size)
     world_size = dist.get_world_size(hybrid.shard)
