@@ -23,6 +23,8 @@ from ranks import run_on_ranks
 from zerocompile.passes.stages import padded_numel
 from zerocompile.tools.convert import convert
 
+pytestmark = pytest.mark.core
+
 NAMES = ("uneven_mlp", "tied_gpt")  # padded shards (empty ones at N=4), and tied weights
 SAVED_AT = 3
 RESUMED_STEPS = 3

@@ -9,7 +9,6 @@ import argparse
 import json
 from pathlib import Path
 
-
 from zerocompile.tools import gpu_visit
 
 

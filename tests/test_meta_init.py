@@ -22,6 +22,8 @@ from test_hf_models import build_model as build_hf_model
 from zerocompile.meta_init import local_slice
 from zerocompile.tools.gpt import GPT, SIZES
 
+pytestmark = pytest.mark.core
+
 STAGES = (0, 1, 2, 3)
 MODELS = ("tied_gpt", "uneven_mlp", "batchnorm", "parent_rescales", "gpt2", "llama")
 

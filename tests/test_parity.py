@@ -17,6 +17,8 @@ import zerocompile as zc
 from models import MODELS, local_batch
 from ranks import run_on_ranks
 
+pytestmark = pytest.mark.core
+
 STAGES = (0, 1, 2, 3)
 STEPS = 5
 EAGER_TOLERANCE = 1e-5

@@ -32,6 +32,7 @@ import unittest
 from unittest import mock
 
 import expecttest
+import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
@@ -42,6 +43,8 @@ import zerocompile as zc
 from zerocompile import backend, sharding
 from zerocompile.passes.lowering import ALL_TO_ALL_REDUCE_SCATTER
 from zerocompile.tools.gpt import GPT, GPTConfig
+
+pytestmark = pytest.mark.core
 
 WORLD = 4
 GPT_CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
@@ -116,7 +119,7 @@ def normalize(code: str, graph: fx.Graph, group_name: str) -> str:
                     continue
                 out.append(f"input {name}: {_describe(nodes[name].meta.get('val'))}")
             continue
-        line = group.sub("WORLD", _OP.sub(r"\1", line))
+        line = _UNSAFE_VIEW.sub("aten.view(", group.sub("WORLD", _OP.sub(r"\1", line)))
         statement, frees = _split_frees(line)
         notes = [f"free: {', '.join(frees)}"] if frees else []
         if statement.startswith("return "):
@@ -134,14 +137,19 @@ def normalize(code: str, graph: fx.Graph, group_name: str) -> str:
         if param and rhs.startswith("_c10d_functional.") and not rhs.startswith("_c10d_functional.wait_tensor("):
             notes.insert(0, f"param: {param}")
         out.append(annotate(f"{name}: {shape} = {rhs}" if shape else f"{name} = {rhs}", notes))
-    return _renumbered("\n".join(out), [n.name for n in graph.nodes if n.op not in ("placeholder", "output")])
+    return _renumbered("\n".join(out), [n.name for n in graph.nodes if n.op != "output" and not _STABLE.match(n.name)])
 
 
+# torch 2.15 reshapes a Linear's output with `_unsafe_view` where 2.11-2.14 use `view`: the same
+# reshape of a fresh tensor, which the snapshots show as `view` on every version.
+_UNSAFE_VIEW = re.compile(r"\baten\._unsafe_view\(")
+_STABLE = re.compile(r"^(primals|tangents)_\d+$")  # AOTAutograd's own numbering of the inputs
 _VALUE = re.compile(r"(?<![.\w])[A-Za-z_]\w*\b(?!\()")
 
 
 def _renumbered(text: str, names: list[str]) -> str:
-    """Values renamed `<op>`, `<op>_1`, ... in the order the graph defines them.
+    """Values renamed `<op>`, `<op>_1`, ... in the order the graph defines them (a backward's
+    inputs saved by the forward too; the parameters' and gradients' `primals_i`/`tangents_i` keep theirs).
 
     FX numbers a node after every node of its name made before it, in the joint graph too, so the
     backward's first getitem was `getitem_48` on torch 2.13 and `getitem_3` on 2.11: the snapshot
@@ -149,7 +157,7 @@ def _renumbered(text: str, names: list[str]) -> str:
     counts: dict[str, int] = {}
     renamed = {}
     for name in names:
-        base = re.sub(r"_\d+$", "", name)
+        base = re.sub(r"_\d+$", "", name).removeprefix("_unsafe_")
         renamed[name] = f"{base}_{counts[base]}" if counts.get(base) else base
         counts[base] = counts.get(base, 0) + 1
     return _VALUE.sub(lambda match: renamed.get(match.group(0), match.group(0)), text)
@@ -277,42 +285,42 @@ return (mean, primals_3, relu, relu_1, addmm_2, t_3, t_4)""")
 input primals_3: f32[4, 7]
 input relu: f32[4, 13]
 input relu_1: f32[4, 11]
-input addmm_2: f32[4, 3]
-input t_3: f32[3, 11]
-input t_7: f32[11, 13]
+input addmm: f32[4, 3]
+input t: f32[3, 11]
+input t_1: f32[11, 13]
 input tangents_1: f32[]
 expand: f32[4, 3] = aten.expand(tangents_1, [4, 3])  # free: tangents_1
 div: f32[4, 3] = aten.div.Scalar(expand, 12)  # free: expand
-pow: f32[4, 3] = aten.pow.Tensor_Scalar(addmm_2, 1.0)  # free: addmm_2
+pow: f32[4, 3] = aten.pow.Tensor_Scalar(addmm, 1.0)  # free: addmm
 mul: f32[4, 3] = aten.mul.Scalar(pow, 2.0)  # free: pow
 mul_1: f32[4, 3] = aten.mul.Tensor(div, mul)  # free: div, mul
-mm: f32[4, 11] = aten.mm(mul_1, t_3)  # free: t_3
-t: f32[3, 4] = aten.t(mul_1)
-mm_1: f32[3, 11] = aten.mm(t, relu_1)  # free: t
-t_1: f32[11, 3] = aten.t(mm_1)  # free: mm_1
+mm: f32[4, 11] = aten.mm(mul_1, t)  # free: t
+t_2: f32[3, 4] = aten.t(mul_1)
+mm_1: f32[3, 11] = aten.mm(t_2, relu_1)  # free: t_2
+t_3: f32[11, 3] = aten.t(mm_1)  # free: mm_1
 sum: f32[1, 3] = aten.sum.dim_IntList(mul_1, [0], True)  # free: mul_1
 view: f32[3] = aten.view(sum, [3])  # free: sum
-t_2: f32[3, 11] = aten.t(t_1)  # free: t_1
+t_4: f32[3, 11] = aten.t(t_3)  # free: t_3
 detach: f32[4, 11] = aten.detach(relu_1)  # free: relu_1
 detach_1: f32[4, 11] = aten.detach(detach)  # free: detach
 threshold_backward: f32[4, 11] = aten.threshold_backward(mm, detach_1, 0)  # free: mm, detach_1
-mm_2: f32[4, 13] = aten.mm(threshold_backward, t_7)  # free: t_7
-t_3: f32[11, 4] = aten.t(threshold_backward)
-mm_3: f32[11, 13] = aten.mm(t_3, relu)  # free: t_3
-t_4: f32[13, 11] = aten.t(mm_3)  # free: mm_3
+mm_2: f32[4, 13] = aten.mm(threshold_backward, t_1)  # free: t_1
+t_5: f32[11, 4] = aten.t(threshold_backward)
+mm_3: f32[11, 13] = aten.mm(t_5, relu)  # free: t_5
+t_6: f32[13, 11] = aten.t(mm_3)  # free: mm_3
 sum_1: f32[1, 11] = aten.sum.dim_IntList(threshold_backward, [0], True)  # free: threshold_backward
 view_1: f32[11] = aten.view(sum_1, [11])  # free: sum_1
-t_5: f32[11, 13] = aten.t(t_4)  # free: t_4
+t_7: f32[11, 13] = aten.t(t_6)  # free: t_6
 detach_2: f32[4, 13] = aten.detach(relu)  # free: relu
 detach_3: f32[4, 13] = aten.detach(detach_2)  # free: detach_2
 threshold_backward_1: f32[4, 13] = aten.threshold_backward(mm_2, detach_3, 0)  # free: mm_2, detach_3
-t_6: f32[13, 4] = aten.t(threshold_backward_1)
-mm_4: f32[13, 7] = aten.mm(t_6, primals_3)  # free: t_6, primals_3
-t_7: f32[7, 13] = aten.t(mm_4)  # free: mm_4
+t_8: f32[13, 4] = aten.t(threshold_backward_1)
+mm_4: f32[13, 7] = aten.mm(t_8, primals_3)  # free: t_8, primals_3
+t_9: f32[7, 13] = aten.t(mm_4)  # free: mm_4
 sum_2: f32[1, 13] = aten.sum.dim_IntList(threshold_backward_1, [0], True)  # free: threshold_backward_1
 view_2: f32[13] = aten.view(sum_2, [13])  # free: sum_2
-t_8: f32[13, 7] = aten.t(t_7)  # free: t_7
-pack: f32[294] = zero.pack([view, t_2, view_1, t_5, view_2, t_8], 1, [3, 33, 11, 143, 13, 91])  # free: view, t_2, view_1, t_5, view_2, t_8
+t_10: f32[13, 7] = aten.t(t_9)  # free: t_9
+pack: f32[294] = zero.pack([view, t_4, view_1, t_7, view_2, t_10], 1, [3, 33, 11, 143, 13, 91])  # free: view, t_4, view_1, t_7, view_2, t_10
 all_reduce: f32[294] = _c10d_functional.all_reduce(pack, 'sum', WORLD)  # param: fc3.bias, fc3.weight, fc2.bias, fc2.weight, fc1.bias, fc1.weight; free: pack
 wait_tensor: f32[294] = _c10d_functional.wait_tensor(all_reduce)  # free: all_reduce
 unsqueeze: f32[1, 294] = aten.unsqueeze(wait_tensor, 0)  # free: wait_tensor
@@ -384,42 +392,42 @@ return (mean, primals_3, relu, relu_1, addmm_2, t_3, t_4)""")
 input primals_3: f32[4, 7]
 input relu: f32[4, 13]
 input relu_1: f32[4, 11]
-input addmm_2: f32[4, 3]
-input t_3: f32[3, 11]
-input t_7: f32[11, 13]
+input addmm: f32[4, 3]
+input t: f32[3, 11]
+input t_1: f32[11, 13]
 input tangents_1: f32[]
 expand: f32[4, 3] = aten.expand(tangents_1, [4, 3])  # free: tangents_1
 div: f32[4, 3] = aten.div.Scalar(expand, 12)  # free: expand
-pow: f32[4, 3] = aten.pow.Tensor_Scalar(addmm_2, 1.0)  # free: addmm_2
+pow: f32[4, 3] = aten.pow.Tensor_Scalar(addmm, 1.0)  # free: addmm
 mul: f32[4, 3] = aten.mul.Scalar(pow, 2.0)  # free: pow
 mul_1: f32[4, 3] = aten.mul.Tensor(div, mul)  # free: div, mul
-mm: f32[4, 11] = aten.mm(mul_1, t_3)  # free: t_3
-t: f32[3, 4] = aten.t(mul_1)
-mm_1: f32[3, 11] = aten.mm(t, relu_1)  # free: t
-t_1: f32[11, 3] = aten.t(mm_1)  # free: mm_1
+mm: f32[4, 11] = aten.mm(mul_1, t)  # free: t
+t_2: f32[3, 4] = aten.t(mul_1)
+mm_1: f32[3, 11] = aten.mm(t_2, relu_1)  # free: t_2
+t_3: f32[11, 3] = aten.t(mm_1)  # free: mm_1
 sum: f32[1, 3] = aten.sum.dim_IntList(mul_1, [0], True)  # free: mul_1
 view: f32[3] = aten.view(sum, [3])  # free: sum
-t_2: f32[3, 11] = aten.t(t_1)  # free: t_1
+t_4: f32[3, 11] = aten.t(t_3)  # free: t_3
 detach: f32[4, 11] = aten.detach(relu_1)  # free: relu_1
 detach_1: f32[4, 11] = aten.detach(detach)  # free: detach
 threshold_backward: f32[4, 11] = aten.threshold_backward(mm, detach_1, 0)  # free: mm, detach_1
-mm_2: f32[4, 13] = aten.mm(threshold_backward, t_7)  # free: t_7
-t_3: f32[11, 4] = aten.t(threshold_backward)
-mm_3: f32[11, 13] = aten.mm(t_3, relu)  # free: t_3
-t_4: f32[13, 11] = aten.t(mm_3)  # free: mm_3
+mm_2: f32[4, 13] = aten.mm(threshold_backward, t_1)  # free: t_1
+t_5: f32[11, 4] = aten.t(threshold_backward)
+mm_3: f32[11, 13] = aten.mm(t_5, relu)  # free: t_5
+t_6: f32[13, 11] = aten.t(mm_3)  # free: mm_3
 sum_1: f32[1, 11] = aten.sum.dim_IntList(threshold_backward, [0], True)  # free: threshold_backward
 view_1: f32[11] = aten.view(sum_1, [11])  # free: sum_1
-t_5: f32[11, 13] = aten.t(t_4)  # free: t_4
+t_7: f32[11, 13] = aten.t(t_6)  # free: t_6
 detach_2: f32[4, 13] = aten.detach(relu)  # free: relu
 detach_3: f32[4, 13] = aten.detach(detach_2)  # free: detach_2
 threshold_backward_1: f32[4, 13] = aten.threshold_backward(mm_2, detach_3, 0)  # free: mm_2, detach_3
-t_6: f32[13, 4] = aten.t(threshold_backward_1)
-mm_4: f32[13, 7] = aten.mm(t_6, primals_3)  # free: t_6, primals_3
-t_7: f32[7, 13] = aten.t(mm_4)  # free: mm_4
+t_8: f32[13, 4] = aten.t(threshold_backward_1)
+mm_4: f32[13, 7] = aten.mm(t_8, primals_3)  # free: t_8, primals_3
+t_9: f32[7, 13] = aten.t(mm_4)  # free: mm_4
 sum_2: f32[1, 13] = aten.sum.dim_IntList(threshold_backward_1, [0], True)  # free: threshold_backward_1
 view_2: f32[13] = aten.view(sum_2, [13])  # free: sum_2
-t_8: f32[13, 7] = aten.t(t_7)  # free: t_7
-pack: f32[576] = zero.pack([view, t_2, view_1, t_5, view_2, t_8], 4, [16, 16, 16, 48, 16, 32])  # free: view, t_2, view_1, t_5, view_2, t_8
+t_10: f32[13, 7] = aten.t(t_9)  # free: t_9
+pack: f32[576] = zero.pack([view, t_4, view_1, t_7, view_2, t_10], 4, [16, 16, 16, 48, 16, 32])  # free: view, t_4, view_1, t_7, view_2, t_10
 reduce_scatter_tensor: f32[144] = _c10d_functional.reduce_scatter_tensor(pack, 'avg', 4, WORLD)  # param: fc3.bias, fc3.weight, fc2.bias, fc2.weight, fc1.bias, fc1.weight; free: pack
 wait_tensor: f32[144] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
 split_with_sizes: (f32[16], f32[16], f32[16], f32[48], f32[16], f32[32]) = aten.split_with_sizes(wait_tensor, [16, 16, 16, 48, 16, 32])  # free: wait_tensor
@@ -483,42 +491,42 @@ return (mean, primals_3, relu, relu_1, addmm_2, t_3, t_4)""")
 input primals_3: f32[4, 7]
 input relu: f32[4, 13]
 input relu_1: f32[4, 11]
-input addmm_2: f32[4, 3]
-input t_3: f32[3, 11]
-input t_7: f32[11, 13]
+input addmm: f32[4, 3]
+input t: f32[3, 11]
+input t_1: f32[11, 13]
 input tangents_1: f32[]
 expand: f32[4, 3] = aten.expand(tangents_1, [4, 3])  # free: tangents_1
 div: f32[4, 3] = aten.div.Scalar(expand, 12)  # free: expand
-pow: f32[4, 3] = aten.pow.Tensor_Scalar(addmm_2, 1.0)  # free: addmm_2
+pow: f32[4, 3] = aten.pow.Tensor_Scalar(addmm, 1.0)  # free: addmm
 mul: f32[4, 3] = aten.mul.Scalar(pow, 2.0)  # free: pow
 mul_1: f32[4, 3] = aten.mul.Tensor(div, mul)  # free: div, mul
-mm: f32[4, 11] = aten.mm(mul_1, t_3)  # free: t_3
-t: f32[3, 4] = aten.t(mul_1)
-mm_1: f32[3, 11] = aten.mm(t, relu_1)  # free: t
-t_1: f32[11, 3] = aten.t(mm_1)  # free: mm_1
+mm: f32[4, 11] = aten.mm(mul_1, t)  # free: t
+t_2: f32[3, 4] = aten.t(mul_1)
+mm_1: f32[3, 11] = aten.mm(t_2, relu_1)  # free: t_2
+t_3: f32[11, 3] = aten.t(mm_1)  # free: mm_1
 sum: f32[1, 3] = aten.sum.dim_IntList(mul_1, [0], True)  # free: mul_1
 view: f32[3] = aten.view(sum, [3])  # free: sum
-t_2: f32[3, 11] = aten.t(t_1)  # free: t_1
+t_4: f32[3, 11] = aten.t(t_3)  # free: t_3
 detach: f32[4, 11] = aten.detach(relu_1)  # free: relu_1
 detach_1: f32[4, 11] = aten.detach(detach)  # free: detach
 threshold_backward: f32[4, 11] = aten.threshold_backward(mm, detach_1, 0)  # free: mm, detach_1
-mm_2: f32[4, 13] = aten.mm(threshold_backward, t_7)  # free: t_7
-t_3: f32[11, 4] = aten.t(threshold_backward)
-mm_3: f32[11, 13] = aten.mm(t_3, relu)  # free: t_3
-t_4: f32[13, 11] = aten.t(mm_3)  # free: mm_3
+mm_2: f32[4, 13] = aten.mm(threshold_backward, t_1)  # free: t_1
+t_5: f32[11, 4] = aten.t(threshold_backward)
+mm_3: f32[11, 13] = aten.mm(t_5, relu)  # free: t_5
+t_6: f32[13, 11] = aten.t(mm_3)  # free: mm_3
 sum_1: f32[1, 11] = aten.sum.dim_IntList(threshold_backward, [0], True)  # free: threshold_backward
 view_1: f32[11] = aten.view(sum_1, [11])  # free: sum_1
-t_5: f32[11, 13] = aten.t(t_4)  # free: t_4
+t_7: f32[11, 13] = aten.t(t_6)  # free: t_6
 detach_2: f32[4, 13] = aten.detach(relu)  # free: relu
 detach_3: f32[4, 13] = aten.detach(detach_2)  # free: detach_2
 threshold_backward_1: f32[4, 13] = aten.threshold_backward(mm_2, detach_3, 0)  # free: mm_2, detach_3
-t_6: f32[13, 4] = aten.t(threshold_backward_1)
-mm_4: f32[13, 7] = aten.mm(t_6, primals_3)  # free: t_6, primals_3
-t_7: f32[7, 13] = aten.t(mm_4)  # free: mm_4
+t_8: f32[13, 4] = aten.t(threshold_backward_1)
+mm_4: f32[13, 7] = aten.mm(t_8, primals_3)  # free: t_8, primals_3
+t_9: f32[7, 13] = aten.t(mm_4)  # free: mm_4
 sum_2: f32[1, 13] = aten.sum.dim_IntList(threshold_backward_1, [0], True)  # free: threshold_backward_1
 view_2: f32[13] = aten.view(sum_2, [13])  # free: sum_2
-t_8: f32[13, 7] = aten.t(t_7)  # free: t_7
-pack: f32[576] = zero.pack([view, t_2, view_1, t_5, view_2, t_8], 4, [16, 16, 16, 48, 16, 32])  # free: view, t_2, view_1, t_5, view_2, t_8
+t_10: f32[13, 7] = aten.t(t_9)  # free: t_9
+pack: f32[576] = zero.pack([view, t_4, view_1, t_7, view_2, t_10], 4, [16, 16, 16, 48, 16, 32])  # free: view, t_4, view_1, t_7, view_2, t_10
 reduce_scatter_tensor: f32[144] = _c10d_functional.reduce_scatter_tensor(pack, 'avg', 4, WORLD)  # param: fc3.bias, fc3.weight, fc2.bias, fc2.weight, fc1.bias, fc1.weight; free: pack
 wait_tensor: f32[144] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
 split_with_sizes: (f32[16], f32[16], f32[16], f32[48], f32[16], f32[32]) = aten.split_with_sizes(wait_tensor, [16, 16, 16, 48, 16, 32])  # free: wait_tensor
@@ -608,7 +616,7 @@ input primals_4: f32[48]
 input primals_6: f32[16]
 input relu: f32[4, 13]
 input relu_1: f32[4, 11]
-input addmm_2: f32[4, 3]
+input addmm: f32[4, 3]
 input tangents_1: f32[]
 all_gather_into_tensor_coalesced: (f32[64], f32[192]) = _c10d_functional.all_gather_into_tensor_coalesced([primals_6, primals_4], 4, WORLD)  # param: fc3.weight, fc2.weight; free: primals_6, primals_4
 getitem: f32[64] = all_gather_into_tensor_coalesced[0]
@@ -621,7 +629,7 @@ slice_1: f32[143] = aten.slice.Tensor(wait_tensor_1, 0, 0, 143)  # free: wait_te
 view_1: f32[11, 13] = aten.view(slice_1, [11, 13])  # free: slice_1
 expand: f32[4, 3] = aten.expand(tangents_1, [4, 3])  # free: tangents_1
 div: f32[4, 3] = aten.div.Scalar(expand, 12)  # free: expand
-pow: f32[4, 3] = aten.pow.Tensor_Scalar(addmm_2, 1.0)  # free: addmm_2
+pow: f32[4, 3] = aten.pow.Tensor_Scalar(addmm, 1.0)  # free: addmm
 mul: f32[4, 3] = aten.mul.Scalar(pow, 2.0)  # free: pow
 mul_1: f32[4, 3] = aten.mul.Tensor(div, mul)  # free: div, mul
 t: f32[11, 3] = aten.t(view)  # free: view
@@ -808,11 +816,11 @@ getitem_24: f32[2, 8, 1] = native_layer_norm_4[2]  # free: native_layer_norm_4
 t_8: f32[16, 32] = aten.t(primals_2)  # free: primals_2
 view_24: f32[16, 16] = aten.view(getitem_22, [16, 16])  # free: getitem_22
 mm: f32[16, 32] = aten.mm(view_24, t_8)
-_unsafe_view: f32[2, 8, 32] = aten._unsafe_view(mm, [2, 8, 32])  # free: mm
-view_25: f32[16, 32] = aten.view(_unsafe_view, [-1, 32])  # free: _unsafe_view
-view_26: i64[16] = aten.view(primals_30, [-1])  # free: primals_30
-_log_softmax: f32[16, 32] = aten._log_softmax(view_25, 1, False)  # free: view_25
-nll_loss_forward: (f32[], f32[]) = aten.nll_loss_forward(_log_softmax, view_26, None, 1, -100)
+view_25: f32[2, 8, 32] = aten.view(mm, [2, 8, 32])  # free: mm
+view_26: f32[16, 32] = aten.view(view_25, [-1, 32])  # free: view_25
+view_27: i64[16] = aten.view(primals_30, [-1])  # free: primals_30
+_log_softmax: f32[16, 32] = aten._log_softmax(view_26, 1, False)  # free: view_26
+nll_loss_forward: (f32[], f32[]) = aten.nll_loss_forward(_log_softmax, view_27, None, 1, -100)
 getitem_25: f32[] = nll_loss_forward[0]
 getitem_26: f32[] = nll_loss_forward[1]  # free: nll_loss_forward
 t_9: f32[32, 16] = aten.t(t_8)  # free: t_8
@@ -826,275 +834,275 @@ t_15: f32[64, 16] = aten.t(t_2)  # free: t_2
 t_16: f32[16, 16] = aten.t(t_1)  # free: t_1
 detach_3: f32[2, 2, 8, 8] = aten.detach(detach)  # free: detach
 t_17: f32[48, 16] = aten.t(t)  # free: t
-return (getitem_25, primals_1, arange, add, unshard, unshard_1, getitem_1, getitem_2, view, transpose, transpose_1, transpose_2, getitem_7, view_6, add_1, unshard_2, unshard_3, getitem_9, getitem_10, view_8, addmm_2, view_10, add_2, unshard_4, unshard_5, getitem_12, getitem_13, view_12, transpose_4, transpose_5, transpose_6, getitem_18, view_18, add_3, unshard_6, unshard_7, getitem_20, getitem_21, view_20, addmm_6, view_22, add_4, unshard_8, unshard_9, getitem_23, getitem_24, view_24, view_26, _log_softmax, getitem_26, t_9, t_10, t_11, t_12, detach_2, t_13, t_14, t_15, t_16, detach_3, t_17)""")
+return (getitem_25, primals_1, arange, add, unshard, unshard_1, getitem_1, getitem_2, view, transpose, transpose_1, transpose_2, getitem_7, view_6, add_1, unshard_2, unshard_3, getitem_9, getitem_10, view_8, addmm_2, view_10, add_2, unshard_4, unshard_5, getitem_12, getitem_13, view_12, transpose_4, transpose_5, transpose_6, getitem_18, view_18, add_3, unshard_6, unshard_7, getitem_20, getitem_21, view_20, addmm_6, view_22, add_4, unshard_8, unshard_9, getitem_23, getitem_24, view_24, view_27, _log_softmax, getitem_26, t_9, t_10, t_11, t_12, detach_2, t_13, t_14, t_15, t_16, detach_3, t_17)""")
         self.assertExpectedInline(backward, """\
 input primals_1: i64[2, 8]
 input arange: i64[8]
 input add: f32[2, 8, 16]
-input unshard_2: f32[16]
-input unshard_3: f32[16]
+input unshard: f32[16]
+input unshard_1: f32[16]
+input getitem: f32[2, 8, 1]
 input getitem_1: f32[2, 8, 1]
-input getitem_2: f32[2, 8, 1]
 input view: f32[16, 16]
 input transpose: f32[2, 2, 8, 8]
 input transpose_1: f32[2, 2, 8, 8]
 input transpose_2: f32[2, 2, 8, 8]
-input getitem_7: f32[2, 2, 8]
-input view_6: f32[16, 16]
+input getitem_2: f32[2, 2, 8]
+input view_1: f32[16, 16]
 input add_1: f32[2, 8, 16]
-input unshard_8: f32[16]
-input unshard_9: f32[16]
-input getitem_9: f32[2, 8, 1]
-input getitem_10: f32[2, 8, 1]
-input view_8: f32[16, 16]
-input addmm_2: f32[16, 64]
-input view_10: f32[16, 64]
+input unshard_2: f32[16]
+input unshard_3: f32[16]
+input getitem_3: f32[2, 8, 1]
+input getitem_4: f32[2, 8, 1]
+input view_2: f32[16, 16]
+input addmm: f32[16, 64]
+input view_3: f32[16, 64]
 input add_2: f32[2, 8, 16]
-input unshard_14: f32[16]
-input unshard_15: f32[16]
-input getitem_12: f32[2, 8, 1]
-input getitem_13: f32[2, 8, 1]
-input view_12: f32[16, 16]
+input unshard_4: f32[16]
+input unshard_5: f32[16]
+input getitem_5: f32[2, 8, 1]
+input getitem_6: f32[2, 8, 1]
+input view_4: f32[16, 16]
+input transpose_3: f32[2, 2, 8, 8]
 input transpose_4: f32[2, 2, 8, 8]
 input transpose_5: f32[2, 2, 8, 8]
-input transpose_6: f32[2, 2, 8, 8]
-input getitem_18: f32[2, 2, 8]
-input view_18: f32[16, 16]
+input getitem_7: f32[2, 2, 8]
+input view_5: f32[16, 16]
 input add_3: f32[2, 8, 16]
-input unshard_20: f32[16]
-input unshard_21: f32[16]
-input getitem_20: f32[2, 8, 1]
-input getitem_21: f32[2, 8, 1]
-input view_20: f32[16, 16]
-input addmm_6: f32[16, 64]
-input view_22: f32[16, 64]
+input unshard_6: f32[16]
+input unshard_7: f32[16]
+input getitem_8: f32[2, 8, 1]
+input getitem_9: f32[2, 8, 1]
+input view_6: f32[16, 16]
+input addmm_1: f32[16, 64]
+input view_7: f32[16, 64]
 input add_4: f32[2, 8, 16]
-input unshard_26: f32[16]
-input unshard_27: f32[16]
-input getitem_23: f32[2, 8, 1]
-input getitem_24: f32[2, 8, 1]
-input view_24: f32[16, 16]
-input view_26: i64[16]
+input unshard_8: f32[16]
+input unshard_9: f32[16]
+input getitem_10: f32[2, 8, 1]
+input getitem_11: f32[2, 8, 1]
+input view_8: f32[16, 16]
+input view_9: i64[16]
 input _log_softmax: f32[16, 32]
-input getitem_26: f32[]
-input t_11: f32[32, 16]
-input t_13: f32[16, 64]
-input t_17: f32[64, 16]
-input t_21: f32[16, 16]
-input detach_4: f32[2, 2, 8, 8]
-input t_25: f32[48, 16]
-input t_29: f32[16, 64]
-input t_33: f32[64, 16]
-input t_37: f32[16, 16]
-input detach_5: f32[2, 2, 8, 8]
-input t_41: f32[48, 16]
+input getitem_12: f32[]
+input t: f32[32, 16]
+input t_1: f32[16, 64]
+input t_2: f32[64, 16]
+input t_3: f32[16, 16]
+input detach: f32[2, 2, 8, 8]
+input t_4: f32[48, 16]
+input t_5: f32[16, 64]
+input t_6: f32[64, 16]
+input t_7: f32[16, 16]
+input detach_1: f32[2, 2, 8, 8]
+input t_8: f32[48, 16]
 input tangents_1: f32[]
-nll_loss_backward: f32[16, 32] = aten.nll_loss_backward(tangents_1, _log_softmax, view_26, None, 1, -100, getitem_26)  # free: tangents_1, view_26, getitem_26
-detach: f32[16, 32] = aten.detach(_log_softmax)  # free: _log_softmax
-detach_1: f32[16, 32] = aten.detach(detach)  # free: detach
-_log_softmax_backward_data: f32[16, 32] = aten._log_softmax_backward_data(nll_loss_backward, detach_1, 1, torch.float32)  # free: nll_loss_backward, detach_1
-view: f32[2, 8, 32] = aten.view(_log_softmax_backward_data, [2, 8, 32])  # free: _log_softmax_backward_data
-view_1: f32[16, 32] = aten.view(view, [16, 32])  # free: view
-t: f32[32, 16] = aten.t(view_1)
-mm: f32[32, 16] = aten.mm(t, view_24)  # free: t, view_24
-t_1: f32[16, 32] = aten.t(mm)  # free: mm
-mm_1: f32[16, 16] = aten.mm(view_1, t_11)  # free: view_1, t_11
-view_2: f32[2, 8, 16] = aten.view(mm_1, [2, 8, 16])  # free: mm_1
-t_2: f32[32, 16] = aten.t(t_1)  # free: t_1
-native_layer_norm_backward: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_2, add_4, [16], getitem_23, getitem_24, unshard_26, unshard_27, [True, True, True])  # free: view_2, add_4, getitem_23, getitem_24, unshard_26, unshard_27
-getitem: f32[2, 8, 16] = native_layer_norm_backward[0]
-getitem_1: f32[16] = native_layer_norm_backward[1]
-getitem_2: f32[16] = native_layer_norm_backward[2]  # free: native_layer_norm_backward
-view_3: f32[16, 16] = aten.view(getitem, [16, 16])
-mm_2: f32[16, 64] = aten.mm(view_3, t_13)  # free: t_13
-t_3: f32[16, 16] = aten.t(view_3)
-mm_3: f32[16, 64] = aten.mm(t_3, view_22)  # free: t_3, view_22
-t_4: f32[64, 16] = aten.t(mm_3)  # free: mm_3
-sum: f32[1, 16] = aten.sum.dim_IntList(view_3, [0], True)  # free: view_3
-view_4: f32[16] = aten.view(sum, [16])  # free: sum
-t_5: f32[16, 64] = aten.t(t_4)  # free: t_4
-view_5: f32[2, 8, 64] = aten.view(mm_2, [2, 8, 64])  # free: mm_2
-view_6: f32[2, 8, 64] = aten.view(addmm_6, [2, 8, 64])  # free: addmm_6
-gelu_backward: f32[2, 8, 64] = aten.gelu_backward(view_5, view_6)  # free: view_5, view_6
-view_7: f32[16, 64] = aten.view(gelu_backward, [16, 64])  # free: gelu_backward
-mm_4: f32[16, 16] = aten.mm(view_7, t_17)  # free: t_17
-t_6: f32[64, 16] = aten.t(view_7)
-mm_5: f32[64, 16] = aten.mm(t_6, view_20)  # free: t_6, view_20
-t_7: f32[16, 64] = aten.t(mm_5)  # free: mm_5
-sum_1: f32[1, 64] = aten.sum.dim_IntList(view_7, [0], True)  # free: view_7
-view_8: f32[64] = aten.view(sum_1, [64])  # free: sum_1
-t_8: f32[64, 16] = aten.t(t_7)  # free: t_7
-view_9: f32[2, 8, 16] = aten.view(mm_4, [2, 8, 16])  # free: mm_4
-native_layer_norm_backward_1: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_9, add_3, [16], getitem_20, getitem_21, unshard_20, unshard_21, [True, True, True])  # free: view_9, add_3, getitem_20, getitem_21, unshard_20, unshard_21
-getitem_3: f32[2, 8, 16] = native_layer_norm_backward_1[0]
-getitem_4: f32[16] = native_layer_norm_backward_1[1]
-getitem_5: f32[16] = native_layer_norm_backward_1[2]  # free: native_layer_norm_backward_1
-add: f32[2, 8, 16] = aten.add.Tensor(getitem, getitem_3)  # free: getitem, getitem_3
-view_10: f32[16, 16] = aten.view(add, [16, 16])
-mm_6: f32[16, 16] = aten.mm(view_10, t_21)  # free: t_21
-t_9: f32[16, 16] = aten.t(view_10)
-mm_7: f32[16, 16] = aten.mm(t_9, view_18)  # free: t_9, view_18
-t_10: f32[16, 16] = aten.t(mm_7)  # free: mm_7
-sum_2: f32[1, 16] = aten.sum.dim_IntList(view_10, [0], True)  # free: view_10
-view_11: f32[16] = aten.view(sum_2, [16])  # free: sum_2
-t_11: f32[16, 16] = aten.t(t_10)  # free: t_10
-view_12: f32[2, 8, 16] = aten.view(mm_6, [2, 8, 16])  # free: mm_6
-view_13: f32[2, 8, 2, 8] = aten.view(view_12, [2, 8, 2, 8])  # free: view_12
-transpose: f32[2, 2, 8, 8] = aten.transpose.int(view_13, 1, 2)  # free: view_13
-_scaled_dot_product_flash_attention_for_cpu_backward: (f32[2, 2, 8, 8], f32[2, 2, 8, 8], f32[2, 2, 8, 8]) = aten._scaled_dot_product_flash_attention_for_cpu_backward(transpose, transpose_4, transpose_5, transpose_6, detach_4, getitem_18, 0.0, True)  # free: transpose, transpose_4, transpose_5, transpose_6, detach_4, getitem_18
-getitem_6: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[0]
-getitem_7: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[1]
-getitem_8: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[2]  # free: _scaled_dot_product_flash_attention_for_cpu_backward
-transpose_1: f32[2, 8, 2, 8] = aten.transpose.int(getitem_8, 1, 2)  # free: getitem_8
-view_14: f32[2, 8, 16] = aten.view(transpose_1, [2, 8, 16])  # free: transpose_1
-transpose_2: f32[2, 8, 2, 8] = aten.transpose.int(getitem_7, 1, 2)  # free: getitem_7
-view_15: f32[2, 8, 16] = aten.view(transpose_2, [2, 8, 16])  # free: transpose_2
-transpose_3: f32[2, 8, 2, 8] = aten.transpose.int(getitem_6, 1, 2)  # free: getitem_6
-view_16: f32[2, 8, 16] = aten.view(transpose_3, [2, 8, 16])  # free: transpose_3
-cat: f32[2, 8, 48] = aten.cat([view_16, view_15, view_14], 2)  # free: view_16, view_15, view_14
-view_17: f32[16, 48] = aten.view(cat, [16, 48])  # free: cat
-mm_8: f32[16, 16] = aten.mm(view_17, t_25)  # free: t_25
-t_12: f32[48, 16] = aten.t(view_17)
-mm_9: f32[48, 16] = aten.mm(t_12, view_12)  # free: t_12, view_12
-t_13: f32[16, 48] = aten.t(mm_9)  # free: mm_9
-sum_3: f32[1, 48] = aten.sum.dim_IntList(view_17, [0], True)  # free: view_17
-view_18: f32[48] = aten.view(sum_3, [48])  # free: sum_3
-t_14: f32[48, 16] = aten.t(t_13)  # free: t_13
-view_19: f32[2, 8, 16] = aten.view(mm_8, [2, 8, 16])  # free: mm_8
-native_layer_norm_backward_2: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_19, add_2, [16], getitem_12, getitem_13, unshard_14, unshard_15, [True, True, True])  # free: view_19, add_2, getitem_12, getitem_13, unshard_14, unshard_15
-getitem_9: f32[2, 8, 16] = native_layer_norm_backward_2[0]
-getitem_10: f32[16] = native_layer_norm_backward_2[1]
-getitem_11: f32[16] = native_layer_norm_backward_2[2]  # free: native_layer_norm_backward_2
-add_1: f32[2, 8, 16] = aten.add.Tensor(add, getitem_9)  # free: add, getitem_9
-view_20: f32[16, 16] = aten.view(add_1, [16, 16])
-mm_10: f32[16, 64] = aten.mm(view_20, t_29)  # free: t_29
-t_15: f32[16, 16] = aten.t(view_20)
-mm_11: f32[16, 64] = aten.mm(t_15, view_10)  # free: t_15, view_10
-t_16: f32[64, 16] = aten.t(mm_11)  # free: mm_11
-sum_4: f32[1, 16] = aten.sum.dim_IntList(view_20, [0], True)  # free: view_20
-view_21: f32[16] = aten.view(sum_4, [16])  # free: sum_4
-t_17: f32[16, 64] = aten.t(t_16)  # free: t_16
-view_22: f32[2, 8, 64] = aten.view(mm_10, [2, 8, 64])  # free: mm_10
-view_23: f32[2, 8, 64] = aten.view(addmm_2, [2, 8, 64])  # free: addmm_2
-gelu_backward_1: f32[2, 8, 64] = aten.gelu_backward(view_22, view_23)  # free: view_22, view_23
-view_24: f32[16, 64] = aten.view(gelu_backward_1, [16, 64])  # free: gelu_backward_1
-mm_12: f32[16, 16] = aten.mm(view_24, t_33)  # free: t_33
-t_18: f32[64, 16] = aten.t(view_24)
-mm_13: f32[64, 16] = aten.mm(t_18, view_8)  # free: t_18, view_8
-t_19: f32[16, 64] = aten.t(mm_13)  # free: mm_13
-sum_5: f32[1, 64] = aten.sum.dim_IntList(view_24, [0], True)  # free: view_24
-view_25: f32[64] = aten.view(sum_5, [64])  # free: sum_5
-t_20: f32[64, 16] = aten.t(t_19)  # free: t_19
-view_26: f32[2, 8, 16] = aten.view(mm_12, [2, 8, 16])  # free: mm_12
-native_layer_norm_backward_3: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_26, add_1, [16], getitem_9, getitem_10, unshard_8, unshard_9, [True, True, True])  # free: view_26, add_1, getitem_9, getitem_10, unshard_8, unshard_9
-getitem_12: f32[2, 8, 16] = native_layer_norm_backward_3[0]
-getitem_13: f32[16] = native_layer_norm_backward_3[1]
-getitem_14: f32[16] = native_layer_norm_backward_3[2]  # free: native_layer_norm_backward_3
-add_2: f32[2, 8, 16] = aten.add.Tensor(add_1, getitem_12)  # free: add_1, getitem_12
-view_27: f32[16, 16] = aten.view(add_2, [16, 16])
-mm_14: f32[16, 16] = aten.mm(view_27, t_37)  # free: t_37
-t_21: f32[16, 16] = aten.t(view_27)
-mm_15: f32[16, 16] = aten.mm(t_21, view_6)  # free: t_21, view_6
-t_22: f32[16, 16] = aten.t(mm_15)  # free: mm_15
-sum_6: f32[1, 16] = aten.sum.dim_IntList(view_27, [0], True)  # free: view_27
-view_28: f32[16] = aten.view(sum_6, [16])  # free: sum_6
-t_23: f32[16, 16] = aten.t(t_22)  # free: t_22
-view_29: f32[2, 8, 16] = aten.view(mm_14, [2, 8, 16])  # free: mm_14
-view_30: f32[2, 8, 2, 8] = aten.view(view_29, [2, 8, 2, 8])  # free: view_29
-transpose_4: f32[2, 2, 8, 8] = aten.transpose.int(view_30, 1, 2)  # free: view_30
-_scaled_dot_product_flash_attention_for_cpu_backward_1: (f32[2, 2, 8, 8], f32[2, 2, 8, 8], f32[2, 2, 8, 8]) = aten._scaled_dot_product_flash_attention_for_cpu_backward(transpose_4, transpose, transpose_1, transpose_2, detach_5, getitem_7, 0.0, True)  # free: transpose_4, transpose, transpose_1, transpose_2, detach_5, getitem_7
-getitem_15: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[0]
-getitem_16: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[1]
-getitem_17: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[2]  # free: _scaled_dot_product_flash_attention_for_cpu_backward_1
-transpose_5: f32[2, 8, 2, 8] = aten.transpose.int(getitem_17, 1, 2)  # free: getitem_17
-view_31: f32[2, 8, 16] = aten.view(transpose_5, [2, 8, 16])  # free: transpose_5
-transpose_6: f32[2, 8, 2, 8] = aten.transpose.int(getitem_16, 1, 2)  # free: getitem_16
-view_32: f32[2, 8, 16] = aten.view(transpose_6, [2, 8, 16])  # free: transpose_6
-transpose_7: f32[2, 8, 2, 8] = aten.transpose.int(getitem_15, 1, 2)  # free: getitem_15
-view_33: f32[2, 8, 16] = aten.view(transpose_7, [2, 8, 16])  # free: transpose_7
-cat_1: f32[2, 8, 48] = aten.cat([view_33, view_32, view_31], 2)  # free: view_33, view_32, view_31
-view_34: f32[16, 48] = aten.view(cat_1, [16, 48])  # free: cat_1
-mm_16: f32[16, 16] = aten.mm(view_34, t_41)  # free: t_41
-t_24: f32[48, 16] = aten.t(view_34)
-mm_17: f32[48, 16] = aten.mm(t_24, view)  # free: t_24, view
-t_25: f32[16, 48] = aten.t(mm_17)  # free: mm_17
-sum_7: f32[1, 48] = aten.sum.dim_IntList(view_34, [0], True)  # free: view_34
-view_35: f32[48] = aten.view(sum_7, [48])  # free: sum_7
-t_26: f32[48, 16] = aten.t(t_25)  # free: t_25
-view_36: f32[2, 8, 16] = aten.view(mm_16, [2, 8, 16])  # free: mm_16
-native_layer_norm_backward_4: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_36, add, [16], getitem_1, getitem_2, unshard_2, unshard_3, [True, True, True])  # free: view_36, add, getitem_1, getitem_2, unshard_2, unshard_3
-getitem_18: f32[2, 8, 16] = native_layer_norm_backward_4[0]
-getitem_19: f32[16] = native_layer_norm_backward_4[1]
-getitem_20: f32[16] = native_layer_norm_backward_4[2]  # free: native_layer_norm_backward_4
-add_3: f32[2, 8, 16] = aten.add.Tensor(add_2, getitem_18)  # free: add_2, getitem_18
-sum_8: f32[1, 8, 16] = aten.sum.dim_IntList(add_3, [0], True)
-view_37: f32[8, 16] = aten.view(sum_8, [8, 16])  # free: sum_8
-embedding_dense_backward: f32[8, 16] = aten.embedding_dense_backward(view_37, arange, 8, -1, False)  # free: view_37, arange
-embedding_dense_backward_1: f32[32, 16] = aten.embedding_dense_backward(add_3, primals_1, 32, -1, False)  # free: add_3, primals_1
-add_4: f32[32, 16] = aten.add.Tensor(t_2, embedding_dense_backward_1)  # free: t_2, embedding_dense_backward_1
-pack: f32[7232] = zero.pack([getitem_2, getitem_1, view_4, t_5, view_8, t_8, getitem_5, getitem_4, view_11, t_11, view_18, t_14, getitem_11, getitem_10, view_21, t_17, view_25, t_20, getitem_14, getitem_13, view_28, t_23, view_35, t_26, getitem_20, getitem_19, embedding_dense_backward, add_4], 1, [16, 16, 16, 1024, 64, 1024, 16, 16, 16, 256, 48, 768, 16, 16, 16, 1024, 64, 1024, 16, 16, 16, 256, 48, 768, 16, 16, 128, 512])  # free: getitem_2, getitem_1, view_4, t_5, view_8, t_8, getitem_5, getitem_4, view_11, t_11, view_18, t_14, getitem_11, getitem_10, view_21, t_17, view_25, t_20, getitem_14, getitem_13, view_28, t_23, view_35, t_26, getitem_20, getitem_19, embedding_dense_backward, add_4
+nll_loss_backward: f32[16, 32] = aten.nll_loss_backward(tangents_1, _log_softmax, view_9, None, 1, -100, getitem_12)  # free: tangents_1, view_9, getitem_12
+detach_2: f32[16, 32] = aten.detach(_log_softmax)  # free: _log_softmax
+detach_3: f32[16, 32] = aten.detach(detach_2)  # free: detach_2
+_log_softmax_backward_data: f32[16, 32] = aten._log_softmax_backward_data(nll_loss_backward, detach_3, 1, torch.float32)  # free: nll_loss_backward, detach_3
+view_10: f32[2, 8, 32] = aten.view(_log_softmax_backward_data, [2, 8, 32])  # free: _log_softmax_backward_data
+view_11: f32[16, 32] = aten.view(view_10, [16, 32])  # free: view_10
+t_9: f32[32, 16] = aten.t(view_11)
+mm: f32[32, 16] = aten.mm(t_9, view_8)  # free: t_9, view_8
+t_10: f32[16, 32] = aten.t(mm)  # free: mm
+mm_1: f32[16, 16] = aten.mm(view_11, t)  # free: view_11, t
+view_12: f32[2, 8, 16] = aten.view(mm_1, [2, 8, 16])  # free: mm_1
+t_11: f32[32, 16] = aten.t(t_10)  # free: t_10
+native_layer_norm_backward: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_12, add_4, [16], getitem_10, getitem_11, unshard_8, unshard_9, [True, True, True])  # free: view_12, add_4, getitem_10, getitem_11, unshard_8, unshard_9
+getitem_13: f32[2, 8, 16] = native_layer_norm_backward[0]
+getitem_14: f32[16] = native_layer_norm_backward[1]
+getitem_15: f32[16] = native_layer_norm_backward[2]  # free: native_layer_norm_backward
+view_13: f32[16, 16] = aten.view(getitem_13, [16, 16])
+mm_2: f32[16, 64] = aten.mm(view_13, t_1)  # free: t_1
+t_12: f32[16, 16] = aten.t(view_13)
+mm_3: f32[16, 64] = aten.mm(t_12, view_7)  # free: t_12, view_7
+t_13: f32[64, 16] = aten.t(mm_3)  # free: mm_3
+sum: f32[1, 16] = aten.sum.dim_IntList(view_13, [0], True)  # free: view_13
+view_14: f32[16] = aten.view(sum, [16])  # free: sum
+t_14: f32[16, 64] = aten.t(t_13)  # free: t_13
+view_15: f32[2, 8, 64] = aten.view(mm_2, [2, 8, 64])  # free: mm_2
+view_16: f32[2, 8, 64] = aten.view(addmm_1, [2, 8, 64])  # free: addmm_1
+gelu_backward: f32[2, 8, 64] = aten.gelu_backward(view_15, view_16)  # free: view_15, view_16
+view_17: f32[16, 64] = aten.view(gelu_backward, [16, 64])  # free: gelu_backward
+mm_4: f32[16, 16] = aten.mm(view_17, t_2)  # free: t_2
+t_15: f32[64, 16] = aten.t(view_17)
+mm_5: f32[64, 16] = aten.mm(t_15, view_6)  # free: t_15, view_6
+t_16: f32[16, 64] = aten.t(mm_5)  # free: mm_5
+sum_1: f32[1, 64] = aten.sum.dim_IntList(view_17, [0], True)  # free: view_17
+view_18: f32[64] = aten.view(sum_1, [64])  # free: sum_1
+t_17: f32[64, 16] = aten.t(t_16)  # free: t_16
+view_19: f32[2, 8, 16] = aten.view(mm_4, [2, 8, 16])  # free: mm_4
+native_layer_norm_backward_1: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_19, add_3, [16], getitem_8, getitem_9, unshard_6, unshard_7, [True, True, True])  # free: view_19, add_3, getitem_8, getitem_9, unshard_6, unshard_7
+getitem_16: f32[2, 8, 16] = native_layer_norm_backward_1[0]
+getitem_17: f32[16] = native_layer_norm_backward_1[1]
+getitem_18: f32[16] = native_layer_norm_backward_1[2]  # free: native_layer_norm_backward_1
+add_5: f32[2, 8, 16] = aten.add.Tensor(getitem_13, getitem_16)  # free: getitem_13, getitem_16
+view_20: f32[16, 16] = aten.view(add_5, [16, 16])
+mm_6: f32[16, 16] = aten.mm(view_20, t_3)  # free: t_3
+t_18: f32[16, 16] = aten.t(view_20)
+mm_7: f32[16, 16] = aten.mm(t_18, view_5)  # free: t_18, view_5
+t_19: f32[16, 16] = aten.t(mm_7)  # free: mm_7
+sum_2: f32[1, 16] = aten.sum.dim_IntList(view_20, [0], True)  # free: view_20
+view_21: f32[16] = aten.view(sum_2, [16])  # free: sum_2
+t_20: f32[16, 16] = aten.t(t_19)  # free: t_19
+view_22: f32[2, 8, 16] = aten.view(mm_6, [2, 8, 16])  # free: mm_6
+view_23: f32[2, 8, 2, 8] = aten.view(view_22, [2, 8, 2, 8])  # free: view_22
+transpose_6: f32[2, 2, 8, 8] = aten.transpose.int(view_23, 1, 2)  # free: view_23
+_scaled_dot_product_flash_attention_for_cpu_backward: (f32[2, 2, 8, 8], f32[2, 2, 8, 8], f32[2, 2, 8, 8]) = aten._scaled_dot_product_flash_attention_for_cpu_backward(transpose_6, transpose_3, transpose_4, transpose_5, detach, getitem_7, 0.0, True)  # free: transpose_6, transpose_3, transpose_4, transpose_5, detach, getitem_7
+getitem_19: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[0]
+getitem_20: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[1]
+getitem_21: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[2]  # free: _scaled_dot_product_flash_attention_for_cpu_backward
+transpose_7: f32[2, 8, 2, 8] = aten.transpose.int(getitem_21, 1, 2)  # free: getitem_21
+view_24: f32[2, 8, 16] = aten.view(transpose_7, [2, 8, 16])  # free: transpose_7
+transpose_8: f32[2, 8, 2, 8] = aten.transpose.int(getitem_20, 1, 2)  # free: getitem_20
+view_25: f32[2, 8, 16] = aten.view(transpose_8, [2, 8, 16])  # free: transpose_8
+transpose_9: f32[2, 8, 2, 8] = aten.transpose.int(getitem_19, 1, 2)  # free: getitem_19
+view_26: f32[2, 8, 16] = aten.view(transpose_9, [2, 8, 16])  # free: transpose_9
+cat: f32[2, 8, 48] = aten.cat([view_26, view_25, view_24], 2)  # free: view_26, view_25, view_24
+view_27: f32[16, 48] = aten.view(cat, [16, 48])  # free: cat
+mm_8: f32[16, 16] = aten.mm(view_27, t_4)  # free: t_4
+t_21: f32[48, 16] = aten.t(view_27)
+mm_9: f32[48, 16] = aten.mm(t_21, view_4)  # free: t_21, view_4
+t_22: f32[16, 48] = aten.t(mm_9)  # free: mm_9
+sum_3: f32[1, 48] = aten.sum.dim_IntList(view_27, [0], True)  # free: view_27
+view_28: f32[48] = aten.view(sum_3, [48])  # free: sum_3
+t_23: f32[48, 16] = aten.t(t_22)  # free: t_22
+view_29: f32[2, 8, 16] = aten.view(mm_8, [2, 8, 16])  # free: mm_8
+native_layer_norm_backward_2: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_29, add_2, [16], getitem_5, getitem_6, unshard_4, unshard_5, [True, True, True])  # free: view_29, add_2, getitem_5, getitem_6, unshard_4, unshard_5
+getitem_22: f32[2, 8, 16] = native_layer_norm_backward_2[0]
+getitem_23: f32[16] = native_layer_norm_backward_2[1]
+getitem_24: f32[16] = native_layer_norm_backward_2[2]  # free: native_layer_norm_backward_2
+add_6: f32[2, 8, 16] = aten.add.Tensor(add_5, getitem_22)  # free: add_5, getitem_22
+view_30: f32[16, 16] = aten.view(add_6, [16, 16])
+mm_10: f32[16, 64] = aten.mm(view_30, t_5)  # free: t_5
+t_24: f32[16, 16] = aten.t(view_30)
+mm_11: f32[16, 64] = aten.mm(t_24, view_3)  # free: t_24, view_3
+t_25: f32[64, 16] = aten.t(mm_11)  # free: mm_11
+sum_4: f32[1, 16] = aten.sum.dim_IntList(view_30, [0], True)  # free: view_30
+view_31: f32[16] = aten.view(sum_4, [16])  # free: sum_4
+t_26: f32[16, 64] = aten.t(t_25)  # free: t_25
+view_32: f32[2, 8, 64] = aten.view(mm_10, [2, 8, 64])  # free: mm_10
+view_33: f32[2, 8, 64] = aten.view(addmm, [2, 8, 64])  # free: addmm
+gelu_backward_1: f32[2, 8, 64] = aten.gelu_backward(view_32, view_33)  # free: view_32, view_33
+view_34: f32[16, 64] = aten.view(gelu_backward_1, [16, 64])  # free: gelu_backward_1
+mm_12: f32[16, 16] = aten.mm(view_34, t_6)  # free: t_6
+t_27: f32[64, 16] = aten.t(view_34)
+mm_13: f32[64, 16] = aten.mm(t_27, view_2)  # free: t_27, view_2
+t_28: f32[16, 64] = aten.t(mm_13)  # free: mm_13
+sum_5: f32[1, 64] = aten.sum.dim_IntList(view_34, [0], True)  # free: view_34
+view_35: f32[64] = aten.view(sum_5, [64])  # free: sum_5
+t_29: f32[64, 16] = aten.t(t_28)  # free: t_28
+view_36: f32[2, 8, 16] = aten.view(mm_12, [2, 8, 16])  # free: mm_12
+native_layer_norm_backward_3: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_36, add_1, [16], getitem_3, getitem_4, unshard_2, unshard_3, [True, True, True])  # free: view_36, add_1, getitem_3, getitem_4, unshard_2, unshard_3
+getitem_25: f32[2, 8, 16] = native_layer_norm_backward_3[0]
+getitem_26: f32[16] = native_layer_norm_backward_3[1]
+getitem_27: f32[16] = native_layer_norm_backward_3[2]  # free: native_layer_norm_backward_3
+add_7: f32[2, 8, 16] = aten.add.Tensor(add_6, getitem_25)  # free: add_6, getitem_25
+view_37: f32[16, 16] = aten.view(add_7, [16, 16])
+mm_14: f32[16, 16] = aten.mm(view_37, t_7)  # free: t_7
+t_30: f32[16, 16] = aten.t(view_37)
+mm_15: f32[16, 16] = aten.mm(t_30, view_1)  # free: t_30, view_1
+t_31: f32[16, 16] = aten.t(mm_15)  # free: mm_15
+sum_6: f32[1, 16] = aten.sum.dim_IntList(view_37, [0], True)  # free: view_37
+view_38: f32[16] = aten.view(sum_6, [16])  # free: sum_6
+t_32: f32[16, 16] = aten.t(t_31)  # free: t_31
+view_39: f32[2, 8, 16] = aten.view(mm_14, [2, 8, 16])  # free: mm_14
+view_40: f32[2, 8, 2, 8] = aten.view(view_39, [2, 8, 2, 8])  # free: view_39
+transpose_10: f32[2, 2, 8, 8] = aten.transpose.int(view_40, 1, 2)  # free: view_40
+_scaled_dot_product_flash_attention_for_cpu_backward_1: (f32[2, 2, 8, 8], f32[2, 2, 8, 8], f32[2, 2, 8, 8]) = aten._scaled_dot_product_flash_attention_for_cpu_backward(transpose_10, transpose, transpose_1, transpose_2, detach_1, getitem_2, 0.0, True)  # free: transpose_10, transpose, transpose_1, transpose_2, detach_1, getitem_2
+getitem_28: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[0]
+getitem_29: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[1]
+getitem_30: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[2]  # free: _scaled_dot_product_flash_attention_for_cpu_backward_1
+transpose_11: f32[2, 8, 2, 8] = aten.transpose.int(getitem_30, 1, 2)  # free: getitem_30
+view_41: f32[2, 8, 16] = aten.view(transpose_11, [2, 8, 16])  # free: transpose_11
+transpose_12: f32[2, 8, 2, 8] = aten.transpose.int(getitem_29, 1, 2)  # free: getitem_29
+view_42: f32[2, 8, 16] = aten.view(transpose_12, [2, 8, 16])  # free: transpose_12
+transpose_13: f32[2, 8, 2, 8] = aten.transpose.int(getitem_28, 1, 2)  # free: getitem_28
+view_43: f32[2, 8, 16] = aten.view(transpose_13, [2, 8, 16])  # free: transpose_13
+cat_1: f32[2, 8, 48] = aten.cat([view_43, view_42, view_41], 2)  # free: view_43, view_42, view_41
+view_44: f32[16, 48] = aten.view(cat_1, [16, 48])  # free: cat_1
+mm_16: f32[16, 16] = aten.mm(view_44, t_8)  # free: t_8
+t_33: f32[48, 16] = aten.t(view_44)
+mm_17: f32[48, 16] = aten.mm(t_33, view)  # free: t_33, view
+t_34: f32[16, 48] = aten.t(mm_17)  # free: mm_17
+sum_7: f32[1, 48] = aten.sum.dim_IntList(view_44, [0], True)  # free: view_44
+view_45: f32[48] = aten.view(sum_7, [48])  # free: sum_7
+t_35: f32[48, 16] = aten.t(t_34)  # free: t_34
+view_46: f32[2, 8, 16] = aten.view(mm_16, [2, 8, 16])  # free: mm_16
+native_layer_norm_backward_4: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_46, add, [16], getitem, getitem_1, unshard, unshard_1, [True, True, True])  # free: view_46, add, getitem, getitem_1, unshard, unshard_1
+getitem_31: f32[2, 8, 16] = native_layer_norm_backward_4[0]
+getitem_32: f32[16] = native_layer_norm_backward_4[1]
+getitem_33: f32[16] = native_layer_norm_backward_4[2]  # free: native_layer_norm_backward_4
+add_8: f32[2, 8, 16] = aten.add.Tensor(add_7, getitem_31)  # free: add_7, getitem_31
+sum_8: f32[1, 8, 16] = aten.sum.dim_IntList(add_8, [0], True)
+view_47: f32[8, 16] = aten.view(sum_8, [8, 16])  # free: sum_8
+embedding_dense_backward: f32[8, 16] = aten.embedding_dense_backward(view_47, arange, 8, -1, False)  # free: view_47, arange
+embedding_dense_backward_1: f32[32, 16] = aten.embedding_dense_backward(add_8, primals_1, 32, -1, False)  # free: add_8, primals_1
+add_9: f32[32, 16] = aten.add.Tensor(t_11, embedding_dense_backward_1)  # free: t_11, embedding_dense_backward_1
+pack: f32[7232] = zero.pack([getitem_15, getitem_14, view_14, t_14, view_18, t_17, getitem_18, getitem_17, view_21, t_20, view_28, t_23, getitem_24, getitem_23, view_31, t_26, view_35, t_29, getitem_27, getitem_26, view_38, t_32, view_45, t_35, getitem_33, getitem_32, embedding_dense_backward, add_9], 1, [16, 16, 16, 1024, 64, 1024, 16, 16, 16, 256, 48, 768, 16, 16, 16, 1024, 64, 1024, 16, 16, 16, 256, 48, 768, 16, 16, 128, 512])  # free: getitem_15, getitem_14, view_14, t_14, view_18, t_17, getitem_18, getitem_17, view_21, t_20, view_28, t_23, getitem_24, getitem_23, view_31, t_26, view_35, t_29, getitem_27, getitem_26, view_38, t_32, view_45, t_35, getitem_33, getitem_32, embedding_dense_backward, add_9
 all_reduce: f32[7232] = _c10d_functional.all_reduce(pack, 'sum', WORLD)  # param: ln_f.bias, ln_f.weight, blocks.1.out.bias, blocks.1.out.weight, blocks.1.fc.bias, blocks.1.fc.weight, blocks.1.ln2.bias, blocks.1.ln2.weight, blocks.1.attn.proj.bias, blocks.1.attn.proj.weight, blocks.1.attn.qkv.bias, blocks.1.attn.qkv.weight, blocks.1.ln1.bias, blocks.1.ln1.weight, blocks.0.out.bias, blocks.0.out.weight, blocks.0.fc.bias, blocks.0.fc.weight, blocks.0.ln2.bias, blocks.0.ln2.weight, blocks.0.attn.proj.bias, blocks.0.attn.proj.weight, blocks.0.attn.qkv.bias, blocks.0.attn.qkv.weight, blocks.0.ln1.bias, blocks.0.ln1.weight, wpe.weight, wte.weight; free: pack
 wait_tensor: f32[7232] = _c10d_functional.wait_tensor(all_reduce)  # free: all_reduce
 unsqueeze: f32[1, 7232] = aten.unsqueeze(wait_tensor, 0)  # free: wait_tensor
 average_rows: f32[7232] = zero.average_rows(unsqueeze, 4)  # free: unsqueeze
 split_with_sizes: (f32[16], f32[16], f32[16], f32[1024], f32[64], f32[1024], f32[16], f32[16], f32[16], f32[256], f32[48], f32[768], f32[16], f32[16], f32[16], f32[1024], f32[64], f32[1024], f32[16], f32[16], f32[16], f32[256], f32[48], f32[768], f32[16], f32[16], f32[128], f32[512]) = aten.split_with_sizes(average_rows, [16, 16, 16, 1024, 64, 1024, 16, 16, 16, 256, 48, 768, 16, 16, 16, 1024, 64, 1024, 16, 16, 16, 256, 48, 768, 16, 16, 128, 512])  # free: average_rows
-getitem_21: f32[16] = split_with_sizes[0]
-getitem_22: f32[16] = split_with_sizes[1]
-getitem_23: f32[16] = split_with_sizes[2]
-getitem_24: f32[1024] = split_with_sizes[3]
-getitem_25: f32[64] = split_with_sizes[4]
-getitem_26: f32[1024] = split_with_sizes[5]
-getitem_27: f32[16] = split_with_sizes[6]
-getitem_28: f32[16] = split_with_sizes[7]
-getitem_29: f32[16] = split_with_sizes[8]
-getitem_30: f32[256] = split_with_sizes[9]
-getitem_31: f32[48] = split_with_sizes[10]
-getitem_32: f32[768] = split_with_sizes[11]
-getitem_33: f32[16] = split_with_sizes[12]
-getitem_34: f32[16] = split_with_sizes[13]
-getitem_35: f32[16] = split_with_sizes[14]
-getitem_36: f32[1024] = split_with_sizes[15]
-getitem_37: f32[64] = split_with_sizes[16]
-getitem_38: f32[1024] = split_with_sizes[17]
-getitem_39: f32[16] = split_with_sizes[18]
-getitem_40: f32[16] = split_with_sizes[19]
-getitem_41: f32[16] = split_with_sizes[20]
-getitem_42: f32[256] = split_with_sizes[21]
-getitem_43: f32[48] = split_with_sizes[22]
-getitem_44: f32[768] = split_with_sizes[23]
-getitem_45: f32[16] = split_with_sizes[24]
-getitem_46: f32[16] = split_with_sizes[25]
-getitem_47: f32[128] = split_with_sizes[26]
-getitem_48: f32[512] = split_with_sizes[27]  # free: split_with_sizes
-view_38: f32[16] = aten.view(getitem_21, [16])  # free: getitem_21
-view_39: f32[16] = aten.view(getitem_22, [16])  # free: getitem_22
-view_40: f32[16] = aten.view(getitem_23, [16])  # free: getitem_23
-view_41: f32[16, 64] = aten.view(getitem_24, [16, 64])  # free: getitem_24
-view_42: f32[64] = aten.view(getitem_25, [64])  # free: getitem_25
-view_43: f32[64, 16] = aten.view(getitem_26, [64, 16])  # free: getitem_26
-view_44: f32[16] = aten.view(getitem_27, [16])  # free: getitem_27
-view_45: f32[16] = aten.view(getitem_28, [16])  # free: getitem_28
-view_46: f32[16] = aten.view(getitem_29, [16])  # free: getitem_29
-view_47: f32[16, 16] = aten.view(getitem_30, [16, 16])  # free: getitem_30
-view_48: f32[48] = aten.view(getitem_31, [48])  # free: getitem_31
-view_49: f32[48, 16] = aten.view(getitem_32, [48, 16])  # free: getitem_32
-view_50: f32[16] = aten.view(getitem_33, [16])  # free: getitem_33
-view_51: f32[16] = aten.view(getitem_34, [16])  # free: getitem_34
-view_52: f32[16] = aten.view(getitem_35, [16])  # free: getitem_35
-view_53: f32[16, 64] = aten.view(getitem_36, [16, 64])  # free: getitem_36
-view_54: f32[64] = aten.view(getitem_37, [64])  # free: getitem_37
-view_55: f32[64, 16] = aten.view(getitem_38, [64, 16])  # free: getitem_38
-view_56: f32[16] = aten.view(getitem_39, [16])  # free: getitem_39
-view_57: f32[16] = aten.view(getitem_40, [16])  # free: getitem_40
-view_58: f32[16] = aten.view(getitem_41, [16])  # free: getitem_41
-view_59: f32[16, 16] = aten.view(getitem_42, [16, 16])  # free: getitem_42
-view_60: f32[48] = aten.view(getitem_43, [48])  # free: getitem_43
-view_61: f32[48, 16] = aten.view(getitem_44, [48, 16])  # free: getitem_44
-view_62: f32[16] = aten.view(getitem_45, [16])  # free: getitem_45
-view_63: f32[16] = aten.view(getitem_46, [16])  # free: getitem_46
-view_64: f32[8, 16] = aten.view(getitem_47, [8, 16])  # free: getitem_47
-view_65: f32[32, 16] = aten.view(getitem_48, [32, 16])  # free: getitem_48
-return (None, view_65, view_64, view_63, view_62, view_61, view_60, view_59, view_58, view_57, view_56, view_55, view_54, view_53, view_52, view_51, view_50, view_49, view_48, view_47, view_46, view_45, view_44, view_43, view_42, view_41, view_40, view_39, view_38, None)""")
+getitem_34: f32[16] = split_with_sizes[0]
+getitem_35: f32[16] = split_with_sizes[1]
+getitem_36: f32[16] = split_with_sizes[2]
+getitem_37: f32[1024] = split_with_sizes[3]
+getitem_38: f32[64] = split_with_sizes[4]
+getitem_39: f32[1024] = split_with_sizes[5]
+getitem_40: f32[16] = split_with_sizes[6]
+getitem_41: f32[16] = split_with_sizes[7]
+getitem_42: f32[16] = split_with_sizes[8]
+getitem_43: f32[256] = split_with_sizes[9]
+getitem_44: f32[48] = split_with_sizes[10]
+getitem_45: f32[768] = split_with_sizes[11]
+getitem_46: f32[16] = split_with_sizes[12]
+getitem_47: f32[16] = split_with_sizes[13]
+getitem_48: f32[16] = split_with_sizes[14]
+getitem_49: f32[1024] = split_with_sizes[15]
+getitem_50: f32[64] = split_with_sizes[16]
+getitem_51: f32[1024] = split_with_sizes[17]
+getitem_52: f32[16] = split_with_sizes[18]
+getitem_53: f32[16] = split_with_sizes[19]
+getitem_54: f32[16] = split_with_sizes[20]
+getitem_55: f32[256] = split_with_sizes[21]
+getitem_56: f32[48] = split_with_sizes[22]
+getitem_57: f32[768] = split_with_sizes[23]
+getitem_58: f32[16] = split_with_sizes[24]
+getitem_59: f32[16] = split_with_sizes[25]
+getitem_60: f32[128] = split_with_sizes[26]
+getitem_61: f32[512] = split_with_sizes[27]  # free: split_with_sizes
+view_48: f32[16] = aten.view(getitem_34, [16])  # free: getitem_34
+view_49: f32[16] = aten.view(getitem_35, [16])  # free: getitem_35
+view_50: f32[16] = aten.view(getitem_36, [16])  # free: getitem_36
+view_51: f32[16, 64] = aten.view(getitem_37, [16, 64])  # free: getitem_37
+view_52: f32[64] = aten.view(getitem_38, [64])  # free: getitem_38
+view_53: f32[64, 16] = aten.view(getitem_39, [64, 16])  # free: getitem_39
+view_54: f32[16] = aten.view(getitem_40, [16])  # free: getitem_40
+view_55: f32[16] = aten.view(getitem_41, [16])  # free: getitem_41
+view_56: f32[16] = aten.view(getitem_42, [16])  # free: getitem_42
+view_57: f32[16, 16] = aten.view(getitem_43, [16, 16])  # free: getitem_43
+view_58: f32[48] = aten.view(getitem_44, [48])  # free: getitem_44
+view_59: f32[48, 16] = aten.view(getitem_45, [48, 16])  # free: getitem_45
+view_60: f32[16] = aten.view(getitem_46, [16])  # free: getitem_46
+view_61: f32[16] = aten.view(getitem_47, [16])  # free: getitem_47
+view_62: f32[16] = aten.view(getitem_48, [16])  # free: getitem_48
+view_63: f32[16, 64] = aten.view(getitem_49, [16, 64])  # free: getitem_49
+view_64: f32[64] = aten.view(getitem_50, [64])  # free: getitem_50
+view_65: f32[64, 16] = aten.view(getitem_51, [64, 16])  # free: getitem_51
+view_66: f32[16] = aten.view(getitem_52, [16])  # free: getitem_52
+view_67: f32[16] = aten.view(getitem_53, [16])  # free: getitem_53
+view_68: f32[16] = aten.view(getitem_54, [16])  # free: getitem_54
+view_69: f32[16, 16] = aten.view(getitem_55, [16, 16])  # free: getitem_55
+view_70: f32[48] = aten.view(getitem_56, [48])  # free: getitem_56
+view_71: f32[48, 16] = aten.view(getitem_57, [48, 16])  # free: getitem_57
+view_72: f32[16] = aten.view(getitem_58, [16])  # free: getitem_58
+view_73: f32[16] = aten.view(getitem_59, [16])  # free: getitem_59
+view_74: f32[8, 16] = aten.view(getitem_60, [8, 16])  # free: getitem_60
+view_75: f32[32, 16] = aten.view(getitem_61, [32, 16])  # free: getitem_61
+return (None, view_75, view_74, view_73, view_72, view_71, view_70, view_69, view_68, view_67, view_66, view_65, view_64, view_63, view_62, view_61, view_60, view_59, view_58, view_57, view_56, view_55, view_54, view_53, view_52, view_51, view_50, view_49, view_48, None)""")
 
     def test_stage_1(self) -> None:
         forward, backward = gpt_graphs(1)
@@ -1327,11 +1335,11 @@ getitem_52: f32[2, 8, 1] = native_layer_norm_4[2]  # free: native_layer_norm_4
 t_8: f32[16, 32] = aten.t(view)  # free: view
 view_52: f32[16, 16] = aten.view(getitem_50, [16, 16])  # free: getitem_50
 mm: f32[16, 32] = aten.mm(view_52, t_8)
-_unsafe_view: f32[2, 8, 32] = aten._unsafe_view(mm, [2, 8, 32])  # free: mm
-view_53: f32[16, 32] = aten.view(_unsafe_view, [-1, 32])  # free: _unsafe_view
-view_54: i64[16] = aten.view(primals_30, [-1])  # free: primals_30
-_log_softmax: f32[16, 32] = aten._log_softmax(view_53, 1, False)  # free: view_53
-nll_loss_forward: (f32[], f32[]) = aten.nll_loss_forward(_log_softmax, view_54, None, 1, -100)
+view_53: f32[2, 8, 32] = aten.view(mm, [2, 8, 32])  # free: mm
+view_54: f32[16, 32] = aten.view(view_53, [-1, 32])  # free: view_53
+view_55: i64[16] = aten.view(primals_30, [-1])  # free: primals_30
+_log_softmax: f32[16, 32] = aten._log_softmax(view_54, 1, False)  # free: view_54
+nll_loss_forward: (f32[], f32[]) = aten.nll_loss_forward(_log_softmax, view_55, None, 1, -100)
 getitem_53: f32[] = nll_loss_forward[0]
 getitem_54: f32[] = nll_loss_forward[1]  # free: nll_loss_forward
 t_9: f32[32, 16] = aten.t(t_8)  # free: t_8
@@ -1345,245 +1353,245 @@ t_15: f32[64, 16] = aten.t(t_2)  # free: t_2
 t_16: f32[16, 16] = aten.t(t_1)  # free: t_1
 detach_3: f32[2, 2, 8, 8] = aten.detach(detach)  # free: detach
 t_17: f32[48, 16] = aten.t(t)  # free: t
-return (getitem_53, primals_1, arange, add, view_2, view_3, getitem_29, getitem_30, view_28, transpose, transpose_1, transpose_2, getitem_35, view_34, add_1, view_8, view_9, getitem_37, getitem_38, view_36, addmm_2, view_38, add_2, view_14, view_15, getitem_40, getitem_41, view_40, transpose_4, transpose_5, transpose_6, getitem_46, view_46, add_3, view_20, view_21, getitem_48, getitem_49, view_48, addmm_6, view_50, add_4, view_26, view_27, getitem_51, getitem_52, view_52, view_54, _log_softmax, getitem_54, t_9, t_10, t_11, t_12, detach_2, t_13, t_14, t_15, t_16, detach_3, t_17)""")
+return (getitem_53, primals_1, arange, add, view_2, view_3, getitem_29, getitem_30, view_28, transpose, transpose_1, transpose_2, getitem_35, view_34, add_1, view_8, view_9, getitem_37, getitem_38, view_36, addmm_2, view_38, add_2, view_14, view_15, getitem_40, getitem_41, view_40, transpose_4, transpose_5, transpose_6, getitem_46, view_46, add_3, view_20, view_21, getitem_48, getitem_49, view_48, addmm_6, view_50, add_4, view_26, view_27, getitem_51, getitem_52, view_52, view_55, _log_softmax, getitem_54, t_9, t_10, t_11, t_12, detach_2, t_13, t_14, t_15, t_16, detach_3, t_17)""")
         self.assertExpectedInline(backward, """\
 input primals_1: i64[2, 8]
 input arange: i64[8]
 input add: f32[2, 8, 16]
-input unshard_2: f32[16]
-input unshard_3: f32[16]
+input unshard: f32[16]
+input unshard_1: f32[16]
+input getitem: f32[2, 8, 1]
 input getitem_1: f32[2, 8, 1]
-input getitem_2: f32[2, 8, 1]
 input view: f32[16, 16]
 input transpose: f32[2, 2, 8, 8]
 input transpose_1: f32[2, 2, 8, 8]
 input transpose_2: f32[2, 2, 8, 8]
-input getitem_7: f32[2, 2, 8]
-input view_6: f32[16, 16]
+input getitem_2: f32[2, 2, 8]
+input view_1: f32[16, 16]
 input add_1: f32[2, 8, 16]
-input unshard_8: f32[16]
-input unshard_9: f32[16]
-input getitem_9: f32[2, 8, 1]
-input getitem_10: f32[2, 8, 1]
-input view_8: f32[16, 16]
-input addmm_2: f32[16, 64]
-input view_10: f32[16, 64]
+input unshard_2: f32[16]
+input unshard_3: f32[16]
+input getitem_3: f32[2, 8, 1]
+input getitem_4: f32[2, 8, 1]
+input view_2: f32[16, 16]
+input addmm: f32[16, 64]
+input view_3: f32[16, 64]
 input add_2: f32[2, 8, 16]
-input unshard_14: f32[16]
-input unshard_15: f32[16]
-input getitem_12: f32[2, 8, 1]
-input getitem_13: f32[2, 8, 1]
-input view_12: f32[16, 16]
+input unshard_4: f32[16]
+input unshard_5: f32[16]
+input getitem_5: f32[2, 8, 1]
+input getitem_6: f32[2, 8, 1]
+input view_4: f32[16, 16]
+input transpose_3: f32[2, 2, 8, 8]
 input transpose_4: f32[2, 2, 8, 8]
 input transpose_5: f32[2, 2, 8, 8]
-input transpose_6: f32[2, 2, 8, 8]
-input getitem_18: f32[2, 2, 8]
-input view_18: f32[16, 16]
+input getitem_7: f32[2, 2, 8]
+input view_5: f32[16, 16]
 input add_3: f32[2, 8, 16]
-input unshard_20: f32[16]
-input unshard_21: f32[16]
-input getitem_20: f32[2, 8, 1]
-input getitem_21: f32[2, 8, 1]
-input view_20: f32[16, 16]
-input addmm_6: f32[16, 64]
-input view_22: f32[16, 64]
+input unshard_6: f32[16]
+input unshard_7: f32[16]
+input getitem_8: f32[2, 8, 1]
+input getitem_9: f32[2, 8, 1]
+input view_6: f32[16, 16]
+input addmm_1: f32[16, 64]
+input view_7: f32[16, 64]
 input add_4: f32[2, 8, 16]
-input unshard_26: f32[16]
-input unshard_27: f32[16]
-input getitem_23: f32[2, 8, 1]
-input getitem_24: f32[2, 8, 1]
-input view_24: f32[16, 16]
-input view_26: i64[16]
+input unshard_8: f32[16]
+input unshard_9: f32[16]
+input getitem_10: f32[2, 8, 1]
+input getitem_11: f32[2, 8, 1]
+input view_8: f32[16, 16]
+input view_9: i64[16]
 input _log_softmax: f32[16, 32]
-input getitem_26: f32[]
-input t_11: f32[32, 16]
-input t_13: f32[16, 64]
-input t_17: f32[64, 16]
-input t_21: f32[16, 16]
-input detach_4: f32[2, 2, 8, 8]
-input t_25: f32[48, 16]
-input t_29: f32[16, 64]
-input t_33: f32[64, 16]
-input t_37: f32[16, 16]
-input detach_5: f32[2, 2, 8, 8]
-input t_41: f32[48, 16]
+input getitem_12: f32[]
+input t: f32[32, 16]
+input t_1: f32[16, 64]
+input t_2: f32[64, 16]
+input t_3: f32[16, 16]
+input detach: f32[2, 2, 8, 8]
+input t_4: f32[48, 16]
+input t_5: f32[16, 64]
+input t_6: f32[64, 16]
+input t_7: f32[16, 16]
+input detach_1: f32[2, 2, 8, 8]
+input t_8: f32[48, 16]
 input tangents_1: f32[]
-nll_loss_backward: f32[16, 32] = aten.nll_loss_backward(tangents_1, _log_softmax, view_26, None, 1, -100, getitem_26)  # free: tangents_1, view_26, getitem_26
-detach: f32[16, 32] = aten.detach(_log_softmax)  # free: _log_softmax
-detach_1: f32[16, 32] = aten.detach(detach)  # free: detach
-_log_softmax_backward_data: f32[16, 32] = aten._log_softmax_backward_data(nll_loss_backward, detach_1, 1, torch.float32)  # free: nll_loss_backward, detach_1
-view: f32[2, 8, 32] = aten.view(_log_softmax_backward_data, [2, 8, 32])  # free: _log_softmax_backward_data
-view_1: f32[16, 32] = aten.view(view, [16, 32])  # free: view
-t: f32[32, 16] = aten.t(view_1)
-mm: f32[32, 16] = aten.mm(t, view_24)  # free: t, view_24
-t_1: f32[16, 32] = aten.t(mm)  # free: mm
-mm_1: f32[16, 16] = aten.mm(view_1, t_11)  # free: view_1, t_11
-view_2: f32[2, 8, 16] = aten.view(mm_1, [2, 8, 16])  # free: mm_1
-t_2: f32[32, 16] = aten.t(t_1)  # free: t_1
-native_layer_norm_backward: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_2, add_4, [16], getitem_23, getitem_24, unshard_26, unshard_27, [True, True, True])  # free: view_2, add_4, getitem_23, getitem_24, unshard_26, unshard_27
-getitem: f32[2, 8, 16] = native_layer_norm_backward[0]
-getitem_1: f32[16] = native_layer_norm_backward[1]
-getitem_2: f32[16] = native_layer_norm_backward[2]  # free: native_layer_norm_backward
-view_3: f32[16, 16] = aten.view(getitem, [16, 16])
-mm_2: f32[16, 64] = aten.mm(view_3, t_13)  # free: t_13
-t_3: f32[16, 16] = aten.t(view_3)
-mm_3: f32[16, 64] = aten.mm(t_3, view_22)  # free: t_3, view_22
-t_4: f32[64, 16] = aten.t(mm_3)  # free: mm_3
-sum: f32[1, 16] = aten.sum.dim_IntList(view_3, [0], True)  # free: view_3
-view_4: f32[16] = aten.view(sum, [16])  # free: sum
-t_5: f32[16, 64] = aten.t(t_4)  # free: t_4
-view_5: f32[2, 8, 64] = aten.view(mm_2, [2, 8, 64])  # free: mm_2
-view_6: f32[2, 8, 64] = aten.view(addmm_6, [2, 8, 64])  # free: addmm_6
-gelu_backward: f32[2, 8, 64] = aten.gelu_backward(view_5, view_6)  # free: view_5, view_6
-view_7: f32[16, 64] = aten.view(gelu_backward, [16, 64])  # free: gelu_backward
-mm_4: f32[16, 16] = aten.mm(view_7, t_17)  # free: t_17
-t_6: f32[64, 16] = aten.t(view_7)
-mm_5: f32[64, 16] = aten.mm(t_6, view_20)  # free: t_6, view_20
-t_7: f32[16, 64] = aten.t(mm_5)  # free: mm_5
-sum_1: f32[1, 64] = aten.sum.dim_IntList(view_7, [0], True)  # free: view_7
-view_8: f32[64] = aten.view(sum_1, [64])  # free: sum_1
-t_8: f32[64, 16] = aten.t(t_7)  # free: t_7
-view_9: f32[2, 8, 16] = aten.view(mm_4, [2, 8, 16])  # free: mm_4
-native_layer_norm_backward_1: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_9, add_3, [16], getitem_20, getitem_21, unshard_20, unshard_21, [True, True, True])  # free: view_9, add_3, getitem_20, getitem_21, unshard_20, unshard_21
-getitem_3: f32[2, 8, 16] = native_layer_norm_backward_1[0]
-getitem_4: f32[16] = native_layer_norm_backward_1[1]
-getitem_5: f32[16] = native_layer_norm_backward_1[2]  # free: native_layer_norm_backward_1
-add: f32[2, 8, 16] = aten.add.Tensor(getitem, getitem_3)  # free: getitem, getitem_3
-view_10: f32[16, 16] = aten.view(add, [16, 16])
-mm_6: f32[16, 16] = aten.mm(view_10, t_21)  # free: t_21
-t_9: f32[16, 16] = aten.t(view_10)
-mm_7: f32[16, 16] = aten.mm(t_9, view_18)  # free: t_9, view_18
-t_10: f32[16, 16] = aten.t(mm_7)  # free: mm_7
-sum_2: f32[1, 16] = aten.sum.dim_IntList(view_10, [0], True)  # free: view_10
-view_11: f32[16] = aten.view(sum_2, [16])  # free: sum_2
-t_11: f32[16, 16] = aten.t(t_10)  # free: t_10
-view_12: f32[2, 8, 16] = aten.view(mm_6, [2, 8, 16])  # free: mm_6
-view_13: f32[2, 8, 2, 8] = aten.view(view_12, [2, 8, 2, 8])  # free: view_12
-transpose: f32[2, 2, 8, 8] = aten.transpose.int(view_13, 1, 2)  # free: view_13
-_scaled_dot_product_flash_attention_for_cpu_backward: (f32[2, 2, 8, 8], f32[2, 2, 8, 8], f32[2, 2, 8, 8]) = aten._scaled_dot_product_flash_attention_for_cpu_backward(transpose, transpose_4, transpose_5, transpose_6, detach_4, getitem_18, 0.0, True)  # free: transpose, transpose_4, transpose_5, transpose_6, detach_4, getitem_18
-getitem_6: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[0]
-getitem_7: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[1]
-getitem_8: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[2]  # free: _scaled_dot_product_flash_attention_for_cpu_backward
-transpose_1: f32[2, 8, 2, 8] = aten.transpose.int(getitem_8, 1, 2)  # free: getitem_8
-view_14: f32[2, 8, 16] = aten.view(transpose_1, [2, 8, 16])  # free: transpose_1
-transpose_2: f32[2, 8, 2, 8] = aten.transpose.int(getitem_7, 1, 2)  # free: getitem_7
-view_15: f32[2, 8, 16] = aten.view(transpose_2, [2, 8, 16])  # free: transpose_2
-transpose_3: f32[2, 8, 2, 8] = aten.transpose.int(getitem_6, 1, 2)  # free: getitem_6
-view_16: f32[2, 8, 16] = aten.view(transpose_3, [2, 8, 16])  # free: transpose_3
-cat: f32[2, 8, 48] = aten.cat([view_16, view_15, view_14], 2)  # free: view_16, view_15, view_14
-view_17: f32[16, 48] = aten.view(cat, [16, 48])  # free: cat
-mm_8: f32[16, 16] = aten.mm(view_17, t_25)  # free: t_25
-t_12: f32[48, 16] = aten.t(view_17)
-mm_9: f32[48, 16] = aten.mm(t_12, view_12)  # free: t_12, view_12
-t_13: f32[16, 48] = aten.t(mm_9)  # free: mm_9
-sum_3: f32[1, 48] = aten.sum.dim_IntList(view_17, [0], True)  # free: view_17
-view_18: f32[48] = aten.view(sum_3, [48])  # free: sum_3
-t_14: f32[48, 16] = aten.t(t_13)  # free: t_13
-view_19: f32[2, 8, 16] = aten.view(mm_8, [2, 8, 16])  # free: mm_8
-native_layer_norm_backward_2: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_19, add_2, [16], getitem_12, getitem_13, unshard_14, unshard_15, [True, True, True])  # free: view_19, add_2, getitem_12, getitem_13, unshard_14, unshard_15
-getitem_9: f32[2, 8, 16] = native_layer_norm_backward_2[0]
-getitem_10: f32[16] = native_layer_norm_backward_2[1]
-getitem_11: f32[16] = native_layer_norm_backward_2[2]  # free: native_layer_norm_backward_2
-add_1: f32[2, 8, 16] = aten.add.Tensor(add, getitem_9)  # free: add, getitem_9
-view_20: f32[16, 16] = aten.view(add_1, [16, 16])
-mm_10: f32[16, 64] = aten.mm(view_20, t_29)  # free: t_29
-t_15: f32[16, 16] = aten.t(view_20)
-mm_11: f32[16, 64] = aten.mm(t_15, view_10)  # free: t_15, view_10
-t_16: f32[64, 16] = aten.t(mm_11)  # free: mm_11
-sum_4: f32[1, 16] = aten.sum.dim_IntList(view_20, [0], True)  # free: view_20
-view_21: f32[16] = aten.view(sum_4, [16])  # free: sum_4
-t_17: f32[16, 64] = aten.t(t_16)  # free: t_16
-view_22: f32[2, 8, 64] = aten.view(mm_10, [2, 8, 64])  # free: mm_10
-view_23: f32[2, 8, 64] = aten.view(addmm_2, [2, 8, 64])  # free: addmm_2
-gelu_backward_1: f32[2, 8, 64] = aten.gelu_backward(view_22, view_23)  # free: view_22, view_23
-view_24: f32[16, 64] = aten.view(gelu_backward_1, [16, 64])  # free: gelu_backward_1
-mm_12: f32[16, 16] = aten.mm(view_24, t_33)  # free: t_33
-t_18: f32[64, 16] = aten.t(view_24)
-mm_13: f32[64, 16] = aten.mm(t_18, view_8)  # free: t_18, view_8
-t_19: f32[16, 64] = aten.t(mm_13)  # free: mm_13
-sum_5: f32[1, 64] = aten.sum.dim_IntList(view_24, [0], True)  # free: view_24
-view_25: f32[64] = aten.view(sum_5, [64])  # free: sum_5
-t_20: f32[64, 16] = aten.t(t_19)  # free: t_19
-view_26: f32[2, 8, 16] = aten.view(mm_12, [2, 8, 16])  # free: mm_12
-native_layer_norm_backward_3: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_26, add_1, [16], getitem_9, getitem_10, unshard_8, unshard_9, [True, True, True])  # free: view_26, add_1, getitem_9, getitem_10, unshard_8, unshard_9
-getitem_12: f32[2, 8, 16] = native_layer_norm_backward_3[0]
-getitem_13: f32[16] = native_layer_norm_backward_3[1]
-getitem_14: f32[16] = native_layer_norm_backward_3[2]  # free: native_layer_norm_backward_3
-add_2: f32[2, 8, 16] = aten.add.Tensor(add_1, getitem_12)  # free: add_1, getitem_12
-view_27: f32[16, 16] = aten.view(add_2, [16, 16])
-mm_14: f32[16, 16] = aten.mm(view_27, t_37)  # free: t_37
-t_21: f32[16, 16] = aten.t(view_27)
-mm_15: f32[16, 16] = aten.mm(t_21, view_6)  # free: t_21, view_6
-t_22: f32[16, 16] = aten.t(mm_15)  # free: mm_15
-sum_6: f32[1, 16] = aten.sum.dim_IntList(view_27, [0], True)  # free: view_27
-view_28: f32[16] = aten.view(sum_6, [16])  # free: sum_6
-t_23: f32[16, 16] = aten.t(t_22)  # free: t_22
-view_29: f32[2, 8, 16] = aten.view(mm_14, [2, 8, 16])  # free: mm_14
-view_30: f32[2, 8, 2, 8] = aten.view(view_29, [2, 8, 2, 8])  # free: view_29
-transpose_4: f32[2, 2, 8, 8] = aten.transpose.int(view_30, 1, 2)  # free: view_30
-_scaled_dot_product_flash_attention_for_cpu_backward_1: (f32[2, 2, 8, 8], f32[2, 2, 8, 8], f32[2, 2, 8, 8]) = aten._scaled_dot_product_flash_attention_for_cpu_backward(transpose_4, transpose, transpose_1, transpose_2, detach_5, getitem_7, 0.0, True)  # free: transpose_4, transpose, transpose_1, transpose_2, detach_5, getitem_7
-getitem_15: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[0]
-getitem_16: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[1]
-getitem_17: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[2]  # free: _scaled_dot_product_flash_attention_for_cpu_backward_1
-transpose_5: f32[2, 8, 2, 8] = aten.transpose.int(getitem_17, 1, 2)  # free: getitem_17
-view_31: f32[2, 8, 16] = aten.view(transpose_5, [2, 8, 16])  # free: transpose_5
-transpose_6: f32[2, 8, 2, 8] = aten.transpose.int(getitem_16, 1, 2)  # free: getitem_16
-view_32: f32[2, 8, 16] = aten.view(transpose_6, [2, 8, 16])  # free: transpose_6
-transpose_7: f32[2, 8, 2, 8] = aten.transpose.int(getitem_15, 1, 2)  # free: getitem_15
-view_33: f32[2, 8, 16] = aten.view(transpose_7, [2, 8, 16])  # free: transpose_7
-cat_1: f32[2, 8, 48] = aten.cat([view_33, view_32, view_31], 2)  # free: view_33, view_32, view_31
-view_34: f32[16, 48] = aten.view(cat_1, [16, 48])  # free: cat_1
-mm_16: f32[16, 16] = aten.mm(view_34, t_41)  # free: t_41
-t_24: f32[48, 16] = aten.t(view_34)
-mm_17: f32[48, 16] = aten.mm(t_24, view)  # free: t_24, view
-t_25: f32[16, 48] = aten.t(mm_17)  # free: mm_17
-sum_7: f32[1, 48] = aten.sum.dim_IntList(view_34, [0], True)  # free: view_34
-view_35: f32[48] = aten.view(sum_7, [48])  # free: sum_7
-t_26: f32[48, 16] = aten.t(t_25)  # free: t_25
-view_36: f32[2, 8, 16] = aten.view(mm_16, [2, 8, 16])  # free: mm_16
-native_layer_norm_backward_4: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_36, add, [16], getitem_1, getitem_2, unshard_2, unshard_3, [True, True, True])  # free: view_36, add, getitem_1, getitem_2, unshard_2, unshard_3
-getitem_18: f32[2, 8, 16] = native_layer_norm_backward_4[0]
-getitem_19: f32[16] = native_layer_norm_backward_4[1]
-getitem_20: f32[16] = native_layer_norm_backward_4[2]  # free: native_layer_norm_backward_4
-add_3: f32[2, 8, 16] = aten.add.Tensor(add_2, getitem_18)  # free: add_2, getitem_18
-sum_8: f32[1, 8, 16] = aten.sum.dim_IntList(add_3, [0], True)
-view_37: f32[8, 16] = aten.view(sum_8, [8, 16])  # free: sum_8
-embedding_dense_backward: f32[8, 16] = aten.embedding_dense_backward(view_37, arange, 8, -1, False)  # free: view_37, arange
-embedding_dense_backward_1: f32[32, 16] = aten.embedding_dense_backward(add_3, primals_1, 32, -1, False)  # free: add_3, primals_1
-add_4: f32[32, 16] = aten.add.Tensor(t_2, embedding_dense_backward_1)  # free: t_2, embedding_dense_backward_1
-pack: f32[7936] = zero.pack([getitem_2, getitem_1, view_4, t_5, view_8, t_8, getitem_5, getitem_4, view_11, t_11, view_18, t_14, getitem_11, getitem_10, view_21, t_17, view_25, t_20, getitem_14, getitem_13, view_28, t_23, view_35, t_26, getitem_20, getitem_19, embedding_dense_backward, add_4], 4, [16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 32, 128])  # free: getitem_2, getitem_1, view_4, t_5, view_8, t_8, getitem_5, getitem_4, view_11, t_11, view_18, t_14, getitem_11, getitem_10, view_21, t_17, view_25, t_20, getitem_14, getitem_13, view_28, t_23, view_35, t_26, getitem_20, getitem_19, embedding_dense_backward, add_4
+nll_loss_backward: f32[16, 32] = aten.nll_loss_backward(tangents_1, _log_softmax, view_9, None, 1, -100, getitem_12)  # free: tangents_1, view_9, getitem_12
+detach_2: f32[16, 32] = aten.detach(_log_softmax)  # free: _log_softmax
+detach_3: f32[16, 32] = aten.detach(detach_2)  # free: detach_2
+_log_softmax_backward_data: f32[16, 32] = aten._log_softmax_backward_data(nll_loss_backward, detach_3, 1, torch.float32)  # free: nll_loss_backward, detach_3
+view_10: f32[2, 8, 32] = aten.view(_log_softmax_backward_data, [2, 8, 32])  # free: _log_softmax_backward_data
+view_11: f32[16, 32] = aten.view(view_10, [16, 32])  # free: view_10
+t_9: f32[32, 16] = aten.t(view_11)
+mm: f32[32, 16] = aten.mm(t_9, view_8)  # free: t_9, view_8
+t_10: f32[16, 32] = aten.t(mm)  # free: mm
+mm_1: f32[16, 16] = aten.mm(view_11, t)  # free: view_11, t
+view_12: f32[2, 8, 16] = aten.view(mm_1, [2, 8, 16])  # free: mm_1
+t_11: f32[32, 16] = aten.t(t_10)  # free: t_10
+native_layer_norm_backward: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_12, add_4, [16], getitem_10, getitem_11, unshard_8, unshard_9, [True, True, True])  # free: view_12, add_4, getitem_10, getitem_11, unshard_8, unshard_9
+getitem_13: f32[2, 8, 16] = native_layer_norm_backward[0]
+getitem_14: f32[16] = native_layer_norm_backward[1]
+getitem_15: f32[16] = native_layer_norm_backward[2]  # free: native_layer_norm_backward
+view_13: f32[16, 16] = aten.view(getitem_13, [16, 16])
+mm_2: f32[16, 64] = aten.mm(view_13, t_1)  # free: t_1
+t_12: f32[16, 16] = aten.t(view_13)
+mm_3: f32[16, 64] = aten.mm(t_12, view_7)  # free: t_12, view_7
+t_13: f32[64, 16] = aten.t(mm_3)  # free: mm_3
+sum: f32[1, 16] = aten.sum.dim_IntList(view_13, [0], True)  # free: view_13
+view_14: f32[16] = aten.view(sum, [16])  # free: sum
+t_14: f32[16, 64] = aten.t(t_13)  # free: t_13
+view_15: f32[2, 8, 64] = aten.view(mm_2, [2, 8, 64])  # free: mm_2
+view_16: f32[2, 8, 64] = aten.view(addmm_1, [2, 8, 64])  # free: addmm_1
+gelu_backward: f32[2, 8, 64] = aten.gelu_backward(view_15, view_16)  # free: view_15, view_16
+view_17: f32[16, 64] = aten.view(gelu_backward, [16, 64])  # free: gelu_backward
+mm_4: f32[16, 16] = aten.mm(view_17, t_2)  # free: t_2
+t_15: f32[64, 16] = aten.t(view_17)
+mm_5: f32[64, 16] = aten.mm(t_15, view_6)  # free: t_15, view_6
+t_16: f32[16, 64] = aten.t(mm_5)  # free: mm_5
+sum_1: f32[1, 64] = aten.sum.dim_IntList(view_17, [0], True)  # free: view_17
+view_18: f32[64] = aten.view(sum_1, [64])  # free: sum_1
+t_17: f32[64, 16] = aten.t(t_16)  # free: t_16
+view_19: f32[2, 8, 16] = aten.view(mm_4, [2, 8, 16])  # free: mm_4
+native_layer_norm_backward_1: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_19, add_3, [16], getitem_8, getitem_9, unshard_6, unshard_7, [True, True, True])  # free: view_19, add_3, getitem_8, getitem_9, unshard_6, unshard_7
+getitem_16: f32[2, 8, 16] = native_layer_norm_backward_1[0]
+getitem_17: f32[16] = native_layer_norm_backward_1[1]
+getitem_18: f32[16] = native_layer_norm_backward_1[2]  # free: native_layer_norm_backward_1
+add_5: f32[2, 8, 16] = aten.add.Tensor(getitem_13, getitem_16)  # free: getitem_13, getitem_16
+view_20: f32[16, 16] = aten.view(add_5, [16, 16])
+mm_6: f32[16, 16] = aten.mm(view_20, t_3)  # free: t_3
+t_18: f32[16, 16] = aten.t(view_20)
+mm_7: f32[16, 16] = aten.mm(t_18, view_5)  # free: t_18, view_5
+t_19: f32[16, 16] = aten.t(mm_7)  # free: mm_7
+sum_2: f32[1, 16] = aten.sum.dim_IntList(view_20, [0], True)  # free: view_20
+view_21: f32[16] = aten.view(sum_2, [16])  # free: sum_2
+t_20: f32[16, 16] = aten.t(t_19)  # free: t_19
+view_22: f32[2, 8, 16] = aten.view(mm_6, [2, 8, 16])  # free: mm_6
+view_23: f32[2, 8, 2, 8] = aten.view(view_22, [2, 8, 2, 8])  # free: view_22
+transpose_6: f32[2, 2, 8, 8] = aten.transpose.int(view_23, 1, 2)  # free: view_23
+_scaled_dot_product_flash_attention_for_cpu_backward: (f32[2, 2, 8, 8], f32[2, 2, 8, 8], f32[2, 2, 8, 8]) = aten._scaled_dot_product_flash_attention_for_cpu_backward(transpose_6, transpose_3, transpose_4, transpose_5, detach, getitem_7, 0.0, True)  # free: transpose_6, transpose_3, transpose_4, transpose_5, detach, getitem_7
+getitem_19: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[0]
+getitem_20: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[1]
+getitem_21: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[2]  # free: _scaled_dot_product_flash_attention_for_cpu_backward
+transpose_7: f32[2, 8, 2, 8] = aten.transpose.int(getitem_21, 1, 2)  # free: getitem_21
+view_24: f32[2, 8, 16] = aten.view(transpose_7, [2, 8, 16])  # free: transpose_7
+transpose_8: f32[2, 8, 2, 8] = aten.transpose.int(getitem_20, 1, 2)  # free: getitem_20
+view_25: f32[2, 8, 16] = aten.view(transpose_8, [2, 8, 16])  # free: transpose_8
+transpose_9: f32[2, 8, 2, 8] = aten.transpose.int(getitem_19, 1, 2)  # free: getitem_19
+view_26: f32[2, 8, 16] = aten.view(transpose_9, [2, 8, 16])  # free: transpose_9
+cat: f32[2, 8, 48] = aten.cat([view_26, view_25, view_24], 2)  # free: view_26, view_25, view_24
+view_27: f32[16, 48] = aten.view(cat, [16, 48])  # free: cat
+mm_8: f32[16, 16] = aten.mm(view_27, t_4)  # free: t_4
+t_21: f32[48, 16] = aten.t(view_27)
+mm_9: f32[48, 16] = aten.mm(t_21, view_4)  # free: t_21, view_4
+t_22: f32[16, 48] = aten.t(mm_9)  # free: mm_9
+sum_3: f32[1, 48] = aten.sum.dim_IntList(view_27, [0], True)  # free: view_27
+view_28: f32[48] = aten.view(sum_3, [48])  # free: sum_3
+t_23: f32[48, 16] = aten.t(t_22)  # free: t_22
+view_29: f32[2, 8, 16] = aten.view(mm_8, [2, 8, 16])  # free: mm_8
+native_layer_norm_backward_2: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_29, add_2, [16], getitem_5, getitem_6, unshard_4, unshard_5, [True, True, True])  # free: view_29, add_2, getitem_5, getitem_6, unshard_4, unshard_5
+getitem_22: f32[2, 8, 16] = native_layer_norm_backward_2[0]
+getitem_23: f32[16] = native_layer_norm_backward_2[1]
+getitem_24: f32[16] = native_layer_norm_backward_2[2]  # free: native_layer_norm_backward_2
+add_6: f32[2, 8, 16] = aten.add.Tensor(add_5, getitem_22)  # free: add_5, getitem_22
+view_30: f32[16, 16] = aten.view(add_6, [16, 16])
+mm_10: f32[16, 64] = aten.mm(view_30, t_5)  # free: t_5
+t_24: f32[16, 16] = aten.t(view_30)
+mm_11: f32[16, 64] = aten.mm(t_24, view_3)  # free: t_24, view_3
+t_25: f32[64, 16] = aten.t(mm_11)  # free: mm_11
+sum_4: f32[1, 16] = aten.sum.dim_IntList(view_30, [0], True)  # free: view_30
+view_31: f32[16] = aten.view(sum_4, [16])  # free: sum_4
+t_26: f32[16, 64] = aten.t(t_25)  # free: t_25
+view_32: f32[2, 8, 64] = aten.view(mm_10, [2, 8, 64])  # free: mm_10
+view_33: f32[2, 8, 64] = aten.view(addmm, [2, 8, 64])  # free: addmm
+gelu_backward_1: f32[2, 8, 64] = aten.gelu_backward(view_32, view_33)  # free: view_32, view_33
+view_34: f32[16, 64] = aten.view(gelu_backward_1, [16, 64])  # free: gelu_backward_1
+mm_12: f32[16, 16] = aten.mm(view_34, t_6)  # free: t_6
+t_27: f32[64, 16] = aten.t(view_34)
+mm_13: f32[64, 16] = aten.mm(t_27, view_2)  # free: t_27, view_2
+t_28: f32[16, 64] = aten.t(mm_13)  # free: mm_13
+sum_5: f32[1, 64] = aten.sum.dim_IntList(view_34, [0], True)  # free: view_34
+view_35: f32[64] = aten.view(sum_5, [64])  # free: sum_5
+t_29: f32[64, 16] = aten.t(t_28)  # free: t_28
+view_36: f32[2, 8, 16] = aten.view(mm_12, [2, 8, 16])  # free: mm_12
+native_layer_norm_backward_3: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_36, add_1, [16], getitem_3, getitem_4, unshard_2, unshard_3, [True, True, True])  # free: view_36, add_1, getitem_3, getitem_4, unshard_2, unshard_3
+getitem_25: f32[2, 8, 16] = native_layer_norm_backward_3[0]
+getitem_26: f32[16] = native_layer_norm_backward_3[1]
+getitem_27: f32[16] = native_layer_norm_backward_3[2]  # free: native_layer_norm_backward_3
+add_7: f32[2, 8, 16] = aten.add.Tensor(add_6, getitem_25)  # free: add_6, getitem_25
+view_37: f32[16, 16] = aten.view(add_7, [16, 16])
+mm_14: f32[16, 16] = aten.mm(view_37, t_7)  # free: t_7
+t_30: f32[16, 16] = aten.t(view_37)
+mm_15: f32[16, 16] = aten.mm(t_30, view_1)  # free: t_30, view_1
+t_31: f32[16, 16] = aten.t(mm_15)  # free: mm_15
+sum_6: f32[1, 16] = aten.sum.dim_IntList(view_37, [0], True)  # free: view_37
+view_38: f32[16] = aten.view(sum_6, [16])  # free: sum_6
+t_32: f32[16, 16] = aten.t(t_31)  # free: t_31
+view_39: f32[2, 8, 16] = aten.view(mm_14, [2, 8, 16])  # free: mm_14
+view_40: f32[2, 8, 2, 8] = aten.view(view_39, [2, 8, 2, 8])  # free: view_39
+transpose_10: f32[2, 2, 8, 8] = aten.transpose.int(view_40, 1, 2)  # free: view_40
+_scaled_dot_product_flash_attention_for_cpu_backward_1: (f32[2, 2, 8, 8], f32[2, 2, 8, 8], f32[2, 2, 8, 8]) = aten._scaled_dot_product_flash_attention_for_cpu_backward(transpose_10, transpose, transpose_1, transpose_2, detach_1, getitem_2, 0.0, True)  # free: transpose_10, transpose, transpose_1, transpose_2, detach_1, getitem_2
+getitem_28: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[0]
+getitem_29: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[1]
+getitem_30: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[2]  # free: _scaled_dot_product_flash_attention_for_cpu_backward_1
+transpose_11: f32[2, 8, 2, 8] = aten.transpose.int(getitem_30, 1, 2)  # free: getitem_30
+view_41: f32[2, 8, 16] = aten.view(transpose_11, [2, 8, 16])  # free: transpose_11
+transpose_12: f32[2, 8, 2, 8] = aten.transpose.int(getitem_29, 1, 2)  # free: getitem_29
+view_42: f32[2, 8, 16] = aten.view(transpose_12, [2, 8, 16])  # free: transpose_12
+transpose_13: f32[2, 8, 2, 8] = aten.transpose.int(getitem_28, 1, 2)  # free: getitem_28
+view_43: f32[2, 8, 16] = aten.view(transpose_13, [2, 8, 16])  # free: transpose_13
+cat_1: f32[2, 8, 48] = aten.cat([view_43, view_42, view_41], 2)  # free: view_43, view_42, view_41
+view_44: f32[16, 48] = aten.view(cat_1, [16, 48])  # free: cat_1
+mm_16: f32[16, 16] = aten.mm(view_44, t_8)  # free: t_8
+t_33: f32[48, 16] = aten.t(view_44)
+mm_17: f32[48, 16] = aten.mm(t_33, view)  # free: t_33, view
+t_34: f32[16, 48] = aten.t(mm_17)  # free: mm_17
+sum_7: f32[1, 48] = aten.sum.dim_IntList(view_44, [0], True)  # free: view_44
+view_45: f32[48] = aten.view(sum_7, [48])  # free: sum_7
+t_35: f32[48, 16] = aten.t(t_34)  # free: t_34
+view_46: f32[2, 8, 16] = aten.view(mm_16, [2, 8, 16])  # free: mm_16
+native_layer_norm_backward_4: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_46, add, [16], getitem, getitem_1, unshard, unshard_1, [True, True, True])  # free: view_46, add, getitem, getitem_1, unshard, unshard_1
+getitem_31: f32[2, 8, 16] = native_layer_norm_backward_4[0]
+getitem_32: f32[16] = native_layer_norm_backward_4[1]
+getitem_33: f32[16] = native_layer_norm_backward_4[2]  # free: native_layer_norm_backward_4
+add_8: f32[2, 8, 16] = aten.add.Tensor(add_7, getitem_31)  # free: add_7, getitem_31
+sum_8: f32[1, 8, 16] = aten.sum.dim_IntList(add_8, [0], True)
+view_47: f32[8, 16] = aten.view(sum_8, [8, 16])  # free: sum_8
+embedding_dense_backward: f32[8, 16] = aten.embedding_dense_backward(view_47, arange, 8, -1, False)  # free: view_47, arange
+embedding_dense_backward_1: f32[32, 16] = aten.embedding_dense_backward(add_8, primals_1, 32, -1, False)  # free: add_8, primals_1
+add_9: f32[32, 16] = aten.add.Tensor(t_11, embedding_dense_backward_1)  # free: t_11, embedding_dense_backward_1
+pack: f32[7936] = zero.pack([getitem_15, getitem_14, view_14, t_14, view_18, t_17, getitem_18, getitem_17, view_21, t_20, view_28, t_23, getitem_24, getitem_23, view_31, t_26, view_35, t_29, getitem_27, getitem_26, view_38, t_32, view_45, t_35, getitem_33, getitem_32, embedding_dense_backward, add_9], 4, [16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 32, 128])  # free: getitem_15, getitem_14, view_14, t_14, view_18, t_17, getitem_18, getitem_17, view_21, t_20, view_28, t_23, getitem_24, getitem_23, view_31, t_26, view_35, t_29, getitem_27, getitem_26, view_38, t_32, view_45, t_35, getitem_33, getitem_32, embedding_dense_backward, add_9
 reduce_scatter_tensor: f32[1984] = _c10d_functional.reduce_scatter_tensor(pack, 'avg', 4, WORLD)  # param: ln_f.bias, ln_f.weight, blocks.1.out.bias, blocks.1.out.weight, blocks.1.fc.bias, blocks.1.fc.weight, blocks.1.ln2.bias, blocks.1.ln2.weight, blocks.1.attn.proj.bias, blocks.1.attn.proj.weight, blocks.1.attn.qkv.bias, blocks.1.attn.qkv.weight, blocks.1.ln1.bias, blocks.1.ln1.weight, blocks.0.out.bias, blocks.0.out.weight, blocks.0.fc.bias, blocks.0.fc.weight, blocks.0.ln2.bias, blocks.0.ln2.weight, blocks.0.attn.proj.bias, blocks.0.attn.proj.weight, blocks.0.attn.qkv.bias, blocks.0.attn.qkv.weight, blocks.0.ln1.bias, blocks.0.ln1.weight, wpe.weight, wte.weight; free: pack
 wait_tensor: f32[1984] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
 split_with_sizes: (f32[16], f32[16], f32[16], f32[256], f32[16], f32[256], f32[16], f32[16], f32[16], f32[64], f32[16], f32[192], f32[16], f32[16], f32[16], f32[256], f32[16], f32[256], f32[16], f32[16], f32[16], f32[64], f32[16], f32[192], f32[16], f32[16], f32[32], f32[128]) = aten.split_with_sizes(wait_tensor, [16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 32, 128])  # free: wait_tensor
-getitem_21: f32[16] = split_with_sizes[0]
-getitem_22: f32[16] = split_with_sizes[1]
-getitem_23: f32[16] = split_with_sizes[2]
-getitem_24: f32[256] = split_with_sizes[3]
-getitem_25: f32[16] = split_with_sizes[4]
-getitem_26: f32[256] = split_with_sizes[5]
-getitem_27: f32[16] = split_with_sizes[6]
-getitem_28: f32[16] = split_with_sizes[7]
-getitem_29: f32[16] = split_with_sizes[8]
-getitem_30: f32[64] = split_with_sizes[9]
-getitem_31: f32[16] = split_with_sizes[10]
-getitem_32: f32[192] = split_with_sizes[11]
-getitem_33: f32[16] = split_with_sizes[12]
-getitem_34: f32[16] = split_with_sizes[13]
-getitem_35: f32[16] = split_with_sizes[14]
-getitem_36: f32[256] = split_with_sizes[15]
-getitem_37: f32[16] = split_with_sizes[16]
-getitem_38: f32[256] = split_with_sizes[17]
-getitem_39: f32[16] = split_with_sizes[18]
-getitem_40: f32[16] = split_with_sizes[19]
-getitem_41: f32[16] = split_with_sizes[20]
-getitem_42: f32[64] = split_with_sizes[21]
-getitem_43: f32[16] = split_with_sizes[22]
-getitem_44: f32[192] = split_with_sizes[23]
-getitem_45: f32[16] = split_with_sizes[24]
-getitem_46: f32[16] = split_with_sizes[25]
-getitem_47: f32[32] = split_with_sizes[26]
-getitem_48: f32[128] = split_with_sizes[27]  # free: split_with_sizes
-return (None, getitem_48, getitem_47, getitem_46, getitem_45, getitem_44, getitem_43, getitem_42, getitem_41, getitem_40, getitem_39, getitem_38, getitem_37, getitem_36, getitem_35, getitem_34, getitem_33, getitem_32, getitem_31, getitem_30, getitem_29, getitem_28, getitem_27, getitem_26, getitem_25, getitem_24, getitem_23, getitem_22, getitem_21, None)""")
+getitem_34: f32[16] = split_with_sizes[0]
+getitem_35: f32[16] = split_with_sizes[1]
+getitem_36: f32[16] = split_with_sizes[2]
+getitem_37: f32[256] = split_with_sizes[3]
+getitem_38: f32[16] = split_with_sizes[4]
+getitem_39: f32[256] = split_with_sizes[5]
+getitem_40: f32[16] = split_with_sizes[6]
+getitem_41: f32[16] = split_with_sizes[7]
+getitem_42: f32[16] = split_with_sizes[8]
+getitem_43: f32[64] = split_with_sizes[9]
+getitem_44: f32[16] = split_with_sizes[10]
+getitem_45: f32[192] = split_with_sizes[11]
+getitem_46: f32[16] = split_with_sizes[12]
+getitem_47: f32[16] = split_with_sizes[13]
+getitem_48: f32[16] = split_with_sizes[14]
+getitem_49: f32[256] = split_with_sizes[15]
+getitem_50: f32[16] = split_with_sizes[16]
+getitem_51: f32[256] = split_with_sizes[17]
+getitem_52: f32[16] = split_with_sizes[18]
+getitem_53: f32[16] = split_with_sizes[19]
+getitem_54: f32[16] = split_with_sizes[20]
+getitem_55: f32[64] = split_with_sizes[21]
+getitem_56: f32[16] = split_with_sizes[22]
+getitem_57: f32[192] = split_with_sizes[23]
+getitem_58: f32[16] = split_with_sizes[24]
+getitem_59: f32[16] = split_with_sizes[25]
+getitem_60: f32[32] = split_with_sizes[26]
+getitem_61: f32[128] = split_with_sizes[27]  # free: split_with_sizes
+return (None, getitem_61, getitem_60, getitem_59, getitem_58, getitem_57, getitem_56, getitem_55, getitem_54, getitem_53, getitem_52, getitem_51, getitem_50, getitem_49, getitem_48, getitem_47, getitem_46, getitem_45, getitem_44, getitem_43, getitem_42, getitem_41, getitem_40, getitem_39, getitem_38, getitem_37, getitem_36, getitem_35, getitem_34, None)""")
 
     def test_stage_2(self) -> None:
         forward, backward = gpt_graphs(2)
@@ -1816,11 +1824,11 @@ getitem_52: f32[2, 8, 1] = native_layer_norm_4[2]  # free: native_layer_norm_4
 t_8: f32[16, 32] = aten.t(view)  # free: view
 view_52: f32[16, 16] = aten.view(getitem_50, [16, 16])  # free: getitem_50
 mm: f32[16, 32] = aten.mm(view_52, t_8)
-_unsafe_view: f32[2, 8, 32] = aten._unsafe_view(mm, [2, 8, 32])  # free: mm
-view_53: f32[16, 32] = aten.view(_unsafe_view, [-1, 32])  # free: _unsafe_view
-view_54: i64[16] = aten.view(primals_30, [-1])  # free: primals_30
-_log_softmax: f32[16, 32] = aten._log_softmax(view_53, 1, False)  # free: view_53
-nll_loss_forward: (f32[], f32[]) = aten.nll_loss_forward(_log_softmax, view_54, None, 1, -100)
+view_53: f32[2, 8, 32] = aten.view(mm, [2, 8, 32])  # free: mm
+view_54: f32[16, 32] = aten.view(view_53, [-1, 32])  # free: view_53
+view_55: i64[16] = aten.view(primals_30, [-1])  # free: primals_30
+_log_softmax: f32[16, 32] = aten._log_softmax(view_54, 1, False)  # free: view_54
+nll_loss_forward: (f32[], f32[]) = aten.nll_loss_forward(_log_softmax, view_55, None, 1, -100)
 getitem_53: f32[] = nll_loss_forward[0]
 getitem_54: f32[] = nll_loss_forward[1]  # free: nll_loss_forward
 t_9: f32[32, 16] = aten.t(t_8)  # free: t_8
@@ -1834,245 +1842,245 @@ t_15: f32[64, 16] = aten.t(t_2)  # free: t_2
 t_16: f32[16, 16] = aten.t(t_1)  # free: t_1
 detach_3: f32[2, 2, 8, 8] = aten.detach(detach)  # free: detach
 t_17: f32[48, 16] = aten.t(t)  # free: t
-return (getitem_53, primals_1, arange, add, view_2, view_3, getitem_29, getitem_30, view_28, transpose, transpose_1, transpose_2, getitem_35, view_34, add_1, view_8, view_9, getitem_37, getitem_38, view_36, addmm_2, view_38, add_2, view_14, view_15, getitem_40, getitem_41, view_40, transpose_4, transpose_5, transpose_6, getitem_46, view_46, add_3, view_20, view_21, getitem_48, getitem_49, view_48, addmm_6, view_50, add_4, view_26, view_27, getitem_51, getitem_52, view_52, view_54, _log_softmax, getitem_54, t_9, t_10, t_11, t_12, detach_2, t_13, t_14, t_15, t_16, detach_3, t_17)""")
+return (getitem_53, primals_1, arange, add, view_2, view_3, getitem_29, getitem_30, view_28, transpose, transpose_1, transpose_2, getitem_35, view_34, add_1, view_8, view_9, getitem_37, getitem_38, view_36, addmm_2, view_38, add_2, view_14, view_15, getitem_40, getitem_41, view_40, transpose_4, transpose_5, transpose_6, getitem_46, view_46, add_3, view_20, view_21, getitem_48, getitem_49, view_48, addmm_6, view_50, add_4, view_26, view_27, getitem_51, getitem_52, view_52, view_55, _log_softmax, getitem_54, t_9, t_10, t_11, t_12, detach_2, t_13, t_14, t_15, t_16, detach_3, t_17)""")
         self.assertExpectedInline(backward, """\
 input primals_1: i64[2, 8]
 input arange: i64[8]
 input add: f32[2, 8, 16]
-input unshard_2: f32[16]
-input unshard_3: f32[16]
+input unshard: f32[16]
+input unshard_1: f32[16]
+input getitem: f32[2, 8, 1]
 input getitem_1: f32[2, 8, 1]
-input getitem_2: f32[2, 8, 1]
 input view: f32[16, 16]
 input transpose: f32[2, 2, 8, 8]
 input transpose_1: f32[2, 2, 8, 8]
 input transpose_2: f32[2, 2, 8, 8]
-input getitem_7: f32[2, 2, 8]
-input view_6: f32[16, 16]
+input getitem_2: f32[2, 2, 8]
+input view_1: f32[16, 16]
 input add_1: f32[2, 8, 16]
-input unshard_8: f32[16]
-input unshard_9: f32[16]
-input getitem_9: f32[2, 8, 1]
-input getitem_10: f32[2, 8, 1]
-input view_8: f32[16, 16]
-input addmm_2: f32[16, 64]
-input view_10: f32[16, 64]
+input unshard_2: f32[16]
+input unshard_3: f32[16]
+input getitem_3: f32[2, 8, 1]
+input getitem_4: f32[2, 8, 1]
+input view_2: f32[16, 16]
+input addmm: f32[16, 64]
+input view_3: f32[16, 64]
 input add_2: f32[2, 8, 16]
-input unshard_14: f32[16]
-input unshard_15: f32[16]
-input getitem_12: f32[2, 8, 1]
-input getitem_13: f32[2, 8, 1]
-input view_12: f32[16, 16]
+input unshard_4: f32[16]
+input unshard_5: f32[16]
+input getitem_5: f32[2, 8, 1]
+input getitem_6: f32[2, 8, 1]
+input view_4: f32[16, 16]
+input transpose_3: f32[2, 2, 8, 8]
 input transpose_4: f32[2, 2, 8, 8]
 input transpose_5: f32[2, 2, 8, 8]
-input transpose_6: f32[2, 2, 8, 8]
-input getitem_18: f32[2, 2, 8]
-input view_18: f32[16, 16]
+input getitem_7: f32[2, 2, 8]
+input view_5: f32[16, 16]
 input add_3: f32[2, 8, 16]
-input unshard_20: f32[16]
-input unshard_21: f32[16]
-input getitem_20: f32[2, 8, 1]
-input getitem_21: f32[2, 8, 1]
-input view_20: f32[16, 16]
-input addmm_6: f32[16, 64]
-input view_22: f32[16, 64]
+input unshard_6: f32[16]
+input unshard_7: f32[16]
+input getitem_8: f32[2, 8, 1]
+input getitem_9: f32[2, 8, 1]
+input view_6: f32[16, 16]
+input addmm_1: f32[16, 64]
+input view_7: f32[16, 64]
 input add_4: f32[2, 8, 16]
-input unshard_26: f32[16]
-input unshard_27: f32[16]
-input getitem_23: f32[2, 8, 1]
-input getitem_24: f32[2, 8, 1]
-input view_24: f32[16, 16]
-input view_26: i64[16]
+input unshard_8: f32[16]
+input unshard_9: f32[16]
+input getitem_10: f32[2, 8, 1]
+input getitem_11: f32[2, 8, 1]
+input view_8: f32[16, 16]
+input view_9: i64[16]
 input _log_softmax: f32[16, 32]
-input getitem_26: f32[]
-input t_11: f32[32, 16]
-input t_13: f32[16, 64]
-input t_17: f32[64, 16]
-input t_21: f32[16, 16]
-input detach_4: f32[2, 2, 8, 8]
-input t_25: f32[48, 16]
-input t_29: f32[16, 64]
-input t_33: f32[64, 16]
-input t_37: f32[16, 16]
-input detach_5: f32[2, 2, 8, 8]
-input t_41: f32[48, 16]
+input getitem_12: f32[]
+input t: f32[32, 16]
+input t_1: f32[16, 64]
+input t_2: f32[64, 16]
+input t_3: f32[16, 16]
+input detach: f32[2, 2, 8, 8]
+input t_4: f32[48, 16]
+input t_5: f32[16, 64]
+input t_6: f32[64, 16]
+input t_7: f32[16, 16]
+input detach_1: f32[2, 2, 8, 8]
+input t_8: f32[48, 16]
 input tangents_1: f32[]
-nll_loss_backward: f32[16, 32] = aten.nll_loss_backward(tangents_1, _log_softmax, view_26, None, 1, -100, getitem_26)  # free: tangents_1, view_26, getitem_26
-detach: f32[16, 32] = aten.detach(_log_softmax)  # free: _log_softmax
-detach_1: f32[16, 32] = aten.detach(detach)  # free: detach
-_log_softmax_backward_data: f32[16, 32] = aten._log_softmax_backward_data(nll_loss_backward, detach_1, 1, torch.float32)  # free: nll_loss_backward, detach_1
-view: f32[2, 8, 32] = aten.view(_log_softmax_backward_data, [2, 8, 32])  # free: _log_softmax_backward_data
-view_1: f32[16, 32] = aten.view(view, [16, 32])  # free: view
-t: f32[32, 16] = aten.t(view_1)
-mm: f32[32, 16] = aten.mm(t, view_24)  # free: t, view_24
-t_1: f32[16, 32] = aten.t(mm)  # free: mm
-mm_1: f32[16, 16] = aten.mm(view_1, t_11)  # free: view_1, t_11
-view_2: f32[2, 8, 16] = aten.view(mm_1, [2, 8, 16])  # free: mm_1
-t_2: f32[32, 16] = aten.t(t_1)  # free: t_1
-native_layer_norm_backward: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_2, add_4, [16], getitem_23, getitem_24, unshard_26, unshard_27, [True, True, True])  # free: view_2, add_4, getitem_23, getitem_24, unshard_26, unshard_27
-getitem: f32[2, 8, 16] = native_layer_norm_backward[0]
-getitem_1: f32[16] = native_layer_norm_backward[1]
-getitem_2: f32[16] = native_layer_norm_backward[2]  # free: native_layer_norm_backward
-view_3: f32[16, 16] = aten.view(getitem, [16, 16])
-mm_2: f32[16, 64] = aten.mm(view_3, t_13)  # free: t_13
-t_3: f32[16, 16] = aten.t(view_3)
-mm_3: f32[16, 64] = aten.mm(t_3, view_22)  # free: t_3, view_22
-t_4: f32[64, 16] = aten.t(mm_3)  # free: mm_3
-sum: f32[1, 16] = aten.sum.dim_IntList(view_3, [0], True)  # free: view_3
-view_4: f32[16] = aten.view(sum, [16])  # free: sum
-t_5: f32[16, 64] = aten.t(t_4)  # free: t_4
-view_5: f32[2, 8, 64] = aten.view(mm_2, [2, 8, 64])  # free: mm_2
-view_6: f32[2, 8, 64] = aten.view(addmm_6, [2, 8, 64])  # free: addmm_6
-gelu_backward: f32[2, 8, 64] = aten.gelu_backward(view_5, view_6)  # free: view_5, view_6
-view_7: f32[16, 64] = aten.view(gelu_backward, [16, 64])  # free: gelu_backward
-mm_4: f32[16, 16] = aten.mm(view_7, t_17)  # free: t_17
-t_6: f32[64, 16] = aten.t(view_7)
-mm_5: f32[64, 16] = aten.mm(t_6, view_20)  # free: t_6, view_20
-t_7: f32[16, 64] = aten.t(mm_5)  # free: mm_5
-sum_1: f32[1, 64] = aten.sum.dim_IntList(view_7, [0], True)  # free: view_7
-view_8: f32[64] = aten.view(sum_1, [64])  # free: sum_1
-t_8: f32[64, 16] = aten.t(t_7)  # free: t_7
-view_9: f32[2, 8, 16] = aten.view(mm_4, [2, 8, 16])  # free: mm_4
-native_layer_norm_backward_1: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_9, add_3, [16], getitem_20, getitem_21, unshard_20, unshard_21, [True, True, True])  # free: view_9, add_3, getitem_20, getitem_21, unshard_20, unshard_21
-getitem_3: f32[2, 8, 16] = native_layer_norm_backward_1[0]
-getitem_4: f32[16] = native_layer_norm_backward_1[1]
-getitem_5: f32[16] = native_layer_norm_backward_1[2]  # free: native_layer_norm_backward_1
-add: f32[2, 8, 16] = aten.add.Tensor(getitem, getitem_3)  # free: getitem, getitem_3
-view_10: f32[16, 16] = aten.view(add, [16, 16])
-mm_6: f32[16, 16] = aten.mm(view_10, t_21)  # free: t_21
-t_9: f32[16, 16] = aten.t(view_10)
-mm_7: f32[16, 16] = aten.mm(t_9, view_18)  # free: t_9, view_18
-t_10: f32[16, 16] = aten.t(mm_7)  # free: mm_7
-sum_2: f32[1, 16] = aten.sum.dim_IntList(view_10, [0], True)  # free: view_10
-view_11: f32[16] = aten.view(sum_2, [16])  # free: sum_2
-t_11: f32[16, 16] = aten.t(t_10)  # free: t_10
-view_12: f32[2, 8, 16] = aten.view(mm_6, [2, 8, 16])  # free: mm_6
-view_13: f32[2, 8, 2, 8] = aten.view(view_12, [2, 8, 2, 8])  # free: view_12
-transpose: f32[2, 2, 8, 8] = aten.transpose.int(view_13, 1, 2)  # free: view_13
-_scaled_dot_product_flash_attention_for_cpu_backward: (f32[2, 2, 8, 8], f32[2, 2, 8, 8], f32[2, 2, 8, 8]) = aten._scaled_dot_product_flash_attention_for_cpu_backward(transpose, transpose_4, transpose_5, transpose_6, detach_4, getitem_18, 0.0, True)  # free: transpose, transpose_4, transpose_5, transpose_6, detach_4, getitem_18
-getitem_6: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[0]
-getitem_7: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[1]
-getitem_8: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[2]  # free: _scaled_dot_product_flash_attention_for_cpu_backward
-transpose_1: f32[2, 8, 2, 8] = aten.transpose.int(getitem_8, 1, 2)  # free: getitem_8
-view_14: f32[2, 8, 16] = aten.view(transpose_1, [2, 8, 16])  # free: transpose_1
-transpose_2: f32[2, 8, 2, 8] = aten.transpose.int(getitem_7, 1, 2)  # free: getitem_7
-view_15: f32[2, 8, 16] = aten.view(transpose_2, [2, 8, 16])  # free: transpose_2
-transpose_3: f32[2, 8, 2, 8] = aten.transpose.int(getitem_6, 1, 2)  # free: getitem_6
-view_16: f32[2, 8, 16] = aten.view(transpose_3, [2, 8, 16])  # free: transpose_3
-cat: f32[2, 8, 48] = aten.cat([view_16, view_15, view_14], 2)  # free: view_16, view_15, view_14
-view_17: f32[16, 48] = aten.view(cat, [16, 48])  # free: cat
-mm_8: f32[16, 16] = aten.mm(view_17, t_25)  # free: t_25
-t_12: f32[48, 16] = aten.t(view_17)
-mm_9: f32[48, 16] = aten.mm(t_12, view_12)  # free: t_12, view_12
-t_13: f32[16, 48] = aten.t(mm_9)  # free: mm_9
-sum_3: f32[1, 48] = aten.sum.dim_IntList(view_17, [0], True)  # free: view_17
-view_18: f32[48] = aten.view(sum_3, [48])  # free: sum_3
-t_14: f32[48, 16] = aten.t(t_13)  # free: t_13
-view_19: f32[2, 8, 16] = aten.view(mm_8, [2, 8, 16])  # free: mm_8
-native_layer_norm_backward_2: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_19, add_2, [16], getitem_12, getitem_13, unshard_14, unshard_15, [True, True, True])  # free: view_19, add_2, getitem_12, getitem_13, unshard_14, unshard_15
-getitem_9: f32[2, 8, 16] = native_layer_norm_backward_2[0]
-getitem_10: f32[16] = native_layer_norm_backward_2[1]
-getitem_11: f32[16] = native_layer_norm_backward_2[2]  # free: native_layer_norm_backward_2
-add_1: f32[2, 8, 16] = aten.add.Tensor(add, getitem_9)  # free: add, getitem_9
-view_20: f32[16, 16] = aten.view(add_1, [16, 16])
-mm_10: f32[16, 64] = aten.mm(view_20, t_29)  # free: t_29
-t_15: f32[16, 16] = aten.t(view_20)
-mm_11: f32[16, 64] = aten.mm(t_15, view_10)  # free: t_15, view_10
-t_16: f32[64, 16] = aten.t(mm_11)  # free: mm_11
-sum_4: f32[1, 16] = aten.sum.dim_IntList(view_20, [0], True)  # free: view_20
-view_21: f32[16] = aten.view(sum_4, [16])  # free: sum_4
-t_17: f32[16, 64] = aten.t(t_16)  # free: t_16
-view_22: f32[2, 8, 64] = aten.view(mm_10, [2, 8, 64])  # free: mm_10
-view_23: f32[2, 8, 64] = aten.view(addmm_2, [2, 8, 64])  # free: addmm_2
-gelu_backward_1: f32[2, 8, 64] = aten.gelu_backward(view_22, view_23)  # free: view_22, view_23
-view_24: f32[16, 64] = aten.view(gelu_backward_1, [16, 64])  # free: gelu_backward_1
-mm_12: f32[16, 16] = aten.mm(view_24, t_33)  # free: t_33
-t_18: f32[64, 16] = aten.t(view_24)
-mm_13: f32[64, 16] = aten.mm(t_18, view_8)  # free: t_18, view_8
-t_19: f32[16, 64] = aten.t(mm_13)  # free: mm_13
-sum_5: f32[1, 64] = aten.sum.dim_IntList(view_24, [0], True)  # free: view_24
-view_25: f32[64] = aten.view(sum_5, [64])  # free: sum_5
-t_20: f32[64, 16] = aten.t(t_19)  # free: t_19
-view_26: f32[2, 8, 16] = aten.view(mm_12, [2, 8, 16])  # free: mm_12
-native_layer_norm_backward_3: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_26, add_1, [16], getitem_9, getitem_10, unshard_8, unshard_9, [True, True, True])  # free: view_26, add_1, getitem_9, getitem_10, unshard_8, unshard_9
-getitem_12: f32[2, 8, 16] = native_layer_norm_backward_3[0]
-getitem_13: f32[16] = native_layer_norm_backward_3[1]
-getitem_14: f32[16] = native_layer_norm_backward_3[2]  # free: native_layer_norm_backward_3
-add_2: f32[2, 8, 16] = aten.add.Tensor(add_1, getitem_12)  # free: add_1, getitem_12
-view_27: f32[16, 16] = aten.view(add_2, [16, 16])
-mm_14: f32[16, 16] = aten.mm(view_27, t_37)  # free: t_37
-t_21: f32[16, 16] = aten.t(view_27)
-mm_15: f32[16, 16] = aten.mm(t_21, view_6)  # free: t_21, view_6
-t_22: f32[16, 16] = aten.t(mm_15)  # free: mm_15
-sum_6: f32[1, 16] = aten.sum.dim_IntList(view_27, [0], True)  # free: view_27
-view_28: f32[16] = aten.view(sum_6, [16])  # free: sum_6
-t_23: f32[16, 16] = aten.t(t_22)  # free: t_22
-view_29: f32[2, 8, 16] = aten.view(mm_14, [2, 8, 16])  # free: mm_14
-view_30: f32[2, 8, 2, 8] = aten.view(view_29, [2, 8, 2, 8])  # free: view_29
-transpose_4: f32[2, 2, 8, 8] = aten.transpose.int(view_30, 1, 2)  # free: view_30
-_scaled_dot_product_flash_attention_for_cpu_backward_1: (f32[2, 2, 8, 8], f32[2, 2, 8, 8], f32[2, 2, 8, 8]) = aten._scaled_dot_product_flash_attention_for_cpu_backward(transpose_4, transpose, transpose_1, transpose_2, detach_5, getitem_7, 0.0, True)  # free: transpose_4, transpose, transpose_1, transpose_2, detach_5, getitem_7
-getitem_15: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[0]
-getitem_16: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[1]
-getitem_17: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[2]  # free: _scaled_dot_product_flash_attention_for_cpu_backward_1
-transpose_5: f32[2, 8, 2, 8] = aten.transpose.int(getitem_17, 1, 2)  # free: getitem_17
-view_31: f32[2, 8, 16] = aten.view(transpose_5, [2, 8, 16])  # free: transpose_5
-transpose_6: f32[2, 8, 2, 8] = aten.transpose.int(getitem_16, 1, 2)  # free: getitem_16
-view_32: f32[2, 8, 16] = aten.view(transpose_6, [2, 8, 16])  # free: transpose_6
-transpose_7: f32[2, 8, 2, 8] = aten.transpose.int(getitem_15, 1, 2)  # free: getitem_15
-view_33: f32[2, 8, 16] = aten.view(transpose_7, [2, 8, 16])  # free: transpose_7
-cat_1: f32[2, 8, 48] = aten.cat([view_33, view_32, view_31], 2)  # free: view_33, view_32, view_31
-view_34: f32[16, 48] = aten.view(cat_1, [16, 48])  # free: cat_1
-mm_16: f32[16, 16] = aten.mm(view_34, t_41)  # free: t_41
-t_24: f32[48, 16] = aten.t(view_34)
-mm_17: f32[48, 16] = aten.mm(t_24, view)  # free: t_24, view
-t_25: f32[16, 48] = aten.t(mm_17)  # free: mm_17
-sum_7: f32[1, 48] = aten.sum.dim_IntList(view_34, [0], True)  # free: view_34
-view_35: f32[48] = aten.view(sum_7, [48])  # free: sum_7
-t_26: f32[48, 16] = aten.t(t_25)  # free: t_25
-view_36: f32[2, 8, 16] = aten.view(mm_16, [2, 8, 16])  # free: mm_16
-native_layer_norm_backward_4: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_36, add, [16], getitem_1, getitem_2, unshard_2, unshard_3, [True, True, True])  # free: view_36, add, getitem_1, getitem_2, unshard_2, unshard_3
-getitem_18: f32[2, 8, 16] = native_layer_norm_backward_4[0]
-getitem_19: f32[16] = native_layer_norm_backward_4[1]
-getitem_20: f32[16] = native_layer_norm_backward_4[2]  # free: native_layer_norm_backward_4
-add_3: f32[2, 8, 16] = aten.add.Tensor(add_2, getitem_18)  # free: add_2, getitem_18
-sum_8: f32[1, 8, 16] = aten.sum.dim_IntList(add_3, [0], True)
-view_37: f32[8, 16] = aten.view(sum_8, [8, 16])  # free: sum_8
-embedding_dense_backward: f32[8, 16] = aten.embedding_dense_backward(view_37, arange, 8, -1, False)  # free: view_37, arange
-embedding_dense_backward_1: f32[32, 16] = aten.embedding_dense_backward(add_3, primals_1, 32, -1, False)  # free: add_3, primals_1
-add_4: f32[32, 16] = aten.add.Tensor(t_2, embedding_dense_backward_1)  # free: t_2, embedding_dense_backward_1
-pack: f32[7936] = zero.pack([getitem_2, getitem_1, view_4, t_5, view_8, t_8, getitem_5, getitem_4, view_11, t_11, view_18, t_14, getitem_11, getitem_10, view_21, t_17, view_25, t_20, getitem_14, getitem_13, view_28, t_23, view_35, t_26, getitem_20, getitem_19, embedding_dense_backward, add_4], 4, [16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 32, 128])  # free: getitem_2, getitem_1, view_4, t_5, view_8, t_8, getitem_5, getitem_4, view_11, t_11, view_18, t_14, getitem_11, getitem_10, view_21, t_17, view_25, t_20, getitem_14, getitem_13, view_28, t_23, view_35, t_26, getitem_20, getitem_19, embedding_dense_backward, add_4
+nll_loss_backward: f32[16, 32] = aten.nll_loss_backward(tangents_1, _log_softmax, view_9, None, 1, -100, getitem_12)  # free: tangents_1, view_9, getitem_12
+detach_2: f32[16, 32] = aten.detach(_log_softmax)  # free: _log_softmax
+detach_3: f32[16, 32] = aten.detach(detach_2)  # free: detach_2
+_log_softmax_backward_data: f32[16, 32] = aten._log_softmax_backward_data(nll_loss_backward, detach_3, 1, torch.float32)  # free: nll_loss_backward, detach_3
+view_10: f32[2, 8, 32] = aten.view(_log_softmax_backward_data, [2, 8, 32])  # free: _log_softmax_backward_data
+view_11: f32[16, 32] = aten.view(view_10, [16, 32])  # free: view_10
+t_9: f32[32, 16] = aten.t(view_11)
+mm: f32[32, 16] = aten.mm(t_9, view_8)  # free: t_9, view_8
+t_10: f32[16, 32] = aten.t(mm)  # free: mm
+mm_1: f32[16, 16] = aten.mm(view_11, t)  # free: view_11, t
+view_12: f32[2, 8, 16] = aten.view(mm_1, [2, 8, 16])  # free: mm_1
+t_11: f32[32, 16] = aten.t(t_10)  # free: t_10
+native_layer_norm_backward: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_12, add_4, [16], getitem_10, getitem_11, unshard_8, unshard_9, [True, True, True])  # free: view_12, add_4, getitem_10, getitem_11, unshard_8, unshard_9
+getitem_13: f32[2, 8, 16] = native_layer_norm_backward[0]
+getitem_14: f32[16] = native_layer_norm_backward[1]
+getitem_15: f32[16] = native_layer_norm_backward[2]  # free: native_layer_norm_backward
+view_13: f32[16, 16] = aten.view(getitem_13, [16, 16])
+mm_2: f32[16, 64] = aten.mm(view_13, t_1)  # free: t_1
+t_12: f32[16, 16] = aten.t(view_13)
+mm_3: f32[16, 64] = aten.mm(t_12, view_7)  # free: t_12, view_7
+t_13: f32[64, 16] = aten.t(mm_3)  # free: mm_3
+sum: f32[1, 16] = aten.sum.dim_IntList(view_13, [0], True)  # free: view_13
+view_14: f32[16] = aten.view(sum, [16])  # free: sum
+t_14: f32[16, 64] = aten.t(t_13)  # free: t_13
+view_15: f32[2, 8, 64] = aten.view(mm_2, [2, 8, 64])  # free: mm_2
+view_16: f32[2, 8, 64] = aten.view(addmm_1, [2, 8, 64])  # free: addmm_1
+gelu_backward: f32[2, 8, 64] = aten.gelu_backward(view_15, view_16)  # free: view_15, view_16
+view_17: f32[16, 64] = aten.view(gelu_backward, [16, 64])  # free: gelu_backward
+mm_4: f32[16, 16] = aten.mm(view_17, t_2)  # free: t_2
+t_15: f32[64, 16] = aten.t(view_17)
+mm_5: f32[64, 16] = aten.mm(t_15, view_6)  # free: t_15, view_6
+t_16: f32[16, 64] = aten.t(mm_5)  # free: mm_5
+sum_1: f32[1, 64] = aten.sum.dim_IntList(view_17, [0], True)  # free: view_17
+view_18: f32[64] = aten.view(sum_1, [64])  # free: sum_1
+t_17: f32[64, 16] = aten.t(t_16)  # free: t_16
+view_19: f32[2, 8, 16] = aten.view(mm_4, [2, 8, 16])  # free: mm_4
+native_layer_norm_backward_1: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_19, add_3, [16], getitem_8, getitem_9, unshard_6, unshard_7, [True, True, True])  # free: view_19, add_3, getitem_8, getitem_9, unshard_6, unshard_7
+getitem_16: f32[2, 8, 16] = native_layer_norm_backward_1[0]
+getitem_17: f32[16] = native_layer_norm_backward_1[1]
+getitem_18: f32[16] = native_layer_norm_backward_1[2]  # free: native_layer_norm_backward_1
+add_5: f32[2, 8, 16] = aten.add.Tensor(getitem_13, getitem_16)  # free: getitem_13, getitem_16
+view_20: f32[16, 16] = aten.view(add_5, [16, 16])
+mm_6: f32[16, 16] = aten.mm(view_20, t_3)  # free: t_3
+t_18: f32[16, 16] = aten.t(view_20)
+mm_7: f32[16, 16] = aten.mm(t_18, view_5)  # free: t_18, view_5
+t_19: f32[16, 16] = aten.t(mm_7)  # free: mm_7
+sum_2: f32[1, 16] = aten.sum.dim_IntList(view_20, [0], True)  # free: view_20
+view_21: f32[16] = aten.view(sum_2, [16])  # free: sum_2
+t_20: f32[16, 16] = aten.t(t_19)  # free: t_19
+view_22: f32[2, 8, 16] = aten.view(mm_6, [2, 8, 16])  # free: mm_6
+view_23: f32[2, 8, 2, 8] = aten.view(view_22, [2, 8, 2, 8])  # free: view_22
+transpose_6: f32[2, 2, 8, 8] = aten.transpose.int(view_23, 1, 2)  # free: view_23
+_scaled_dot_product_flash_attention_for_cpu_backward: (f32[2, 2, 8, 8], f32[2, 2, 8, 8], f32[2, 2, 8, 8]) = aten._scaled_dot_product_flash_attention_for_cpu_backward(transpose_6, transpose_3, transpose_4, transpose_5, detach, getitem_7, 0.0, True)  # free: transpose_6, transpose_3, transpose_4, transpose_5, detach, getitem_7
+getitem_19: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[0]
+getitem_20: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[1]
+getitem_21: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[2]  # free: _scaled_dot_product_flash_attention_for_cpu_backward
+transpose_7: f32[2, 8, 2, 8] = aten.transpose.int(getitem_21, 1, 2)  # free: getitem_21
+view_24: f32[2, 8, 16] = aten.view(transpose_7, [2, 8, 16])  # free: transpose_7
+transpose_8: f32[2, 8, 2, 8] = aten.transpose.int(getitem_20, 1, 2)  # free: getitem_20
+view_25: f32[2, 8, 16] = aten.view(transpose_8, [2, 8, 16])  # free: transpose_8
+transpose_9: f32[2, 8, 2, 8] = aten.transpose.int(getitem_19, 1, 2)  # free: getitem_19
+view_26: f32[2, 8, 16] = aten.view(transpose_9, [2, 8, 16])  # free: transpose_9
+cat: f32[2, 8, 48] = aten.cat([view_26, view_25, view_24], 2)  # free: view_26, view_25, view_24
+view_27: f32[16, 48] = aten.view(cat, [16, 48])  # free: cat
+mm_8: f32[16, 16] = aten.mm(view_27, t_4)  # free: t_4
+t_21: f32[48, 16] = aten.t(view_27)
+mm_9: f32[48, 16] = aten.mm(t_21, view_4)  # free: t_21, view_4
+t_22: f32[16, 48] = aten.t(mm_9)  # free: mm_9
+sum_3: f32[1, 48] = aten.sum.dim_IntList(view_27, [0], True)  # free: view_27
+view_28: f32[48] = aten.view(sum_3, [48])  # free: sum_3
+t_23: f32[48, 16] = aten.t(t_22)  # free: t_22
+view_29: f32[2, 8, 16] = aten.view(mm_8, [2, 8, 16])  # free: mm_8
+native_layer_norm_backward_2: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_29, add_2, [16], getitem_5, getitem_6, unshard_4, unshard_5, [True, True, True])  # free: view_29, add_2, getitem_5, getitem_6, unshard_4, unshard_5
+getitem_22: f32[2, 8, 16] = native_layer_norm_backward_2[0]
+getitem_23: f32[16] = native_layer_norm_backward_2[1]
+getitem_24: f32[16] = native_layer_norm_backward_2[2]  # free: native_layer_norm_backward_2
+add_6: f32[2, 8, 16] = aten.add.Tensor(add_5, getitem_22)  # free: add_5, getitem_22
+view_30: f32[16, 16] = aten.view(add_6, [16, 16])
+mm_10: f32[16, 64] = aten.mm(view_30, t_5)  # free: t_5
+t_24: f32[16, 16] = aten.t(view_30)
+mm_11: f32[16, 64] = aten.mm(t_24, view_3)  # free: t_24, view_3
+t_25: f32[64, 16] = aten.t(mm_11)  # free: mm_11
+sum_4: f32[1, 16] = aten.sum.dim_IntList(view_30, [0], True)  # free: view_30
+view_31: f32[16] = aten.view(sum_4, [16])  # free: sum_4
+t_26: f32[16, 64] = aten.t(t_25)  # free: t_25
+view_32: f32[2, 8, 64] = aten.view(mm_10, [2, 8, 64])  # free: mm_10
+view_33: f32[2, 8, 64] = aten.view(addmm, [2, 8, 64])  # free: addmm
+gelu_backward_1: f32[2, 8, 64] = aten.gelu_backward(view_32, view_33)  # free: view_32, view_33
+view_34: f32[16, 64] = aten.view(gelu_backward_1, [16, 64])  # free: gelu_backward_1
+mm_12: f32[16, 16] = aten.mm(view_34, t_6)  # free: t_6
+t_27: f32[64, 16] = aten.t(view_34)
+mm_13: f32[64, 16] = aten.mm(t_27, view_2)  # free: t_27, view_2
+t_28: f32[16, 64] = aten.t(mm_13)  # free: mm_13
+sum_5: f32[1, 64] = aten.sum.dim_IntList(view_34, [0], True)  # free: view_34
+view_35: f32[64] = aten.view(sum_5, [64])  # free: sum_5
+t_29: f32[64, 16] = aten.t(t_28)  # free: t_28
+view_36: f32[2, 8, 16] = aten.view(mm_12, [2, 8, 16])  # free: mm_12
+native_layer_norm_backward_3: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_36, add_1, [16], getitem_3, getitem_4, unshard_2, unshard_3, [True, True, True])  # free: view_36, add_1, getitem_3, getitem_4, unshard_2, unshard_3
+getitem_25: f32[2, 8, 16] = native_layer_norm_backward_3[0]
+getitem_26: f32[16] = native_layer_norm_backward_3[1]
+getitem_27: f32[16] = native_layer_norm_backward_3[2]  # free: native_layer_norm_backward_3
+add_7: f32[2, 8, 16] = aten.add.Tensor(add_6, getitem_25)  # free: add_6, getitem_25
+view_37: f32[16, 16] = aten.view(add_7, [16, 16])
+mm_14: f32[16, 16] = aten.mm(view_37, t_7)  # free: t_7
+t_30: f32[16, 16] = aten.t(view_37)
+mm_15: f32[16, 16] = aten.mm(t_30, view_1)  # free: t_30, view_1
+t_31: f32[16, 16] = aten.t(mm_15)  # free: mm_15
+sum_6: f32[1, 16] = aten.sum.dim_IntList(view_37, [0], True)  # free: view_37
+view_38: f32[16] = aten.view(sum_6, [16])  # free: sum_6
+t_32: f32[16, 16] = aten.t(t_31)  # free: t_31
+view_39: f32[2, 8, 16] = aten.view(mm_14, [2, 8, 16])  # free: mm_14
+view_40: f32[2, 8, 2, 8] = aten.view(view_39, [2, 8, 2, 8])  # free: view_39
+transpose_10: f32[2, 2, 8, 8] = aten.transpose.int(view_40, 1, 2)  # free: view_40
+_scaled_dot_product_flash_attention_for_cpu_backward_1: (f32[2, 2, 8, 8], f32[2, 2, 8, 8], f32[2, 2, 8, 8]) = aten._scaled_dot_product_flash_attention_for_cpu_backward(transpose_10, transpose, transpose_1, transpose_2, detach_1, getitem_2, 0.0, True)  # free: transpose_10, transpose, transpose_1, transpose_2, detach_1, getitem_2
+getitem_28: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[0]
+getitem_29: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[1]
+getitem_30: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[2]  # free: _scaled_dot_product_flash_attention_for_cpu_backward_1
+transpose_11: f32[2, 8, 2, 8] = aten.transpose.int(getitem_30, 1, 2)  # free: getitem_30
+view_41: f32[2, 8, 16] = aten.view(transpose_11, [2, 8, 16])  # free: transpose_11
+transpose_12: f32[2, 8, 2, 8] = aten.transpose.int(getitem_29, 1, 2)  # free: getitem_29
+view_42: f32[2, 8, 16] = aten.view(transpose_12, [2, 8, 16])  # free: transpose_12
+transpose_13: f32[2, 8, 2, 8] = aten.transpose.int(getitem_28, 1, 2)  # free: getitem_28
+view_43: f32[2, 8, 16] = aten.view(transpose_13, [2, 8, 16])  # free: transpose_13
+cat_1: f32[2, 8, 48] = aten.cat([view_43, view_42, view_41], 2)  # free: view_43, view_42, view_41
+view_44: f32[16, 48] = aten.view(cat_1, [16, 48])  # free: cat_1
+mm_16: f32[16, 16] = aten.mm(view_44, t_8)  # free: t_8
+t_33: f32[48, 16] = aten.t(view_44)
+mm_17: f32[48, 16] = aten.mm(t_33, view)  # free: t_33, view
+t_34: f32[16, 48] = aten.t(mm_17)  # free: mm_17
+sum_7: f32[1, 48] = aten.sum.dim_IntList(view_44, [0], True)  # free: view_44
+view_45: f32[48] = aten.view(sum_7, [48])  # free: sum_7
+t_35: f32[48, 16] = aten.t(t_34)  # free: t_34
+view_46: f32[2, 8, 16] = aten.view(mm_16, [2, 8, 16])  # free: mm_16
+native_layer_norm_backward_4: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_46, add, [16], getitem, getitem_1, unshard, unshard_1, [True, True, True])  # free: view_46, add, getitem, getitem_1, unshard, unshard_1
+getitem_31: f32[2, 8, 16] = native_layer_norm_backward_4[0]
+getitem_32: f32[16] = native_layer_norm_backward_4[1]
+getitem_33: f32[16] = native_layer_norm_backward_4[2]  # free: native_layer_norm_backward_4
+add_8: f32[2, 8, 16] = aten.add.Tensor(add_7, getitem_31)  # free: add_7, getitem_31
+sum_8: f32[1, 8, 16] = aten.sum.dim_IntList(add_8, [0], True)
+view_47: f32[8, 16] = aten.view(sum_8, [8, 16])  # free: sum_8
+embedding_dense_backward: f32[8, 16] = aten.embedding_dense_backward(view_47, arange, 8, -1, False)  # free: view_47, arange
+embedding_dense_backward_1: f32[32, 16] = aten.embedding_dense_backward(add_8, primals_1, 32, -1, False)  # free: add_8, primals_1
+add_9: f32[32, 16] = aten.add.Tensor(t_11, embedding_dense_backward_1)  # free: t_11, embedding_dense_backward_1
+pack: f32[7936] = zero.pack([getitem_15, getitem_14, view_14, t_14, view_18, t_17, getitem_18, getitem_17, view_21, t_20, view_28, t_23, getitem_24, getitem_23, view_31, t_26, view_35, t_29, getitem_27, getitem_26, view_38, t_32, view_45, t_35, getitem_33, getitem_32, embedding_dense_backward, add_9], 4, [16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 32, 128])  # free: getitem_15, getitem_14, view_14, t_14, view_18, t_17, getitem_18, getitem_17, view_21, t_20, view_28, t_23, getitem_24, getitem_23, view_31, t_26, view_35, t_29, getitem_27, getitem_26, view_38, t_32, view_45, t_35, getitem_33, getitem_32, embedding_dense_backward, add_9
 reduce_scatter_tensor: f32[1984] = _c10d_functional.reduce_scatter_tensor(pack, 'avg', 4, WORLD)  # param: ln_f.bias, ln_f.weight, blocks.1.out.bias, blocks.1.out.weight, blocks.1.fc.bias, blocks.1.fc.weight, blocks.1.ln2.bias, blocks.1.ln2.weight, blocks.1.attn.proj.bias, blocks.1.attn.proj.weight, blocks.1.attn.qkv.bias, blocks.1.attn.qkv.weight, blocks.1.ln1.bias, blocks.1.ln1.weight, blocks.0.out.bias, blocks.0.out.weight, blocks.0.fc.bias, blocks.0.fc.weight, blocks.0.ln2.bias, blocks.0.ln2.weight, blocks.0.attn.proj.bias, blocks.0.attn.proj.weight, blocks.0.attn.qkv.bias, blocks.0.attn.qkv.weight, blocks.0.ln1.bias, blocks.0.ln1.weight, wpe.weight, wte.weight; free: pack
 wait_tensor: f32[1984] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
 split_with_sizes: (f32[16], f32[16], f32[16], f32[256], f32[16], f32[256], f32[16], f32[16], f32[16], f32[64], f32[16], f32[192], f32[16], f32[16], f32[16], f32[256], f32[16], f32[256], f32[16], f32[16], f32[16], f32[64], f32[16], f32[192], f32[16], f32[16], f32[32], f32[128]) = aten.split_with_sizes(wait_tensor, [16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 32, 128])  # free: wait_tensor
-getitem_21: f32[16] = split_with_sizes[0]
-getitem_22: f32[16] = split_with_sizes[1]
-getitem_23: f32[16] = split_with_sizes[2]
-getitem_24: f32[256] = split_with_sizes[3]
-getitem_25: f32[16] = split_with_sizes[4]
-getitem_26: f32[256] = split_with_sizes[5]
-getitem_27: f32[16] = split_with_sizes[6]
-getitem_28: f32[16] = split_with_sizes[7]
-getitem_29: f32[16] = split_with_sizes[8]
-getitem_30: f32[64] = split_with_sizes[9]
-getitem_31: f32[16] = split_with_sizes[10]
-getitem_32: f32[192] = split_with_sizes[11]
-getitem_33: f32[16] = split_with_sizes[12]
-getitem_34: f32[16] = split_with_sizes[13]
-getitem_35: f32[16] = split_with_sizes[14]
-getitem_36: f32[256] = split_with_sizes[15]
-getitem_37: f32[16] = split_with_sizes[16]
-getitem_38: f32[256] = split_with_sizes[17]
-getitem_39: f32[16] = split_with_sizes[18]
-getitem_40: f32[16] = split_with_sizes[19]
-getitem_41: f32[16] = split_with_sizes[20]
-getitem_42: f32[64] = split_with_sizes[21]
-getitem_43: f32[16] = split_with_sizes[22]
-getitem_44: f32[192] = split_with_sizes[23]
-getitem_45: f32[16] = split_with_sizes[24]
-getitem_46: f32[16] = split_with_sizes[25]
-getitem_47: f32[32] = split_with_sizes[26]
-getitem_48: f32[128] = split_with_sizes[27]  # free: split_with_sizes
-return (None, getitem_48, getitem_47, getitem_46, getitem_45, getitem_44, getitem_43, getitem_42, getitem_41, getitem_40, getitem_39, getitem_38, getitem_37, getitem_36, getitem_35, getitem_34, getitem_33, getitem_32, getitem_31, getitem_30, getitem_29, getitem_28, getitem_27, getitem_26, getitem_25, getitem_24, getitem_23, getitem_22, getitem_21, None)""")
+getitem_34: f32[16] = split_with_sizes[0]
+getitem_35: f32[16] = split_with_sizes[1]
+getitem_36: f32[16] = split_with_sizes[2]
+getitem_37: f32[256] = split_with_sizes[3]
+getitem_38: f32[16] = split_with_sizes[4]
+getitem_39: f32[256] = split_with_sizes[5]
+getitem_40: f32[16] = split_with_sizes[6]
+getitem_41: f32[16] = split_with_sizes[7]
+getitem_42: f32[16] = split_with_sizes[8]
+getitem_43: f32[64] = split_with_sizes[9]
+getitem_44: f32[16] = split_with_sizes[10]
+getitem_45: f32[192] = split_with_sizes[11]
+getitem_46: f32[16] = split_with_sizes[12]
+getitem_47: f32[16] = split_with_sizes[13]
+getitem_48: f32[16] = split_with_sizes[14]
+getitem_49: f32[256] = split_with_sizes[15]
+getitem_50: f32[16] = split_with_sizes[16]
+getitem_51: f32[256] = split_with_sizes[17]
+getitem_52: f32[16] = split_with_sizes[18]
+getitem_53: f32[16] = split_with_sizes[19]
+getitem_54: f32[16] = split_with_sizes[20]
+getitem_55: f32[64] = split_with_sizes[21]
+getitem_56: f32[16] = split_with_sizes[22]
+getitem_57: f32[192] = split_with_sizes[23]
+getitem_58: f32[16] = split_with_sizes[24]
+getitem_59: f32[16] = split_with_sizes[25]
+getitem_60: f32[32] = split_with_sizes[26]
+getitem_61: f32[128] = split_with_sizes[27]  # free: split_with_sizes
+return (None, getitem_61, getitem_60, getitem_59, getitem_58, getitem_57, getitem_56, getitem_55, getitem_54, getitem_53, getitem_52, getitem_51, getitem_50, getitem_49, getitem_48, getitem_47, getitem_46, getitem_45, getitem_44, getitem_43, getitem_42, getitem_41, getitem_40, getitem_39, getitem_38, getitem_37, getitem_36, getitem_35, getitem_34, None)""")
 
     def test_stage_3(self) -> None:
         forward, backward = gpt_graphs(3)
@@ -2305,16 +2313,16 @@ getitem_52: f32[2, 8, 1] = native_layer_norm_4[2]  # free: native_layer_norm_4
 t_8: f32[16, 32] = aten.t(view)  # free: view
 view_52: f32[16, 16] = aten.view(getitem_50, [16, 16])  # free: getitem_50
 mm: f32[16, 32] = aten.mm(view_52, t_8)  # free: t_8
-_unsafe_view: f32[2, 8, 32] = aten._unsafe_view(mm, [2, 8, 32])  # free: mm
-view_53: f32[16, 32] = aten.view(_unsafe_view, [-1, 32])  # free: _unsafe_view
-view_54: i64[16] = aten.view(primals_30, [-1])  # free: primals_30
-_log_softmax: f32[16, 32] = aten._log_softmax(view_53, 1, False)  # free: view_53
-nll_loss_forward: (f32[], f32[]) = aten.nll_loss_forward(_log_softmax, view_54, None, 1, -100)
+view_53: f32[2, 8, 32] = aten.view(mm, [2, 8, 32])  # free: mm
+view_54: f32[16, 32] = aten.view(view_53, [-1, 32])  # free: view_53
+view_55: i64[16] = aten.view(primals_30, [-1])  # free: primals_30
+_log_softmax: f32[16, 32] = aten._log_softmax(view_54, 1, False)  # free: view_54
+nll_loss_forward: (f32[], f32[]) = aten.nll_loss_forward(_log_softmax, view_55, None, 1, -100)
 getitem_53: f32[] = nll_loss_forward[0]
 getitem_54: f32[] = nll_loss_forward[1]  # free: nll_loss_forward
 detach_2: f32[2, 2, 8, 8] = aten.detach(detach_1)  # free: detach_1
 detach_3: f32[2, 2, 8, 8] = aten.detach(detach)  # free: detach
-return (getitem_53, primals_1, primals_2, primals_4, primals_5, primals_6, primals_8, primals_10, primals_11, primals_12, primals_14, primals_16, primals_17, primals_18, primals_20, primals_22, primals_23, primals_24, primals_26, primals_28, primals_29, arange, add, getitem_29, getitem_30, view_28, transpose, transpose_1, transpose_2, getitem_35, view_34, add_1, getitem_37, getitem_38, view_36, addmm_2, view_38, add_2, getitem_40, getitem_41, view_40, transpose_4, transpose_5, transpose_6, getitem_46, view_46, add_3, getitem_48, getitem_49, view_48, addmm_6, view_50, add_4, getitem_51, getitem_52, view_52, view_54, _log_softmax, getitem_54, detach_2, detach_3)""")
+return (getitem_53, primals_1, primals_2, primals_4, primals_5, primals_6, primals_8, primals_10, primals_11, primals_12, primals_14, primals_16, primals_17, primals_18, primals_20, primals_22, primals_23, primals_24, primals_26, primals_28, primals_29, arange, add, getitem_29, getitem_30, view_28, transpose, transpose_1, transpose_2, getitem_35, view_34, add_1, getitem_37, getitem_38, view_36, addmm_2, view_38, add_2, getitem_40, getitem_41, view_40, transpose_4, transpose_5, transpose_6, getitem_46, view_46, add_3, getitem_48, getitem_49, view_48, addmm_6, view_50, add_4, getitem_51, getitem_52, view_52, view_55, _log_softmax, getitem_54, detach_2, detach_3)""")
         self.assertExpectedInline(backward, """\
 input primals_1: i64[2, 8]
 input primals_2: f32[128]
@@ -2338,307 +2346,307 @@ input primals_28: f32[16]
 input primals_29: f32[16]
 input arange: i64[8]
 input add: f32[2, 8, 16]
+input getitem: f32[2, 8, 1]
 input getitem_1: f32[2, 8, 1]
-input getitem_2: f32[2, 8, 1]
 input view: f32[16, 16]
 input transpose: f32[2, 2, 8, 8]
 input transpose_1: f32[2, 2, 8, 8]
 input transpose_2: f32[2, 2, 8, 8]
-input getitem_7: f32[2, 2, 8]
-input view_6: f32[16, 16]
+input getitem_2: f32[2, 2, 8]
+input view_1: f32[16, 16]
 input add_1: f32[2, 8, 16]
-input getitem_9: f32[2, 8, 1]
-input getitem_10: f32[2, 8, 1]
-input view_8: f32[16, 16]
-input addmm_2: f32[16, 64]
-input view_10: f32[16, 64]
+input getitem_3: f32[2, 8, 1]
+input getitem_4: f32[2, 8, 1]
+input view_2: f32[16, 16]
+input addmm: f32[16, 64]
+input view_3: f32[16, 64]
 input add_2: f32[2, 8, 16]
-input getitem_12: f32[2, 8, 1]
-input getitem_13: f32[2, 8, 1]
-input view_12: f32[16, 16]
+input getitem_5: f32[2, 8, 1]
+input getitem_6: f32[2, 8, 1]
+input view_4: f32[16, 16]
+input transpose_3: f32[2, 2, 8, 8]
 input transpose_4: f32[2, 2, 8, 8]
 input transpose_5: f32[2, 2, 8, 8]
-input transpose_6: f32[2, 2, 8, 8]
-input getitem_18: f32[2, 2, 8]
-input view_18: f32[16, 16]
+input getitem_7: f32[2, 2, 8]
+input view_5: f32[16, 16]
 input add_3: f32[2, 8, 16]
-input getitem_20: f32[2, 8, 1]
-input getitem_21: f32[2, 8, 1]
-input view_20: f32[16, 16]
-input addmm_6: f32[16, 64]
-input view_22: f32[16, 64]
+input getitem_8: f32[2, 8, 1]
+input getitem_9: f32[2, 8, 1]
+input view_6: f32[16, 16]
+input addmm_1: f32[16, 64]
+input view_7: f32[16, 64]
 input add_4: f32[2, 8, 16]
-input getitem_23: f32[2, 8, 1]
-input getitem_24: f32[2, 8, 1]
-input view_24: f32[16, 16]
-input view_26: i64[16]
+input getitem_10: f32[2, 8, 1]
+input getitem_11: f32[2, 8, 1]
+input view_8: f32[16, 16]
+input view_9: i64[16]
 input _log_softmax: f32[16, 32]
-input getitem_26: f32[]
-input detach_4: f32[2, 2, 8, 8]
-input detach_5: f32[2, 2, 8, 8]
+input getitem_12: f32[]
+input detach: f32[2, 2, 8, 8]
+input detach_1: f32[2, 2, 8, 8]
 input tangents_1: f32[]
-nll_loss_backward: f32[16, 32] = aten.nll_loss_backward(tangents_1, _log_softmax, view_26, None, 1, -100, getitem_26)  # free: tangents_1, view_26, getitem_26
-detach: f32[16, 32] = aten.detach(_log_softmax)  # free: _log_softmax
-detach_1: f32[16, 32] = aten.detach(detach)  # free: detach
-_log_softmax_backward_data: f32[16, 32] = aten._log_softmax_backward_data(nll_loss_backward, detach_1, 1, torch.float32)  # free: nll_loss_backward, detach_1
-view: f32[2, 8, 32] = aten.view(_log_softmax_backward_data, [2, 8, 32])  # free: _log_softmax_backward_data
-view_1: f32[16, 32] = aten.view(view, [16, 32])  # free: view
-t: f32[32, 16] = aten.t(view_1)
-mm: f32[32, 16] = aten.mm(t, view_24)  # free: t, view_24
+nll_loss_backward: f32[16, 32] = aten.nll_loss_backward(tangents_1, _log_softmax, view_9, None, 1, -100, getitem_12)  # free: tangents_1, view_9, getitem_12
+detach_2: f32[16, 32] = aten.detach(_log_softmax)  # free: _log_softmax
+detach_3: f32[16, 32] = aten.detach(detach_2)  # free: detach_2
+_log_softmax_backward_data: f32[16, 32] = aten._log_softmax_backward_data(nll_loss_backward, detach_3, 1, torch.float32)  # free: nll_loss_backward, detach_3
+view_10: f32[2, 8, 32] = aten.view(_log_softmax_backward_data, [2, 8, 32])  # free: _log_softmax_backward_data
+view_11: f32[16, 32] = aten.view(view_10, [16, 32])  # free: view_10
+t: f32[32, 16] = aten.t(view_11)
+mm: f32[32, 16] = aten.mm(t, view_8)  # free: t, view_8
 all_gather_into_tensor_coalesced: (f32[512], f32[64], f32[64], f32[1024], f32[1024], f32[64], f32[64], f32[256], f32[768], f32[64], f32[64], f32[1024], f32[1024], f32[64], f32[64], f32[256], f32[768], f32[64], f32[64]) = _c10d_functional.all_gather_into_tensor_coalesced([primals_2, primals_28, primals_29, primals_26, primals_24, primals_22, primals_23, primals_20, primals_18, primals_16, primals_17, primals_14, primals_12, primals_10, primals_11, primals_8, primals_6, primals_4, primals_5], 4, WORLD)  # param: wte.weight, ln_f.weight, ln_f.bias, blocks.1.out.weight, blocks.1.fc.weight, blocks.1.ln2.weight, blocks.1.ln2.bias, blocks.1.attn.proj.weight, blocks.1.attn.qkv.weight, blocks.1.ln1.weight, blocks.1.ln1.bias, blocks.0.out.weight, blocks.0.fc.weight, blocks.0.ln2.weight, blocks.0.ln2.bias, blocks.0.attn.proj.weight, blocks.0.attn.qkv.weight, blocks.0.ln1.weight, blocks.0.ln1.bias; free: primals_2, primals_28, primals_29, primals_26, primals_24, primals_22, primals_23, primals_20, primals_18, primals_16, primals_17, primals_14, primals_12, primals_10, primals_11, primals_8, primals_6, primals_4, primals_5
-getitem: f32[512] = all_gather_into_tensor_coalesced[0]
-getitem_1: f32[64] = all_gather_into_tensor_coalesced[1]
-getitem_2: f32[64] = all_gather_into_tensor_coalesced[2]
-getitem_3: f32[1024] = all_gather_into_tensor_coalesced[3]
-getitem_4: f32[1024] = all_gather_into_tensor_coalesced[4]
-getitem_5: f32[64] = all_gather_into_tensor_coalesced[5]
-getitem_6: f32[64] = all_gather_into_tensor_coalesced[6]
-getitem_7: f32[256] = all_gather_into_tensor_coalesced[7]
-getitem_8: f32[768] = all_gather_into_tensor_coalesced[8]
-getitem_9: f32[64] = all_gather_into_tensor_coalesced[9]
-getitem_10: f32[64] = all_gather_into_tensor_coalesced[10]
-getitem_11: f32[1024] = all_gather_into_tensor_coalesced[11]
-getitem_12: f32[1024] = all_gather_into_tensor_coalesced[12]
-getitem_13: f32[64] = all_gather_into_tensor_coalesced[13]
-getitem_14: f32[64] = all_gather_into_tensor_coalesced[14]
-getitem_15: f32[256] = all_gather_into_tensor_coalesced[15]
-getitem_16: f32[768] = all_gather_into_tensor_coalesced[16]
-getitem_17: f32[64] = all_gather_into_tensor_coalesced[17]
-getitem_18: f32[64] = all_gather_into_tensor_coalesced[18]  # free: all_gather_into_tensor_coalesced
-wait_tensor: f32[512] = _c10d_functional.wait_tensor(getitem)  # free: getitem
-wait_tensor_1: f32[64] = _c10d_functional.wait_tensor(getitem_1)  # free: getitem_1
-wait_tensor_2: f32[64] = _c10d_functional.wait_tensor(getitem_2)  # free: getitem_2
-wait_tensor_3: f32[1024] = _c10d_functional.wait_tensor(getitem_3)  # free: getitem_3
-wait_tensor_4: f32[1024] = _c10d_functional.wait_tensor(getitem_4)  # free: getitem_4
-wait_tensor_5: f32[64] = _c10d_functional.wait_tensor(getitem_5)  # free: getitem_5
-wait_tensor_6: f32[64] = _c10d_functional.wait_tensor(getitem_6)  # free: getitem_6
-wait_tensor_7: f32[256] = _c10d_functional.wait_tensor(getitem_7)  # free: getitem_7
-wait_tensor_8: f32[768] = _c10d_functional.wait_tensor(getitem_8)  # free: getitem_8
-wait_tensor_9: f32[64] = _c10d_functional.wait_tensor(getitem_9)  # free: getitem_9
-wait_tensor_10: f32[64] = _c10d_functional.wait_tensor(getitem_10)  # free: getitem_10
-wait_tensor_11: f32[1024] = _c10d_functional.wait_tensor(getitem_11)  # free: getitem_11
-wait_tensor_12: f32[1024] = _c10d_functional.wait_tensor(getitem_12)  # free: getitem_12
-wait_tensor_13: f32[64] = _c10d_functional.wait_tensor(getitem_13)  # free: getitem_13
-wait_tensor_14: f32[64] = _c10d_functional.wait_tensor(getitem_14)  # free: getitem_14
-wait_tensor_15: f32[256] = _c10d_functional.wait_tensor(getitem_15)  # free: getitem_15
-wait_tensor_16: f32[768] = _c10d_functional.wait_tensor(getitem_16)  # free: getitem_16
-wait_tensor_17: f32[64] = _c10d_functional.wait_tensor(getitem_17)  # free: getitem_17
-wait_tensor_18: f32[64] = _c10d_functional.wait_tensor(getitem_18)  # free: getitem_18
-view_2: f32[32, 16] = aten.view(wait_tensor, [32, 16])  # free: wait_tensor
+getitem_13: f32[512] = all_gather_into_tensor_coalesced[0]
+getitem_14: f32[64] = all_gather_into_tensor_coalesced[1]
+getitem_15: f32[64] = all_gather_into_tensor_coalesced[2]
+getitem_16: f32[1024] = all_gather_into_tensor_coalesced[3]
+getitem_17: f32[1024] = all_gather_into_tensor_coalesced[4]
+getitem_18: f32[64] = all_gather_into_tensor_coalesced[5]
+getitem_19: f32[64] = all_gather_into_tensor_coalesced[6]
+getitem_20: f32[256] = all_gather_into_tensor_coalesced[7]
+getitem_21: f32[768] = all_gather_into_tensor_coalesced[8]
+getitem_22: f32[64] = all_gather_into_tensor_coalesced[9]
+getitem_23: f32[64] = all_gather_into_tensor_coalesced[10]
+getitem_24: f32[1024] = all_gather_into_tensor_coalesced[11]
+getitem_25: f32[1024] = all_gather_into_tensor_coalesced[12]
+getitem_26: f32[64] = all_gather_into_tensor_coalesced[13]
+getitem_27: f32[64] = all_gather_into_tensor_coalesced[14]
+getitem_28: f32[256] = all_gather_into_tensor_coalesced[15]
+getitem_29: f32[768] = all_gather_into_tensor_coalesced[16]
+getitem_30: f32[64] = all_gather_into_tensor_coalesced[17]
+getitem_31: f32[64] = all_gather_into_tensor_coalesced[18]  # free: all_gather_into_tensor_coalesced
+wait_tensor: f32[512] = _c10d_functional.wait_tensor(getitem_13)  # free: getitem_13
+wait_tensor_1: f32[64] = _c10d_functional.wait_tensor(getitem_14)  # free: getitem_14
+wait_tensor_2: f32[64] = _c10d_functional.wait_tensor(getitem_15)  # free: getitem_15
+wait_tensor_3: f32[1024] = _c10d_functional.wait_tensor(getitem_16)  # free: getitem_16
+wait_tensor_4: f32[1024] = _c10d_functional.wait_tensor(getitem_17)  # free: getitem_17
+wait_tensor_5: f32[64] = _c10d_functional.wait_tensor(getitem_18)  # free: getitem_18
+wait_tensor_6: f32[64] = _c10d_functional.wait_tensor(getitem_19)  # free: getitem_19
+wait_tensor_7: f32[256] = _c10d_functional.wait_tensor(getitem_20)  # free: getitem_20
+wait_tensor_8: f32[768] = _c10d_functional.wait_tensor(getitem_21)  # free: getitem_21
+wait_tensor_9: f32[64] = _c10d_functional.wait_tensor(getitem_22)  # free: getitem_22
+wait_tensor_10: f32[64] = _c10d_functional.wait_tensor(getitem_23)  # free: getitem_23
+wait_tensor_11: f32[1024] = _c10d_functional.wait_tensor(getitem_24)  # free: getitem_24
+wait_tensor_12: f32[1024] = _c10d_functional.wait_tensor(getitem_25)  # free: getitem_25
+wait_tensor_13: f32[64] = _c10d_functional.wait_tensor(getitem_26)  # free: getitem_26
+wait_tensor_14: f32[64] = _c10d_functional.wait_tensor(getitem_27)  # free: getitem_27
+wait_tensor_15: f32[256] = _c10d_functional.wait_tensor(getitem_28)  # free: getitem_28
+wait_tensor_16: f32[768] = _c10d_functional.wait_tensor(getitem_29)  # free: getitem_29
+wait_tensor_17: f32[64] = _c10d_functional.wait_tensor(getitem_30)  # free: getitem_30
+wait_tensor_18: f32[64] = _c10d_functional.wait_tensor(getitem_31)  # free: getitem_31
+view_12: f32[32, 16] = aten.view(wait_tensor, [32, 16])  # free: wait_tensor
 slice: f32[16] = aten.slice.Tensor(wait_tensor_1, 0, 0, 16)  # free: wait_tensor_1
-view_3: f32[16] = aten.view(slice, [16])  # free: slice
+view_13: f32[16] = aten.view(slice, [16])  # free: slice
 slice_1: f32[16] = aten.slice.Tensor(wait_tensor_2, 0, 0, 16)  # free: wait_tensor_2
-view_4: f32[16] = aten.view(slice_1, [16])  # free: slice_1
-view_5: f32[16, 64] = aten.view(wait_tensor_3, [16, 64])  # free: wait_tensor_3
-view_6: f32[64, 16] = aten.view(wait_tensor_4, [64, 16])  # free: wait_tensor_4
+view_14: f32[16] = aten.view(slice_1, [16])  # free: slice_1
+view_15: f32[16, 64] = aten.view(wait_tensor_3, [16, 64])  # free: wait_tensor_3
+view_16: f32[64, 16] = aten.view(wait_tensor_4, [64, 16])  # free: wait_tensor_4
 slice_2: f32[16] = aten.slice.Tensor(wait_tensor_5, 0, 0, 16)  # free: wait_tensor_5
-view_7: f32[16] = aten.view(slice_2, [16])  # free: slice_2
+view_17: f32[16] = aten.view(slice_2, [16])  # free: slice_2
 slice_3: f32[16] = aten.slice.Tensor(wait_tensor_6, 0, 0, 16)  # free: wait_tensor_6
-view_8: f32[16] = aten.view(slice_3, [16])  # free: slice_3
-view_9: f32[16, 16] = aten.view(wait_tensor_7, [16, 16])  # free: wait_tensor_7
-view_10: f32[48, 16] = aten.view(wait_tensor_8, [48, 16])  # free: wait_tensor_8
+view_18: f32[16] = aten.view(slice_3, [16])  # free: slice_3
+view_19: f32[16, 16] = aten.view(wait_tensor_7, [16, 16])  # free: wait_tensor_7
+view_20: f32[48, 16] = aten.view(wait_tensor_8, [48, 16])  # free: wait_tensor_8
 slice_4: f32[16] = aten.slice.Tensor(wait_tensor_9, 0, 0, 16)  # free: wait_tensor_9
-view_11: f32[16] = aten.view(slice_4, [16])  # free: slice_4
+view_21: f32[16] = aten.view(slice_4, [16])  # free: slice_4
 slice_5: f32[16] = aten.slice.Tensor(wait_tensor_10, 0, 0, 16)  # free: wait_tensor_10
-view_12: f32[16] = aten.view(slice_5, [16])  # free: slice_5
-view_13: f32[16, 64] = aten.view(wait_tensor_11, [16, 64])  # free: wait_tensor_11
-view_14: f32[64, 16] = aten.view(wait_tensor_12, [64, 16])  # free: wait_tensor_12
+view_22: f32[16] = aten.view(slice_5, [16])  # free: slice_5
+view_23: f32[16, 64] = aten.view(wait_tensor_11, [16, 64])  # free: wait_tensor_11
+view_24: f32[64, 16] = aten.view(wait_tensor_12, [64, 16])  # free: wait_tensor_12
 slice_6: f32[16] = aten.slice.Tensor(wait_tensor_13, 0, 0, 16)  # free: wait_tensor_13
-view_15: f32[16] = aten.view(slice_6, [16])  # free: slice_6
+view_25: f32[16] = aten.view(slice_6, [16])  # free: slice_6
 slice_7: f32[16] = aten.slice.Tensor(wait_tensor_14, 0, 0, 16)  # free: wait_tensor_14
-view_16: f32[16] = aten.view(slice_7, [16])  # free: slice_7
-view_17: f32[16, 16] = aten.view(wait_tensor_15, [16, 16])  # free: wait_tensor_15
-view_18: f32[48, 16] = aten.view(wait_tensor_16, [48, 16])  # free: wait_tensor_16
+view_26: f32[16] = aten.view(slice_7, [16])  # free: slice_7
+view_27: f32[16, 16] = aten.view(wait_tensor_15, [16, 16])  # free: wait_tensor_15
+view_28: f32[48, 16] = aten.view(wait_tensor_16, [48, 16])  # free: wait_tensor_16
 slice_8: f32[16] = aten.slice.Tensor(wait_tensor_17, 0, 0, 16)  # free: wait_tensor_17
-view_19: f32[16] = aten.view(slice_8, [16])  # free: slice_8
+view_29: f32[16] = aten.view(slice_8, [16])  # free: slice_8
 slice_9: f32[16] = aten.slice.Tensor(wait_tensor_18, 0, 0, 16)  # free: wait_tensor_18
-view_20: f32[16] = aten.view(slice_9, [16])  # free: slice_9
+view_30: f32[16] = aten.view(slice_9, [16])  # free: slice_9
 t_1: f32[16, 32] = aten.t(mm)  # free: mm
-t_2: f32[16, 32] = aten.t(view_2)  # free: view_2
+t_2: f32[16, 32] = aten.t(view_12)  # free: view_12
 t_3: f32[32, 16] = aten.t(t_2)  # free: t_2
-mm_1: f32[16, 16] = aten.mm(view_1, t_3)  # free: view_1, t_3
-view_21: f32[2, 8, 16] = aten.view(mm_1, [2, 8, 16])  # free: mm_1
+mm_1: f32[16, 16] = aten.mm(view_11, t_3)  # free: view_11, t_3
+view_31: f32[2, 8, 16] = aten.view(mm_1, [2, 8, 16])  # free: mm_1
 t_4: f32[32, 16] = aten.t(t_1)  # free: t_1
-native_layer_norm_backward: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_21, add_4, [16], getitem_23, getitem_24, view_3, view_4, [True, True, True])  # free: view_21, add_4, getitem_23, getitem_24, view_3, view_4
-getitem_19: f32[2, 8, 16] = native_layer_norm_backward[0]
-getitem_20: f32[16] = native_layer_norm_backward[1]
-getitem_21: f32[16] = native_layer_norm_backward[2]  # free: native_layer_norm_backward
-view_22: f32[16, 16] = aten.view(getitem_19, [16, 16])
-t_5: f32[64, 16] = aten.t(view_5)  # free: view_5
+native_layer_norm_backward: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_31, add_4, [16], getitem_10, getitem_11, view_13, view_14, [True, True, True])  # free: view_31, add_4, getitem_10, getitem_11, view_13, view_14
+getitem_32: f32[2, 8, 16] = native_layer_norm_backward[0]
+getitem_33: f32[16] = native_layer_norm_backward[1]
+getitem_34: f32[16] = native_layer_norm_backward[2]  # free: native_layer_norm_backward
+view_32: f32[16, 16] = aten.view(getitem_32, [16, 16])
+t_5: f32[64, 16] = aten.t(view_15)  # free: view_15
 t_6: f32[16, 64] = aten.t(t_5)  # free: t_5
-mm_2: f32[16, 64] = aten.mm(view_22, t_6)  # free: t_6
-t_7: f32[16, 16] = aten.t(view_22)
-mm_3: f32[16, 64] = aten.mm(t_7, view_22)  # free: t_7, view_22
+mm_2: f32[16, 64] = aten.mm(view_32, t_6)  # free: t_6
+t_7: f32[16, 16] = aten.t(view_32)
+mm_3: f32[16, 64] = aten.mm(t_7, view_7)  # free: t_7, view_7
 t_8: f32[64, 16] = aten.t(mm_3)  # free: mm_3
-sum: f32[1, 16] = aten.sum.dim_IntList(view_22, [0], True)  # free: view_22
-view_23: f32[16] = aten.view(sum, [16])  # free: sum
+sum: f32[1, 16] = aten.sum.dim_IntList(view_32, [0], True)  # free: view_32
+view_33: f32[16] = aten.view(sum, [16])  # free: sum
 t_9: f32[16, 64] = aten.t(t_8)  # free: t_8
-view_24: f32[2, 8, 64] = aten.view(mm_2, [2, 8, 64])  # free: mm_2
-view_25: f32[2, 8, 64] = aten.view(addmm_6, [2, 8, 64])  # free: addmm_6
-gelu_backward: f32[2, 8, 64] = aten.gelu_backward(view_24, view_25)  # free: view_24, view_25
-view_26: f32[16, 64] = aten.view(gelu_backward, [16, 64])  # free: gelu_backward
-t_10: f32[16, 64] = aten.t(view_6)  # free: view_6
+view_34: f32[2, 8, 64] = aten.view(mm_2, [2, 8, 64])  # free: mm_2
+view_35: f32[2, 8, 64] = aten.view(addmm_1, [2, 8, 64])  # free: addmm_1
+gelu_backward: f32[2, 8, 64] = aten.gelu_backward(view_34, view_35)  # free: view_34, view_35
+view_36: f32[16, 64] = aten.view(gelu_backward, [16, 64])  # free: gelu_backward
+t_10: f32[16, 64] = aten.t(view_16)  # free: view_16
 t_11: f32[64, 16] = aten.t(t_10)  # free: t_10
-mm_4: f32[16, 16] = aten.mm(view_26, t_11)  # free: t_11
-t_12: f32[64, 16] = aten.t(view_26)
-mm_5: f32[64, 16] = aten.mm(t_12, view_20)  # free: t_12, view_20
+mm_4: f32[16, 16] = aten.mm(view_36, t_11)  # free: t_11
+t_12: f32[64, 16] = aten.t(view_36)
+mm_5: f32[64, 16] = aten.mm(t_12, view_6)  # free: t_12, view_6
 t_13: f32[16, 64] = aten.t(mm_5)  # free: mm_5
-sum_1: f32[1, 64] = aten.sum.dim_IntList(view_26, [0], True)  # free: view_26
-view_27: f32[64] = aten.view(sum_1, [64])  # free: sum_1
+sum_1: f32[1, 64] = aten.sum.dim_IntList(view_36, [0], True)  # free: view_36
+view_37: f32[64] = aten.view(sum_1, [64])  # free: sum_1
 t_14: f32[64, 16] = aten.t(t_13)  # free: t_13
-view_28: f32[2, 8, 16] = aten.view(mm_4, [2, 8, 16])  # free: mm_4
-native_layer_norm_backward_1: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_28, add_3, [16], getitem_20, getitem_21, view_7, view_8, [True, True, True])  # free: view_28, add_3, getitem_20, getitem_21, view_7, view_8
-getitem_22: f32[2, 8, 16] = native_layer_norm_backward_1[0]
-getitem_23: f32[16] = native_layer_norm_backward_1[1]
-getitem_24: f32[16] = native_layer_norm_backward_1[2]  # free: native_layer_norm_backward_1
-add: f32[2, 8, 16] = aten.add.Tensor(getitem_19, getitem_22)  # free: getitem_19, getitem_22
-view_29: f32[16, 16] = aten.view(add, [16, 16])
-t_15: f32[16, 16] = aten.t(view_9)  # free: view_9
+view_38: f32[2, 8, 16] = aten.view(mm_4, [2, 8, 16])  # free: mm_4
+native_layer_norm_backward_1: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_38, add_3, [16], getitem_8, getitem_9, view_17, view_18, [True, True, True])  # free: view_38, add_3, getitem_8, getitem_9, view_17, view_18
+getitem_35: f32[2, 8, 16] = native_layer_norm_backward_1[0]
+getitem_36: f32[16] = native_layer_norm_backward_1[1]
+getitem_37: f32[16] = native_layer_norm_backward_1[2]  # free: native_layer_norm_backward_1
+add_5: f32[2, 8, 16] = aten.add.Tensor(getitem_32, getitem_35)  # free: getitem_32, getitem_35
+view_39: f32[16, 16] = aten.view(add_5, [16, 16])
+t_15: f32[16, 16] = aten.t(view_19)  # free: view_19
 t_16: f32[16, 16] = aten.t(t_15)  # free: t_15
-mm_6: f32[16, 16] = aten.mm(view_29, t_16)  # free: t_16
-t_17: f32[16, 16] = aten.t(view_29)
-mm_7: f32[16, 16] = aten.mm(t_17, view_18)  # free: t_17, view_18
+mm_6: f32[16, 16] = aten.mm(view_39, t_16)  # free: t_16
+t_17: f32[16, 16] = aten.t(view_39)
+mm_7: f32[16, 16] = aten.mm(t_17, view_5)  # free: t_17, view_5
 t_18: f32[16, 16] = aten.t(mm_7)  # free: mm_7
-sum_2: f32[1, 16] = aten.sum.dim_IntList(view_29, [0], True)  # free: view_29
-view_30: f32[16] = aten.view(sum_2, [16])  # free: sum_2
+sum_2: f32[1, 16] = aten.sum.dim_IntList(view_39, [0], True)  # free: view_39
+view_40: f32[16] = aten.view(sum_2, [16])  # free: sum_2
 t_19: f32[16, 16] = aten.t(t_18)  # free: t_18
-view_31: f32[2, 8, 16] = aten.view(mm_6, [2, 8, 16])  # free: mm_6
-view_32: f32[2, 8, 2, 8] = aten.view(view_31, [2, 8, 2, 8])  # free: view_31
-transpose: f32[2, 2, 8, 8] = aten.transpose.int(view_32, 1, 2)  # free: view_32
-_scaled_dot_product_flash_attention_for_cpu_backward: (f32[2, 2, 8, 8], f32[2, 2, 8, 8], f32[2, 2, 8, 8]) = aten._scaled_dot_product_flash_attention_for_cpu_backward(transpose, transpose_4, transpose_5, transpose_6, detach_4, getitem_18, 0.0, True)  # free: transpose, transpose_4, transpose_5, transpose_6, detach_4, getitem_18
-getitem_25: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[0]
-getitem_26: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[1]
-getitem_27: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[2]  # free: _scaled_dot_product_flash_attention_for_cpu_backward
-transpose_1: f32[2, 8, 2, 8] = aten.transpose.int(getitem_27, 1, 2)  # free: getitem_27
-view_33: f32[2, 8, 16] = aten.view(transpose_1, [2, 8, 16])  # free: transpose_1
-transpose_2: f32[2, 8, 2, 8] = aten.transpose.int(getitem_26, 1, 2)  # free: getitem_26
-view_34: f32[2, 8, 16] = aten.view(transpose_2, [2, 8, 16])  # free: transpose_2
-transpose_3: f32[2, 8, 2, 8] = aten.transpose.int(getitem_25, 1, 2)  # free: getitem_25
-view_35: f32[2, 8, 16] = aten.view(transpose_3, [2, 8, 16])  # free: transpose_3
-cat: f32[2, 8, 48] = aten.cat([view_35, view_34, view_33], 2)  # free: view_35, view_34, view_33
-view_36: f32[16, 48] = aten.view(cat, [16, 48])  # free: cat
-t_20: f32[16, 48] = aten.t(view_10)  # free: view_10
+view_41: f32[2, 8, 16] = aten.view(mm_6, [2, 8, 16])  # free: mm_6
+view_42: f32[2, 8, 2, 8] = aten.view(view_41, [2, 8, 2, 8])  # free: view_41
+transpose_6: f32[2, 2, 8, 8] = aten.transpose.int(view_42, 1, 2)  # free: view_42
+_scaled_dot_product_flash_attention_for_cpu_backward: (f32[2, 2, 8, 8], f32[2, 2, 8, 8], f32[2, 2, 8, 8]) = aten._scaled_dot_product_flash_attention_for_cpu_backward(transpose_6, transpose_3, transpose_4, transpose_5, detach, getitem_7, 0.0, True)  # free: transpose_6, transpose_3, transpose_4, transpose_5, detach, getitem_7
+getitem_38: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[0]
+getitem_39: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[1]
+getitem_40: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward[2]  # free: _scaled_dot_product_flash_attention_for_cpu_backward
+transpose_7: f32[2, 8, 2, 8] = aten.transpose.int(getitem_40, 1, 2)  # free: getitem_40
+view_43: f32[2, 8, 16] = aten.view(transpose_7, [2, 8, 16])  # free: transpose_7
+transpose_8: f32[2, 8, 2, 8] = aten.transpose.int(getitem_39, 1, 2)  # free: getitem_39
+view_44: f32[2, 8, 16] = aten.view(transpose_8, [2, 8, 16])  # free: transpose_8
+transpose_9: f32[2, 8, 2, 8] = aten.transpose.int(getitem_38, 1, 2)  # free: getitem_38
+view_45: f32[2, 8, 16] = aten.view(transpose_9, [2, 8, 16])  # free: transpose_9
+cat: f32[2, 8, 48] = aten.cat([view_45, view_44, view_43], 2)  # free: view_45, view_44, view_43
+view_46: f32[16, 48] = aten.view(cat, [16, 48])  # free: cat
+t_20: f32[16, 48] = aten.t(view_20)  # free: view_20
 t_21: f32[48, 16] = aten.t(t_20)  # free: t_20
-mm_8: f32[16, 16] = aten.mm(view_36, t_21)  # free: t_21
-t_22: f32[48, 16] = aten.t(view_36)
-mm_9: f32[48, 16] = aten.mm(t_22, view_12)  # free: t_22, view_12
+mm_8: f32[16, 16] = aten.mm(view_46, t_21)  # free: t_21
+t_22: f32[48, 16] = aten.t(view_46)
+mm_9: f32[48, 16] = aten.mm(t_22, view_4)  # free: t_22, view_4
 t_23: f32[16, 48] = aten.t(mm_9)  # free: mm_9
-sum_3: f32[1, 48] = aten.sum.dim_IntList(view_36, [0], True)  # free: view_36
-view_37: f32[48] = aten.view(sum_3, [48])  # free: sum_3
+sum_3: f32[1, 48] = aten.sum.dim_IntList(view_46, [0], True)  # free: view_46
+view_47: f32[48] = aten.view(sum_3, [48])  # free: sum_3
 t_24: f32[48, 16] = aten.t(t_23)  # free: t_23
-view_38: f32[2, 8, 16] = aten.view(mm_8, [2, 8, 16])  # free: mm_8
-native_layer_norm_backward_2: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_38, add_2, [16], getitem_12, getitem_13, view_11, view_12, [True, True, True])  # free: view_38, add_2, getitem_12, getitem_13, view_11, view_12
-getitem_28: f32[2, 8, 16] = native_layer_norm_backward_2[0]
-getitem_29: f32[16] = native_layer_norm_backward_2[1]
-getitem_30: f32[16] = native_layer_norm_backward_2[2]  # free: native_layer_norm_backward_2
-add_1: f32[2, 8, 16] = aten.add.Tensor(add, getitem_28)  # free: add, getitem_28
-view_39: f32[16, 16] = aten.view(add_1, [16, 16])
-t_25: f32[64, 16] = aten.t(view_13)  # free: view_13
+view_48: f32[2, 8, 16] = aten.view(mm_8, [2, 8, 16])  # free: mm_8
+native_layer_norm_backward_2: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_48, add_2, [16], getitem_5, getitem_6, view_21, view_22, [True, True, True])  # free: view_48, add_2, getitem_5, getitem_6, view_21, view_22
+getitem_41: f32[2, 8, 16] = native_layer_norm_backward_2[0]
+getitem_42: f32[16] = native_layer_norm_backward_2[1]
+getitem_43: f32[16] = native_layer_norm_backward_2[2]  # free: native_layer_norm_backward_2
+add_6: f32[2, 8, 16] = aten.add.Tensor(add_5, getitem_41)  # free: add_5, getitem_41
+view_49: f32[16, 16] = aten.view(add_6, [16, 16])
+t_25: f32[64, 16] = aten.t(view_23)  # free: view_23
 t_26: f32[16, 64] = aten.t(t_25)  # free: t_25
-mm_10: f32[16, 64] = aten.mm(view_39, t_26)  # free: t_26
-t_27: f32[16, 16] = aten.t(view_39)
-mm_11: f32[16, 64] = aten.mm(t_27, view_10)  # free: t_27, view_10
+mm_10: f32[16, 64] = aten.mm(view_49, t_26)  # free: t_26
+t_27: f32[16, 16] = aten.t(view_49)
+mm_11: f32[16, 64] = aten.mm(t_27, view_3)  # free: t_27, view_3
 t_28: f32[64, 16] = aten.t(mm_11)  # free: mm_11
-sum_4: f32[1, 16] = aten.sum.dim_IntList(view_39, [0], True)  # free: view_39
-view_40: f32[16] = aten.view(sum_4, [16])  # free: sum_4
+sum_4: f32[1, 16] = aten.sum.dim_IntList(view_49, [0], True)  # free: view_49
+view_50: f32[16] = aten.view(sum_4, [16])  # free: sum_4
 t_29: f32[16, 64] = aten.t(t_28)  # free: t_28
-view_41: f32[2, 8, 64] = aten.view(mm_10, [2, 8, 64])  # free: mm_10
-view_42: f32[2, 8, 64] = aten.view(addmm_2, [2, 8, 64])  # free: addmm_2
-gelu_backward_1: f32[2, 8, 64] = aten.gelu_backward(view_41, view_42)  # free: view_41, view_42
-view_43: f32[16, 64] = aten.view(gelu_backward_1, [16, 64])  # free: gelu_backward_1
-t_30: f32[16, 64] = aten.t(view_14)  # free: view_14
+view_51: f32[2, 8, 64] = aten.view(mm_10, [2, 8, 64])  # free: mm_10
+view_52: f32[2, 8, 64] = aten.view(addmm, [2, 8, 64])  # free: addmm
+gelu_backward_1: f32[2, 8, 64] = aten.gelu_backward(view_51, view_52)  # free: view_51, view_52
+view_53: f32[16, 64] = aten.view(gelu_backward_1, [16, 64])  # free: gelu_backward_1
+t_30: f32[16, 64] = aten.t(view_24)  # free: view_24
 t_31: f32[64, 16] = aten.t(t_30)  # free: t_30
-mm_12: f32[16, 16] = aten.mm(view_43, t_31)  # free: t_31
-t_32: f32[64, 16] = aten.t(view_43)
-mm_13: f32[64, 16] = aten.mm(t_32, view_8)  # free: t_32, view_8
+mm_12: f32[16, 16] = aten.mm(view_53, t_31)  # free: t_31
+t_32: f32[64, 16] = aten.t(view_53)
+mm_13: f32[64, 16] = aten.mm(t_32, view_2)  # free: t_32, view_2
 t_33: f32[16, 64] = aten.t(mm_13)  # free: mm_13
-sum_5: f32[1, 64] = aten.sum.dim_IntList(view_43, [0], True)  # free: view_43
-view_44: f32[64] = aten.view(sum_5, [64])  # free: sum_5
+sum_5: f32[1, 64] = aten.sum.dim_IntList(view_53, [0], True)  # free: view_53
+view_54: f32[64] = aten.view(sum_5, [64])  # free: sum_5
 t_34: f32[64, 16] = aten.t(t_33)  # free: t_33
-view_45: f32[2, 8, 16] = aten.view(mm_12, [2, 8, 16])  # free: mm_12
-native_layer_norm_backward_3: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_45, add_1, [16], getitem_9, getitem_10, view_15, view_16, [True, True, True])  # free: view_45, add_1, getitem_9, getitem_10, view_15, view_16
-getitem_31: f32[2, 8, 16] = native_layer_norm_backward_3[0]
-getitem_32: f32[16] = native_layer_norm_backward_3[1]
-getitem_33: f32[16] = native_layer_norm_backward_3[2]  # free: native_layer_norm_backward_3
-add_2: f32[2, 8, 16] = aten.add.Tensor(add_1, getitem_31)  # free: add_1, getitem_31
-view_46: f32[16, 16] = aten.view(add_2, [16, 16])
-t_35: f32[16, 16] = aten.t(view_17)  # free: view_17
+view_55: f32[2, 8, 16] = aten.view(mm_12, [2, 8, 16])  # free: mm_12
+native_layer_norm_backward_3: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_55, add_1, [16], getitem_3, getitem_4, view_25, view_26, [True, True, True])  # free: view_55, add_1, getitem_3, getitem_4, view_25, view_26
+getitem_44: f32[2, 8, 16] = native_layer_norm_backward_3[0]
+getitem_45: f32[16] = native_layer_norm_backward_3[1]
+getitem_46: f32[16] = native_layer_norm_backward_3[2]  # free: native_layer_norm_backward_3
+add_7: f32[2, 8, 16] = aten.add.Tensor(add_6, getitem_44)  # free: add_6, getitem_44
+view_56: f32[16, 16] = aten.view(add_7, [16, 16])
+t_35: f32[16, 16] = aten.t(view_27)  # free: view_27
 t_36: f32[16, 16] = aten.t(t_35)  # free: t_35
-mm_14: f32[16, 16] = aten.mm(view_46, t_36)  # free: t_36
-t_37: f32[16, 16] = aten.t(view_46)
-mm_15: f32[16, 16] = aten.mm(t_37, view_6)  # free: t_37, view_6
+mm_14: f32[16, 16] = aten.mm(view_56, t_36)  # free: t_36
+t_37: f32[16, 16] = aten.t(view_56)
+mm_15: f32[16, 16] = aten.mm(t_37, view_1)  # free: t_37, view_1
 t_38: f32[16, 16] = aten.t(mm_15)  # free: mm_15
-sum_6: f32[1, 16] = aten.sum.dim_IntList(view_46, [0], True)  # free: view_46
-view_47: f32[16] = aten.view(sum_6, [16])  # free: sum_6
+sum_6: f32[1, 16] = aten.sum.dim_IntList(view_56, [0], True)  # free: view_56
+view_57: f32[16] = aten.view(sum_6, [16])  # free: sum_6
 t_39: f32[16, 16] = aten.t(t_38)  # free: t_38
-view_48: f32[2, 8, 16] = aten.view(mm_14, [2, 8, 16])  # free: mm_14
-view_49: f32[2, 8, 2, 8] = aten.view(view_48, [2, 8, 2, 8])  # free: view_48
-transpose_4: f32[2, 2, 8, 8] = aten.transpose.int(view_49, 1, 2)  # free: view_49
-_scaled_dot_product_flash_attention_for_cpu_backward_1: (f32[2, 2, 8, 8], f32[2, 2, 8, 8], f32[2, 2, 8, 8]) = aten._scaled_dot_product_flash_attention_for_cpu_backward(transpose_4, transpose, transpose_1, transpose_2, detach_5, getitem_7, 0.0, True)  # free: transpose_4, transpose, transpose_1, transpose_2, detach_5, getitem_7
-getitem_34: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[0]
-getitem_35: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[1]
-getitem_36: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[2]  # free: _scaled_dot_product_flash_attention_for_cpu_backward_1
-transpose_5: f32[2, 8, 2, 8] = aten.transpose.int(getitem_36, 1, 2)  # free: getitem_36
-view_50: f32[2, 8, 16] = aten.view(transpose_5, [2, 8, 16])  # free: transpose_5
-transpose_6: f32[2, 8, 2, 8] = aten.transpose.int(getitem_35, 1, 2)  # free: getitem_35
-view_51: f32[2, 8, 16] = aten.view(transpose_6, [2, 8, 16])  # free: transpose_6
-transpose_7: f32[2, 8, 2, 8] = aten.transpose.int(getitem_34, 1, 2)  # free: getitem_34
-view_52: f32[2, 8, 16] = aten.view(transpose_7, [2, 8, 16])  # free: transpose_7
-cat_1: f32[2, 8, 48] = aten.cat([view_52, view_51, view_50], 2)  # free: view_52, view_51, view_50
-view_53: f32[16, 48] = aten.view(cat_1, [16, 48])  # free: cat_1
-t_40: f32[16, 48] = aten.t(view_18)  # free: view_18
+view_58: f32[2, 8, 16] = aten.view(mm_14, [2, 8, 16])  # free: mm_14
+view_59: f32[2, 8, 2, 8] = aten.view(view_58, [2, 8, 2, 8])  # free: view_58
+transpose_10: f32[2, 2, 8, 8] = aten.transpose.int(view_59, 1, 2)  # free: view_59
+_scaled_dot_product_flash_attention_for_cpu_backward_1: (f32[2, 2, 8, 8], f32[2, 2, 8, 8], f32[2, 2, 8, 8]) = aten._scaled_dot_product_flash_attention_for_cpu_backward(transpose_10, transpose, transpose_1, transpose_2, detach_1, getitem_2, 0.0, True)  # free: transpose_10, transpose, transpose_1, transpose_2, detach_1, getitem_2
+getitem_47: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[0]
+getitem_48: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[1]
+getitem_49: f32[2, 2, 8, 8] = _scaled_dot_product_flash_attention_for_cpu_backward_1[2]  # free: _scaled_dot_product_flash_attention_for_cpu_backward_1
+transpose_11: f32[2, 8, 2, 8] = aten.transpose.int(getitem_49, 1, 2)  # free: getitem_49
+view_60: f32[2, 8, 16] = aten.view(transpose_11, [2, 8, 16])  # free: transpose_11
+transpose_12: f32[2, 8, 2, 8] = aten.transpose.int(getitem_48, 1, 2)  # free: getitem_48
+view_61: f32[2, 8, 16] = aten.view(transpose_12, [2, 8, 16])  # free: transpose_12
+transpose_13: f32[2, 8, 2, 8] = aten.transpose.int(getitem_47, 1, 2)  # free: getitem_47
+view_62: f32[2, 8, 16] = aten.view(transpose_13, [2, 8, 16])  # free: transpose_13
+cat_1: f32[2, 8, 48] = aten.cat([view_62, view_61, view_60], 2)  # free: view_62, view_61, view_60
+view_63: f32[16, 48] = aten.view(cat_1, [16, 48])  # free: cat_1
+t_40: f32[16, 48] = aten.t(view_28)  # free: view_28
 t_41: f32[48, 16] = aten.t(t_40)  # free: t_40
-mm_16: f32[16, 16] = aten.mm(view_53, t_41)  # free: t_41
-t_42: f32[48, 16] = aten.t(view_53)
+mm_16: f32[16, 16] = aten.mm(view_63, t_41)  # free: t_41
+t_42: f32[48, 16] = aten.t(view_63)
 mm_17: f32[48, 16] = aten.mm(t_42, view)  # free: t_42, view
 t_43: f32[16, 48] = aten.t(mm_17)  # free: mm_17
-sum_7: f32[1, 48] = aten.sum.dim_IntList(view_53, [0], True)  # free: view_53
-view_54: f32[48] = aten.view(sum_7, [48])  # free: sum_7
+sum_7: f32[1, 48] = aten.sum.dim_IntList(view_63, [0], True)  # free: view_63
+view_64: f32[48] = aten.view(sum_7, [48])  # free: sum_7
 t_44: f32[48, 16] = aten.t(t_43)  # free: t_43
-view_55: f32[2, 8, 16] = aten.view(mm_16, [2, 8, 16])  # free: mm_16
-native_layer_norm_backward_4: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_55, add, [16], getitem_1, getitem_2, view_19, view_20, [True, True, True])  # free: view_55, add, getitem_1, getitem_2, view_19, view_20
-getitem_37: f32[2, 8, 16] = native_layer_norm_backward_4[0]
-getitem_38: f32[16] = native_layer_norm_backward_4[1]
-getitem_39: f32[16] = native_layer_norm_backward_4[2]  # free: native_layer_norm_backward_4
-add_3: f32[2, 8, 16] = aten.add.Tensor(add_2, getitem_37)  # free: add_2, getitem_37
-sum_8: f32[1, 8, 16] = aten.sum.dim_IntList(add_3, [0], True)
-view_56: f32[8, 16] = aten.view(sum_8, [8, 16])  # free: sum_8
-embedding_dense_backward: f32[8, 16] = aten.embedding_dense_backward(view_56, arange, 8, -1, False)  # free: view_56, arange
-embedding_dense_backward_1: f32[32, 16] = aten.embedding_dense_backward(add_3, primals_1, 32, -1, False)  # free: add_3, primals_1
-add_4: f32[32, 16] = aten.add.Tensor(t_4, embedding_dense_backward_1)  # free: t_4, embedding_dense_backward_1
-pack: f32[7936] = zero.pack([getitem_21, getitem_20, view_23, t_9, view_27, t_14, getitem_24, getitem_23, view_30, t_19, view_37, t_24, getitem_30, getitem_29, view_40, t_29, view_44, t_34, getitem_33, getitem_32, view_47, t_39, view_54, t_44, getitem_39, getitem_38, embedding_dense_backward, add_4], 4, [16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 32, 128])  # free: getitem_21, getitem_20, view_23, t_9, view_27, t_14, getitem_24, getitem_23, view_30, t_19, view_37, t_24, getitem_30, getitem_29, view_40, t_29, view_44, t_34, getitem_33, getitem_32, view_47, t_39, view_54, t_44, getitem_39, getitem_38, embedding_dense_backward, add_4
+view_65: f32[2, 8, 16] = aten.view(mm_16, [2, 8, 16])  # free: mm_16
+native_layer_norm_backward_4: (f32[2, 8, 16], f32[16], f32[16]) = aten.native_layer_norm_backward(view_65, add, [16], getitem, getitem_1, view_29, view_30, [True, True, True])  # free: view_65, add, getitem, getitem_1, view_29, view_30
+getitem_50: f32[2, 8, 16] = native_layer_norm_backward_4[0]
+getitem_51: f32[16] = native_layer_norm_backward_4[1]
+getitem_52: f32[16] = native_layer_norm_backward_4[2]  # free: native_layer_norm_backward_4
+add_8: f32[2, 8, 16] = aten.add.Tensor(add_7, getitem_50)  # free: add_7, getitem_50
+sum_8: f32[1, 8, 16] = aten.sum.dim_IntList(add_8, [0], True)
+view_66: f32[8, 16] = aten.view(sum_8, [8, 16])  # free: sum_8
+embedding_dense_backward: f32[8, 16] = aten.embedding_dense_backward(view_66, arange, 8, -1, False)  # free: view_66, arange
+embedding_dense_backward_1: f32[32, 16] = aten.embedding_dense_backward(add_8, primals_1, 32, -1, False)  # free: add_8, primals_1
+add_9: f32[32, 16] = aten.add.Tensor(t_4, embedding_dense_backward_1)  # free: t_4, embedding_dense_backward_1
+pack: f32[7936] = zero.pack([getitem_34, getitem_33, view_33, t_9, view_37, t_14, getitem_37, getitem_36, view_40, t_19, view_47, t_24, getitem_43, getitem_42, view_50, t_29, view_54, t_34, getitem_46, getitem_45, view_57, t_39, view_64, t_44, getitem_52, getitem_51, embedding_dense_backward, add_9], 4, [16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 32, 128])  # free: getitem_34, getitem_33, view_33, t_9, view_37, t_14, getitem_37, getitem_36, view_40, t_19, view_47, t_24, getitem_43, getitem_42, view_50, t_29, view_54, t_34, getitem_46, getitem_45, view_57, t_39, view_64, t_44, getitem_52, getitem_51, embedding_dense_backward, add_9
 reduce_scatter_tensor: f32[1984] = _c10d_functional.reduce_scatter_tensor(pack, 'avg', 4, WORLD)  # param: ln_f.bias, ln_f.weight, blocks.1.out.bias, blocks.1.out.weight, blocks.1.fc.bias, blocks.1.fc.weight, blocks.1.ln2.bias, blocks.1.ln2.weight, blocks.1.attn.proj.bias, blocks.1.attn.proj.weight, blocks.1.attn.qkv.bias, blocks.1.attn.qkv.weight, blocks.1.ln1.bias, blocks.1.ln1.weight, blocks.0.out.bias, blocks.0.out.weight, blocks.0.fc.bias, blocks.0.fc.weight, blocks.0.ln2.bias, blocks.0.ln2.weight, blocks.0.attn.proj.bias, blocks.0.attn.proj.weight, blocks.0.attn.qkv.bias, blocks.0.attn.qkv.weight, blocks.0.ln1.bias, blocks.0.ln1.weight, wpe.weight, wte.weight; free: pack
 wait_tensor_19: f32[1984] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
 split_with_sizes: (f32[16], f32[16], f32[16], f32[256], f32[16], f32[256], f32[16], f32[16], f32[16], f32[64], f32[16], f32[192], f32[16], f32[16], f32[16], f32[256], f32[16], f32[256], f32[16], f32[16], f32[16], f32[64], f32[16], f32[192], f32[16], f32[16], f32[32], f32[128]) = aten.split_with_sizes(wait_tensor_19, [16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 32, 128])  # free: wait_tensor_19
-getitem_40: f32[16] = split_with_sizes[0]
-getitem_41: f32[16] = split_with_sizes[1]
-getitem_42: f32[16] = split_with_sizes[2]
-getitem_43: f32[256] = split_with_sizes[3]
-getitem_44: f32[16] = split_with_sizes[4]
-getitem_45: f32[256] = split_with_sizes[5]
-getitem_46: f32[16] = split_with_sizes[6]
-getitem_47: f32[16] = split_with_sizes[7]
-getitem_48: f32[16] = split_with_sizes[8]
-getitem_49: f32[64] = split_with_sizes[9]
-getitem_50: f32[16] = split_with_sizes[10]
-getitem_51: f32[192] = split_with_sizes[11]
-getitem_52: f32[16] = split_with_sizes[12]
-getitem_53: f32[16] = split_with_sizes[13]
-getitem_54: f32[16] = split_with_sizes[14]
-getitem_55: f32[256] = split_with_sizes[15]
-getitem_56: f32[16] = split_with_sizes[16]
-getitem_57: f32[256] = split_with_sizes[17]
-getitem_58: f32[16] = split_with_sizes[18]
-getitem_59: f32[16] = split_with_sizes[19]
-getitem_60: f32[16] = split_with_sizes[20]
-getitem_61: f32[64] = split_with_sizes[21]
-getitem_62: f32[16] = split_with_sizes[22]
-getitem_63: f32[192] = split_with_sizes[23]
-getitem_64: f32[16] = split_with_sizes[24]
-getitem_65: f32[16] = split_with_sizes[25]
-getitem_66: f32[32] = split_with_sizes[26]
-getitem_67: f32[128] = split_with_sizes[27]  # free: split_with_sizes
-return (None, getitem_67, getitem_66, getitem_65, getitem_64, getitem_63, getitem_62, getitem_61, getitem_60, getitem_59, getitem_58, getitem_57, getitem_56, getitem_55, getitem_54, getitem_53, getitem_52, getitem_51, getitem_50, getitem_49, getitem_48, getitem_47, getitem_46, getitem_45, getitem_44, getitem_43, getitem_42, getitem_41, getitem_40, None)""")
+getitem_53: f32[16] = split_with_sizes[0]
+getitem_54: f32[16] = split_with_sizes[1]
+getitem_55: f32[16] = split_with_sizes[2]
+getitem_56: f32[256] = split_with_sizes[3]
+getitem_57: f32[16] = split_with_sizes[4]
+getitem_58: f32[256] = split_with_sizes[5]
+getitem_59: f32[16] = split_with_sizes[6]
+getitem_60: f32[16] = split_with_sizes[7]
+getitem_61: f32[16] = split_with_sizes[8]
+getitem_62: f32[64] = split_with_sizes[9]
+getitem_63: f32[16] = split_with_sizes[10]
+getitem_64: f32[192] = split_with_sizes[11]
+getitem_65: f32[16] = split_with_sizes[12]
+getitem_66: f32[16] = split_with_sizes[13]
+getitem_67: f32[16] = split_with_sizes[14]
+getitem_68: f32[256] = split_with_sizes[15]
+getitem_69: f32[16] = split_with_sizes[16]
+getitem_70: f32[256] = split_with_sizes[17]
+getitem_71: f32[16] = split_with_sizes[18]
+getitem_72: f32[16] = split_with_sizes[19]
+getitem_73: f32[16] = split_with_sizes[20]
+getitem_74: f32[64] = split_with_sizes[21]
+getitem_75: f32[16] = split_with_sizes[22]
+getitem_76: f32[192] = split_with_sizes[23]
+getitem_77: f32[16] = split_with_sizes[24]
+getitem_78: f32[16] = split_with_sizes[25]
+getitem_79: f32[32] = split_with_sizes[26]
+getitem_80: f32[128] = split_with_sizes[27]  # free: split_with_sizes
+return (None, getitem_80, getitem_79, getitem_78, getitem_77, getitem_76, getitem_75, getitem_74, getitem_73, getitem_72, getitem_71, getitem_70, getitem_69, getitem_68, getitem_67, getitem_66, getitem_65, getitem_64, getitem_63, getitem_62, getitem_61, getitem_60, getitem_59, getitem_58, getitem_57, getitem_56, getitem_55, getitem_54, getitem_53, None)""")
 
 
 

@@ -10,9 +10,12 @@ import inspect
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from zerocompile.upstream_fixes import keep_every_iteration_of_split_loops
+
+pytestmark = pytest.mark.core
 
 
 def dequantised(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,8 @@ from test_hf_models import build_model
 from zerocompile.checkpoint import _valid_numel
 from zerocompile.sharding import shard_info
 
+pytestmark = pytest.mark.core
+
 MODELS: dict[str, Callable[[], nn.Module]] = {"uneven_mlp": UnevenMLP, "tied_gpt": TiedGPT, "frozen_buffer": FrozenAndBuffer}
 ROUND_TRIPS = [(name, saved, loaded) for name in MODELS for saved, loaded in ((0, 3), (3, 1))]
 HF_MODELS = ("gpt2", "llama")
