@@ -149,6 +149,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import zerocompile as zc
+from zerocompile import torch_support
 from zerocompile.distributed import (
     default_backend,
     exit_spawned_rank,
@@ -462,7 +463,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     backend = "fake" if fake else default_backend(args.device)
     config = _gpt_config(model_size, args.layers)
     phi = _count_parameters(config)
-    machine = {"node": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__}
+    machine = {"node": platform.node(), "cpu_count": os.cpu_count(), "torch": torch_support.RELEASE}
     print(
         f"zerocompile bench on {machine['node']} ({machine['cpu_count']} CPUs, torch {machine['torch']}): "
         f"{ranks} {backend} ranks, GPT {_described(model_size, args.layers)} (Φ = {phi:,}), global batch {args.batch_size} x "

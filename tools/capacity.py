@@ -88,6 +88,7 @@ import torch.multiprocessing
 from torch import nn
 
 import zerocompile as zc
+from zerocompile import torch_support
 from zerocompile.distributed import (
     exit_spawned_rank,
     free_loopback_port,
@@ -140,7 +141,7 @@ def machine() -> dict[str, Any]:
         "node": platform.node(),
         "cores": os.cpu_count(),
         "ram_bytes": meminfo()["MemTotal"],
-        "torch": torch.__version__,
+        "torch": torch_support.RELEASE,
         "python": platform.python_version(),
     }
 

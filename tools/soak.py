@@ -45,7 +45,7 @@ import torch.multiprocessing
 from torch.nn.parallel import DistributedDataParallel
 
 import zerocompile as zc
-from zerocompile import backend
+from zerocompile import backend, torch_support
 from zerocompile.distributed import (
     _launcher_environment,
     exit_spawned_rank,
@@ -273,7 +273,7 @@ def summarise(args: argparse.Namespace, world_size: int, per_rank: list[dict[str
             "compiler": args.compiler,
             "rss_from": args.rss_from,
             "max_rss_growth_percent": args.max_rss_growth,
-            "torch": torch.__version__,
+            "torch": torch_support.RELEASE,
         },
         "recompiles_after_step_2": recompiles,
         "rss_from_bytes": max(r["rss_from_bytes"] for r in per_rank),

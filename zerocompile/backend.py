@@ -38,7 +38,7 @@ from torch.utils import _pytree as pytree
 from zerocompile import guard
 from zerocompile.config import COMPILE_TIME_FIELDS, ZeroConfig, refuse_concurrent_gloo_gathers
 from zerocompile.gathered import is_gathered
-from zerocompile import dump, upstream_fixes
+from zerocompile import dump, torch_support, upstream_fixes
 from zerocompile.passes import analysis, ledger
 from zerocompile.passes.ledger import GraphLedger
 from zerocompile.passes.lower_markers import lower_markers
@@ -128,13 +128,13 @@ def zero_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[st
     keep_every_iteration_of_split_loops()  # int8 dequantisation would lose elements otherwise
 
     lowering = dataclasses.replace(lowering, decompositions=select_decomp_table())
-    config_patches = {
+    config_patches = torch_support.inductor_config_patches({
         "joint_custom_pre_pass": TagGathersForRecompute(directory, config.memory_budget),
         "post_grad_custom_pre_pass": LowerMarkers(lowering),
         # Inductor's peak-memory reordering sinks each all-gather to its wait, undoing the prefetch
         # order lower_markers chose (which already bounds the gathered memory): keep our order.
         "reorder_for_peak_memory": False,
-    }
+    })
     if directory is None:
         return _explained(compile_fx(gm, example_inputs, config_patches=config_patches), context, "forward")
     # A cache hit would skip our passes and so write no dump: compile afresh when dumping.
@@ -156,7 +156,7 @@ def _check_ranks_agree(graph: fx.Graph, config: ZeroConfig) -> guard.GraphContex
         "gather_quant": config.gather_quant,
         "reduce_quant": config.reduce_quant,
         "quant_block": config.quant_block,
-        "torch": torch.__version__,
+        "torch": torch_support.RELEASE,
     }
     compile_id = CompileContext.current_compile_id()
     return guard.check_ranks_agree(graph, settings, str(compile_id) if compile_id is not None else "outside Dynamo")

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from zerocompile.distributed import backend_for, group_device
 from zerocompile.hybrid import check_shard_size
+from zerocompile import torch_support
 from zerocompile.passes.stages import stage_policy
 
 # Fields that only steer the graph passes, so `options=` of one compile may change them.
@@ -236,7 +237,7 @@ def refuse_concurrent_gloo_gathers(config: ZeroConfig, group: dist.ProcessGroup)
     if stage_policy(config.stage).shards_parameters and config.prefetch > 1 and gloo:
         raise ValueError(
             f"prefetch={config.prefetch} keeps {config.prefetch} all-gathers in flight, and torch "
-            f"{torch.__version__}'s gloo backend corrupts memory when two coalesced all-gathers run "
+            f"{torch_support.RELEASE}'s gloo backend corrupts memory when two coalesced all-gathers run "
             "at once (a rank dies with 'malloc(): unaligned tcache chunk detected' or SIGSEGV); "
             "on a gloo group use prefetch=1 (the default) or 0"
         )

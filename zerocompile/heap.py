@@ -45,6 +45,8 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from zerocompile import torch_support
+
 TRIM_EVERY = 10
 SOURCE = Path(__file__).with_name("csrc") / "cpu_block_cache.cpp"
 
@@ -103,7 +105,7 @@ def build_block_cache() -> BlockCache:
     if not compiler:
         raise RuntimeError("no C++ compiler found (set CXX)")
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + torch.__version__.encode() + compiler.encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + torch_support.RELEASE.encode() + compiler.encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_block_cache-{key}.so"
     if not target.exists():
         try:
