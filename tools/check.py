@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import dataclasses
 import json
 import os
@@ -170,7 +171,7 @@ def environment(device: str) -> dict[str, str]:
     """What the check ran on: everything that decides the generated code and the collectives."""
     accelerator = torch.accelerator.current_accelerator(check_available=True)
     facts = {
-        "zerocompile": f"{zc.__version__} ({Path(zc.__file__).parent})",
+        "zerocompile": f"{_distribution_version('zerocompile')} ({Path(zc.__file__).parent})",
         "torch": torch_support.RELEASE,
         "python": f"{platform.python_version()} ({sys.executable})",
         "host": platform.node(),
@@ -179,7 +180,7 @@ def environment(device: str) -> dict[str, str]:
         "gloo": "available" if dist.is_gloo_available() else "MISSING: CPU ranks cannot start",
         "devices": _device_list(accelerator),
         "c++ compiler (Inductor)": inductor_cpp_compiler(),
-        "triton": _triton_version(),
+        "triton": _distribution_version('triton'),
         "device checked": device,
     }
     return facts
@@ -216,12 +217,12 @@ def inductor_cpp_compiler() -> str:
     return f"{compiler} ({shutil.which(compiler) or 'not on PATH'}): {version[0] if version else 'version unknown'}"
 
 
-def _triton_version() -> str:
+def _distribution_version(name: str) -> str:
+    """The installed distribution's version, as pip has it (the package itself is not imported)."""
     try:
-        import triton
-    except ImportError:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
         return "not installed"
-    return triton.__version__
 
 
 # ------------------------------------------------------------------------------------ on a rank
