@@ -85,6 +85,7 @@ class Visit:
         self.log = (self.out / "visit.log").open("a")
         self.steps: list[dict[str, Any]] = []
         self.started = datetime.datetime.now(datetime.timezone.utc)
+        self.facts = environment(args.device)  # once: it runs the C++ compiler to read its version
 
     def step(self, name: str, command: list[str], timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
         """Run `command` (a Python module's arguments) in a process of its own, output to the log."""
@@ -118,7 +119,7 @@ class Visit:
             "",
             f"Command: `python -m zerocompile.tools.gpu_visit {' '.join(sys.argv[1:])}`",
             "",
-            *(f"- {key}: {value}" for key, value in environment(self.args.device).items()),
+            *(f"- {key}: {value}" for key, value in self.facts.items()),
             "",
         ]
         for record in self.steps:
