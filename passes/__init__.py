@@ -1,7 +1,7 @@
 """Pure FX graph passes of zerocompile: each takes a graph and rewrites it in place.
 
 - `stages`: the one table of what each ZeRO stage does; every pass asks it.
-- `markers`: the `zero::unshard` / `zero::reduce_grad` marker ops the passes rewrite.
+- `markers`: the `zerocompile::unshard` / `zerocompile::reduce_grad` marker ops the passes rewrite.
 - `lowering`: what a marker means in functional collectives (shared by eager kernels and graphs).
 - `merge_unshards`: one gather per parameter per Dynamo graph (tied / reused weights).
 - `recompute_gathers`: stage 3 joint-graph tags so the backward re-gathers instead of saving

@@ -260,7 +260,7 @@ def _fused_into_kernels(node: fx.Node) -> bool:
     if node.target is operator.getitem or not node.all_input_nodes:
         return True
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload) or target.namespace in ("_c10d_functional", "zero"):
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace in ("_c10d_functional", "zerocompile"):
         return False
     return (
         target.is_view

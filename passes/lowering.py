@@ -33,7 +33,7 @@ NATIVE_REDUCE_SCATTER = "reduce_scatter"
 ALL_TO_ALL_REDUCE_SCATTER = "all_to_all"
 
 
-@torch.library.custom_op("zero::pack", mutates_args=())
+@torch.library.custom_op("zerocompile::pack", mutates_args=())
 def pack(tensors: list[torch.Tensor], rows: int, row_numels: list[int], dtype: torch.dtype | None = None) -> torch.Tensor:
     """A new flat buffer of `rows` rows; tensor i, flattened, cast to `dtype` and zero-padded to
     `rows * row_numels[i]` elements, fills column block i (its row r is rank r's part).
@@ -68,7 +68,7 @@ def _packed(tensors: list[torch.Tensor], rows: int, row_numels: list[int], dtype
     return pack(tensors, rows, row_numels, dtype)
 
 
-@torch.library.custom_op("zero::average_rows", mutates_args=())
+@torch.library.custom_op("zerocompile::average_rows", mutates_args=())
 def average_rows(rows: torch.Tensor, ranks: int) -> torch.Tensor:
     """The sum of `rows` over its first dimension divided by `ranks`, accumulated in at least fp32
     and rounded once to `rows`' dtype: the mean a reduction ends with (the rows one per rank after

@@ -1,4 +1,4 @@
-"""Marker ops: `zero::unshard` (shard -> full parameter) and its backward `zero::reduce_grad`.
+"""Marker ops: `zerocompile::unshard` (shard -> full parameter) and its backward `zerocompile::reduce_grad`.
 
 They are opaque to Dynamo and AOTAutograd, so a traced graph shows exactly where each parameter is
 used and where each gradient is produced; the graph passes then replace them with collectives
@@ -40,7 +40,7 @@ from .stages import stage_policy
 # means the shard's.
 
 
-@torch.library.custom_op("zero::unshard", mutates_args=())
+@torch.library.custom_op("zerocompile::unshard", mutates_args=())
 def unshard(
     shard: torch.Tensor,
     shape: list[int],
@@ -91,7 +91,7 @@ def _unshard_fake(
     return shard.new_empty(shape, dtype=dtype)
 
 
-@torch.library.custom_op("zero::reduce_grad", mutates_args=())
+@torch.library.custom_op("zerocompile::reduce_grad", mutates_args=())
 def reduce_grad(
     grad: torch.Tensor,
     shard_numel: int,
@@ -167,12 +167,12 @@ def _unshard_backward(ctx, grad: torch.Tensor):
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
 
-UNSHARD = torch.ops.zero.unshard.default
-REDUCE_GRAD = torch.ops.zero.reduce_grad.default
+UNSHARD = torch.ops.zerocompile.unshard.default
+REDUCE_GRAD = torch.ops.zerocompile.reduce_grad.default
 
 
 class UnshardArgs(NamedTuple):
-    """Arguments of `zero::unshard`; `param` is the parameter's FQN, for people reading graphs."""
+    """Arguments of `zerocompile::unshard`; `param` is the parameter's FQN, for people reading graphs."""
 
     shard: torch.fx.Node
     shape: list[int]
@@ -194,7 +194,7 @@ class UnshardArgs(NamedTuple):
 
 
 class ReduceGradArgs(NamedTuple):
-    """Arguments of `zero::reduce_grad`."""
+    """Arguments of `zerocompile::reduce_grad`."""
 
     grad: torch.fx.Node
     shard_numel: int

@@ -4,7 +4,7 @@ Stage 3 re-gathers every parameter in the backward over all N ranks, across node
 `ZeroConfig(secondary_shard_size=K)` the markers name a secondary group of K ranks (a node's), and
 this pass rewrites the joint graph so that, for each parameter the backward gathers again:
 
-- right after the forward's gather, `zero::secondary_shard` keeps this rank's 1/K slice of the
+- right after the forward's gather, `zerocompile::secondary_shard` keeps this rank's 1/K slice of the
   full parameter (its secondary shard);
 - the backward's readers of the parameter (and of its views and casts) read instead a new
   `unshard` of the secondary shard over the secondary group, copied through the same views, all
@@ -36,7 +36,7 @@ from .recompute_gathers import backward_nodes, gathered_values_of
 from .stages import shard_numel
 
 
-@torch.library.custom_op("zero::secondary_shard", mutates_args=())
+@torch.library.custom_op("zerocompile::secondary_shard", mutates_args=())
 def secondary_shard(full: torch.Tensor, group_name: str, group_size: int) -> torch.Tensor:
     """This rank's slice of the flat `full` zero-padded to `group_size` aligned shards: what the
     ranks of `group_name` all-gather to rebuild it. The one op here that asks the group (its rank):
@@ -54,7 +54,7 @@ def _secondary_shard_fake(full: torch.Tensor, group_name: str, group_size: int) 
     return full.new_empty(shard_numel(full.numel(), group_size))
 
 
-SECONDARY_SHARD = torch.ops.zero.secondary_shard.default
+SECONDARY_SHARD = torch.ops.zerocompile.secondary_shard.default
 
 
 def regather_from_secondary_shards(graph: fx.Graph) -> int:

@@ -35,8 +35,8 @@ from zerocompile.passes.markers import REDUCE_GRAD, UNSHARD
 
 aten = torch.ops.aten
 funcol = torch.ops._c10d_functional
-PACK = torch.ops.zero.pack.default
-AVERAGE_ROWS = torch.ops.zero.average_rows.default
+PACK = torch.ops.zerocompile.pack.default
+AVERAGE_ROWS = torch.ops.zerocompile.average_rows.default
 # A gather bucket is one coalesced all-gather: output i (a getitem) is parameter i, padded, gathered.
 AG, GI, WAIT = funcol.all_gather_into_tensor_coalesced.default, operator.getitem, funcol.wait_tensor.default
 SLICE, VIEW, MM, SPLIT = aten.slice.Tensor, aten.view.default, aten.mm.default, aten.split_with_sizes.default

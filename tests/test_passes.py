@@ -38,8 +38,8 @@ GATHER_OP = funcol.all_gather_into_tensor_coalesced.default
 GATHER = [GATHER_OP, operator.getitem, funcol.wait_tensor.default, aten.view.default]
 GATHER_PADDED = [GATHER_OP, operator.getitem, funcol.wait_tensor.default, aten.slice.Tensor, aten.view.default]
 REDUCE_SCATTER = [aten.view.default, funcol.reduce_scatter_tensor.default, funcol.wait_tensor.default]
-PACK = torch.ops.zero.pack.default
-AVERAGE_ROWS = torch.ops.zero.average_rows.default
+PACK = torch.ops.zerocompile.pack.default
+AVERAGE_ROWS = torch.ops.zerocompile.average_rows.default
 REDUCE_SCATTER_PADDED = [PACK, *REDUCE_SCATTER[1:]]
 ALL_TO_ALL = [
     aten.view.default,

@@ -3,7 +3,7 @@
 Each Parameter object stays where it is, under its name, so optimizers and user code holding it
 keep working; at stages 1-3 its data becomes this rank's flat 1-D slice of the padded parameter.
 Each module holding parameters gets a generated subclass whose `weight`/`bias`/... properties
-return `zero::unshard(shard)`: a class property wins over `nn.Module.__getattr__`, so model code is
+return `zerocompile::unshard(shard)`: a class property wins over `nn.Module.__getattr__`, so model code is
 untouched and every use of a parameter becomes a marker in the traced graph.
 """
 
@@ -69,7 +69,7 @@ class ShardInfo:
         return stage_policy(self.config.stage)
 
     def marker_args(self) -> tuple:
-        """The `zero::unshard` arguments after the shard, up to its FQN (`UnshardArgs` order)."""
+        """The `zerocompile::unshard` arguments after the shard, up to its FQN (`UnshardArgs` order)."""
         return list(self.shape), self.stage, self.group_name, self.world_size, self.reduce_scatter
 
     def gather(self, shard: torch.Tensor) -> torch.Tensor:
