@@ -26,9 +26,10 @@ default, so graphs without these features read as before.
 
 from __future__ import annotations
 
-import torch
+import dataclasses
+from typing import Any, NamedTuple
 
-from typing import NamedTuple
+import torch
 
 from .lowering import all_reduce_bucket, gather_bucket, reduce_scatter_bucket
 from .stages import stage_policy
@@ -191,6 +192,50 @@ class UnshardArgs(NamedTuple):
     replicas: int = 1  # ... of this many ranks (1: no replicas, plain sharding)
     secondary_group: str = ""  # hpZ: the stage-3 backward re-gathers over this group (`secondary_shards`)
     secondary_size: int = 1  # ... of this many ranks (1: no secondary shards)
+
+
+# What every marker passes positionally, through `reduce_dtype`; the arguments after it are keywords
+# passed only when not their default, so the graphs of a model without those features read as before.
+_POSITIONAL = UnshardArgs._fields[1 : UnshardArgs._fields.index("reduce_dtype") + 1]
+
+
+@dataclasses.dataclass(frozen=True)
+class MarkerArgs:
+    """A parameter's `zerocompile::unshard` arguments but its tensors (`shard`, `pending`) and
+    no_sync's `local`: what `shard()` decides for a parameter (`ShardInfo.marker_args`) and hands to
+    every marker its modules emit. Names, order and defaults are `UnshardArgs'`, the op's own
+    (`tests/test_passes.py` holds them to its schema)."""
+
+    shape: tuple[int, ...]
+    stage: int
+    group_name: str
+    world_size: int
+    reduce_scatter: str
+    param: str = ""
+    compute_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    gather_quant_block: int = 0
+    reduce_quant_block: int = 0
+    replica_group: str = ""
+    replicas: int = 1
+    secondary_group: str = ""
+    secondary_size: int = 1
+
+    def call(self) -> tuple[tuple, dict[str, Any]]:
+        """`(args, keywords)` of `unshard(shard, *args, **keywords)`: positional through
+        `reduce_dtype`, then the keywords that are not their default."""
+        args = tuple(list(self.shape) if name == "shape" else getattr(self, name) for name in _POSITIONAL)
+        keywords = {
+            field.name: getattr(self, field.name)
+            for field in dataclasses.fields(self)
+            if field.name not in _POSITIONAL and getattr(self, field.name) != field.default
+        }
+        return args, keywords
+
+    def unshard(self, shard: torch.Tensor) -> torch.Tensor:
+        """The marker on `shard` (eager: its kernel, the blocking collective)."""
+        args, keywords = self.call()
+        return UNSHARD(shard, *args, **keywords)
 
 
 class ReduceGradArgs(NamedTuple):

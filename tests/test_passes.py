@@ -11,6 +11,7 @@ up once for this module and destroyed at its end so other test modules start cle
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import operator
@@ -26,7 +27,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from fx_helpers import WORLD, call_targets, markers_in, node_index, on, output_args, trace
 from zerocompile.passes import analysis, lowering
 from zerocompile.passes.lower_markers import lower_markers
-from zerocompile.passes.markers import REDUCE_GRAD, UNSHARD, is_unshard
+from zerocompile.passes.markers import REDUCE_GRAD, UNSHARD, MarkerArgs, UnshardArgs, is_unshard
 from zerocompile.passes.merge_unshards import merge_repeated_unshards
 from zerocompile.passes.recompute_gathers import tag_gathers_for_recompute
 
@@ -652,3 +653,24 @@ def test_end_to_end_stage1_keeps_gathered_weights_and_reduces_at_the_end(group_n
     assert [(c.op, c.numel) for c in analysis.collectives(bw)] == [("reduce_scatter", 36), ("reduce_scatter", 44)]
     tail = [n.target for n in list(bw.nodes)[-7:-1]]
     assert tail == REDUCE_SCATTER_PADDED + REDUCE_SCATTER_PADDED
+
+
+def test_marker_args_are_the_unshard_schema_and_leave_defaults_out():
+    """`MarkerArgs` (what shard() decides for a parameter's markers) and `UnshardArgs` (what the
+    passes read off a marker) name the op's arguments in its order, with its defaults; a marker
+    passes them positionally through `reduce_dtype`, the rest as keywords only where set."""
+    schema = [
+        (a.name, a.default_value if a.has_default_value() else dataclasses.MISSING) for a in UNSHARD._schema.arguments
+    ]
+    assert [name for name, _ in schema] == list(UnshardArgs._fields)
+    assert {name: d for name, d in schema if d is not dataclasses.MISSING} == UnshardArgs._field_defaults
+    per_call = ("shard", "local", "pending")  # the tensors and no_sync's flag: not a parameter's
+    assert [(f.name, f.default) for f in dataclasses.fields(MarkerArgs)] == [(n, d) for n, d in schema if n not in per_call]
+
+    assert MarkerArgs((3, 5), 1, "g", 4, "native").call() == (([3, 5], 1, "g", 4, "native", "", None, None), {})
+    marker = MarkerArgs((3, 5), 3, "g", 4, "native", compute_dtype=torch.bfloat16, replica_group="r", replicas=2)
+    args, keywords = marker.call()
+    assert keywords == {"replica_group": "r", "replicas": 2}
+    assert UnshardArgs("s", *args, **keywords) == UnshardArgs(
+        "s", [3, 5], 3, "g", 4, "native", compute_dtype=torch.bfloat16, replica_group="r", replicas=2
+    )

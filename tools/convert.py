@@ -33,22 +33,10 @@ import torch
 from torch.distributed.checkpoint._hf_utils import CUSTOM_METADATA_KEY, SAVED_OFFSETS_KEY
 
 from zerocompile import checkpoint_files as files
+from zerocompile.checkpoint_files import SAFETENSORS_DTYPES
 
 BLOCK_BYTES = 8 * 2**20
 FORMATS = ("safetensors", "torch")
-# torch dtype -> safetensors dtype name (the format's own names).
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
 
 
 @dataclasses.dataclass(frozen=True)

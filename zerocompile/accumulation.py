@@ -24,13 +24,11 @@ compiled model) share one compiled graph instead of each compiling its own.
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
 from typing import Any, Iterator
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from zerocompile.passes.markers import UNSHARD
 
@@ -69,7 +67,6 @@ class GradientSync:
         # renewed on leaving it and before each optimizer step (a forward takes pending gradients).
         self.quiet = True
         _ALL.add(self)
-        _install_step_check()
 
     def holds_copies(self) -> bool:
         return any(slot.local is not None for slot in self.slots.values())
@@ -107,7 +104,7 @@ class GradientSync:
 _ALL: weakref.WeakSet[GradientSync] = weakref.WeakSet()
 
 
-def _check_nothing_pending(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def check_nothing_pending(optimizer: torch.optim.Optimizer) -> None:
     """Before a step: gradients not reduced yet would be silently left out of it, and inside
     no_sync the micro-steps use copies of the parameters gathered on entry, which a step would
     leave stale."""
@@ -128,11 +125,6 @@ def _check_nothing_pending(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
                 "that no synced backward has reduced yet: run the last micro-step's forward and "
                 "backward outside the no_sync block, then step the optimizer"
             )
-
-
-@functools.cache
-def _install_step_check() -> None:
-    register_optimizer_step_pre_hook(_check_nothing_pending)
 
 
 @contextlib.contextmanager

@@ -39,6 +39,20 @@ EXTRA_DIR = "extra"
 _EXTRA_JSON_KEY = "zerocompile.extra"
 _STATE_FILE = re.compile(r"shard-\d+-model-\d+-of-\d+\.safetensors")
 _EXTRA_FILE = re.compile(r"rank\d+\.safetensors")
+# torch dtype -> the safetensors format's name for it: the one table of them, read by every writer of
+# safetensors headers and checker of their dtypes (`weights`, `zerocompile convert`).
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 class CheckpointError(ValueError):

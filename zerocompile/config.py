@@ -64,10 +64,10 @@ class ZeroConfig:
         schedules (through the process group's store) and all raise on a mismatch instead of
         hanging. Off only for code whose ranks legitimately compile different graphs with the
         same collectives (e.g. rank-local input shapes recompiling on one rank).
-    steady_heap: on a CPU group, serve the process's large CPU tensors (128 KiB and more) from
-        a cache of mapped blocks and trim glibc's heap every 10 optimizer steps, so per-step
-        buffers do not fragment the heap and RSS stays where the live tensors are; see
-        `zerocompile.heap`. Process-wide while such a model lives. No effect on accelerators.
+    trim_heap: on the CPU with glibc's malloc, hand the heap's free pages back to the system
+        every 10 steps of an optimizer that holds this model's shards, so per-step buffers do
+        not leave RSS creeping (`zerocompile.heap`). Nothing runs where tcmalloc or jemalloc is
+        preloaded (they need no trimming) or on accelerators.
     gather_quant: "int8" sends parameters to the all-gathers block-quantised (ZeRO++'s qwZ):
         each rank quantises its shard in blocks of `quant_block` elements (symmetric int8, one
         fp32 scale per block) and every rank dequantises what it receives into the compute
@@ -113,7 +113,7 @@ class ZeroConfig:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     check_ranks: bool = True
-    steady_heap: bool = True
+    trim_heap: bool = True
     broadcast_buffers: bool = True
     gather_quant: str | None = None
     reduce_quant: str | None = None
@@ -134,7 +134,7 @@ class ZeroConfig:
             dtype = getattr(self, name)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise ValueError(f"{name} must be a floating-point torch.dtype such as torch.bfloat16, got {dtype!r}")
-        for name in ("check_ranks", "steady_heap", "broadcast_buffers"):
+        for name in ("check_ranks", "trim_heap", "broadcast_buffers"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("gather_quant", "reduce_quant"):

@@ -18,9 +18,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from zerocompile.accumulation import GradientSync
+from zerocompile.accumulation import GradientSync, check_nothing_pending
 from zerocompile.buffers import broadcast_buffers_in_forward
 from zerocompile.config import (
     ZeroConfig,
@@ -29,12 +28,12 @@ from zerocompile.config import (
     refuse_gloo_gathers_on_accelerator,
 )
 from zerocompile.distributed import backend_for, group_device, reduce_scatter_flavour
-from zerocompile.heap import keep_heap_steady_while_alive
 from zerocompile.hybrid import hybrid_groups
 from zerocompile.meta_init import built_on_meta, check_meta_model, local_slice, materialise_sharded
 from zerocompile.optimizers import refuse_unsupported_optimizer
-from zerocompile.passes.markers import UNSHARD
+from zerocompile.passes.markers import UNSHARD, MarkerArgs
 from zerocompile.passes.stages import StagePolicy, stage_policy
+from zerocompile.process_hooks import ProcessHooks
 
 @dataclasses.dataclass(frozen=True)
 class ShardInfo:
@@ -68,14 +67,36 @@ class ShardInfo:
     def policy(self) -> StagePolicy:
         return stage_policy(self.config.stage)
 
-    def marker_args(self) -> tuple:
-        """The `zerocompile::unshard` arguments after the shard, up to its FQN (`UnshardArgs` order)."""
-        return list(self.shape), self.stage, self.group_name, self.world_size, self.reduce_scatter
+    def marker_args(self, dtype: torch.dtype) -> MarkerArgs:
+        """The arguments of the markers this parameter's modules emit, `dtype` being its shard's: the
+        config's dtypes, and the block sizes of the collectives it quantises and the replica and
+        secondary groups only where they apply (so default graphs read as before). A parameter that
+        is not floating point (an integer table) travels exactly: int8 codes would round it. No FQN:
+        the backend fills it in from the traced tensors."""
+        config, quantisable = self.config, dtype.is_floating_point
+        return self._marker(
+            compute_dtype=config.param_dtype,
+            reduce_dtype=config.reduce_dtype,
+            gather_quant_block=(
+                config.quant_block if quantisable and config.gather_quant and self.policy.shards_parameters else 0
+            ),
+            reduce_quant_block=config.quant_block if quantisable and config.reduce_quant else 0,
+            replica_group=self.replica_group_name if self.replicas > 1 else "",
+            replicas=self.replicas,
+            secondary_group=self.secondary_group_name if self.secondary_size > 1 else "",
+            secondary_size=self.secondary_size,
+        )
 
     def gather(self, shard: torch.Tensor) -> torch.Tensor:
-        """The full parameter from every rank's `shard` (the marker's eager kernel, blocking); a
-        copy of `shard` where the stage keeps parameters whole."""
-        return UNSHARD(shard, *self.marker_args(), self.fqn)
+        """The full parameter from every rank's `shard` (the marker's eager kernel, blocking), exact
+        and in the master dtype; a copy of `shard` where the stage keeps parameters whole."""
+        return self._marker(param=self.fqn).unshard(shard)
+
+    def _marker(self, **optional: Any) -> MarkerArgs:
+        return MarkerArgs(
+            shape=self.shape, stage=self.stage, group_name=self.group_name, world_size=self.world_size,
+            reduce_scatter=self.reduce_scatter, **optional,
+        )
 
     @property
     def shard_offset(self) -> int:
@@ -135,9 +156,20 @@ def shard(
     for param, places in owners.items():
         names = tuple(f"{prefix}{'.' if prefix else ''}{attr}" for prefix, _module, attr in places)
         infos[param] = ShardInfo(
-            names[0], names, tuple(param.shape), param.numel(), policy.local_numel(param.numel(), world_size),
-            hybrid.shard.group_name, rank, world_size, flavour, config, replica_group_name, hybrid.replicas,
-            secondary_name, secondary_size,
+            fqn=names[0],
+            names=names,
+            shape=tuple(param.shape),
+            numel=param.numel(),
+            shard_numel=policy.local_numel(param.numel(), world_size),
+            group_name=hybrid.shard.group_name,
+            group_rank=rank,
+            world_size=world_size,
+            reduce_scatter=flavour,
+            config=config,
+            replica_group_name=replica_group_name,
+            replicas=hybrid.replicas,
+            secondary_group_name=secondary_name,
+            secondary_size=secondary_size,
         )
     if on_meta:
         shard_numels = {param: info.shard_numel if policy.shards_parameters else None for param, info in infos.items()}
@@ -160,7 +192,7 @@ def shard(
     sync = GradientSync({shard_info(param).fqn: param for param in owners})
     notice = ShardedStateDictNotice()
     for module in {id(m): m for places in owners.values() for _p, m, _a in places}.values():
-        _make_module_unshard_on_access(module, config, sync, notice)
+        _make_module_unshard_on_access(module, sync, notice)
     if config.broadcast_buffers:
         broadcast_buffers_in_forward(model, group, sync)
     if config.param_dtype is not None:
@@ -170,10 +202,7 @@ def shard(
     model._zero_config = config
     for prefix, module in model.named_modules():
         module._zero_prefix = prefix  # what the registration guard names; its mark of a sharded model
-    _install_optimizer_check()
-    _install_registration_guard()
-    if config.steady_heap and group_device(group).type == "cpu":
-        keep_heap_steady_while_alive(model)
+    _WHILE_SHARDED.hold(model)
     return model
 
 
@@ -364,9 +393,7 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     return type(cls.__name__, (cls,), attributes)
 
 
-def _make_module_unshard_on_access(
-    module: nn.Module, config: ZeroConfig, sync: GradientSync, notice: ShardedStateDictNotice
-) -> None:
+def _make_module_unshard_on_access(module: nn.Module, sync: GradientSync, notice: ShardedStateDictNotice) -> None:
     names = tuple(name for name, p in module._parameters.items() if p is not None)
     module._zero_shards = {name: module._parameters[name] for name in names}  # what the properties expect
     slots, access = {}, {}
@@ -376,34 +403,15 @@ def _make_module_unshard_on_access(
         # The marker's arguments after the shard (see zerocompile.passes.markers.unshard). The FQN
         # is left out: Dynamo would guard on it, and every block of a model compiled block by block
         # (or split by graph breaks) would then compile a graph of its own. The backend fills it in.
-        markers = (*info.marker_args(), "", config.param_dtype, config.reduce_dtype)
+        markers, keywords = info.marker_args(shard.dtype).call()
         # The property's one lookup: the sharded shape, the marker's arguments.
-        access[name] = (sharded_shape(info), markers, _marker_keywords(info, shard.dtype))
+        access[name] = (sharded_shape(info), markers, keywords)
     module._zero_slots = slots
     module._zero_access = access
     module._zero_sync = sync  # one per model: what no_sync(model) enters and exits
     module.__class__ = _sharded_class(type(module), names)
     module.register_load_state_dict_pre_hook(_keep_this_ranks_slice_of_full_tensors)
     module.register_state_dict_post_hook(notice)
-
-
-def _marker_keywords(info: ShardInfo, dtype: torch.dtype) -> dict[str, Any]:
-    """The markers' optional keywords for this parameter: block sizes of the collectives its
-    config quantises and its replica group (hybrid sharding), each left out where it does not
-    apply (so default graphs read as before). A parameter that is not floating point (an integer
-    table) travels exactly: int8 codes would round it."""
-    keywords: dict[str, Any] = {}
-    if dtype.is_floating_point and info.config.gather_quant and info.policy.shards_parameters:
-        keywords["gather_quant_block"] = info.config.quant_block
-    if dtype.is_floating_point and info.config.reduce_quant:
-        keywords["reduce_quant_block"] = info.config.quant_block
-    if info.replicas > 1:
-        keywords["replica_group"] = info.replica_group_name
-        keywords["replicas"] = info.replicas
-    if info.secondary_size > 1:
-        keywords["secondary_group"] = info.secondary_group_name
-        keywords["secondary_size"] = info.secondary_size
-    return keywords
 
 
 def _keep_this_ranks_slice_of_full_tensors(
@@ -540,18 +548,7 @@ def _refuse_new_submodule(module: nn.Module, name: str, submodule: nn.Module | N
     )
 
 
-@functools.cache
-def _install_registration_guard() -> None:
-    from torch.nn.modules.module import (
-        register_module_module_registration_hook,
-        register_module_parameter_registration_hook,
-    )
-
-    register_module_parameter_registration_hook(_refuse_new_parameter)
-    register_module_module_registration_hook(_refuse_new_submodule)
-
-
-def _check_optimizer_state(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Before a step: an optimizer that cannot step on the shards, or state made for the full
     parameter, which means shard() came after the optimizer stepped (or built its state)."""
     sharded = [(p, info) for group in optimizer.param_groups for p in group["params"] if (info := shard_info(p)) is not None]
@@ -572,9 +569,18 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
                     )
 
 
-@functools.cache
-def _install_optimizer_check() -> None:
-    register_optimizer_step_pre_hook(_check_optimizer_state)
+def _trims_heap(param: torch.Tensor) -> bool:
+    info = shard_info(param)
+    return info is not None and info.config.trim_heap and param.device.type == "cpu"
+
+
+_WHILE_SHARDED = ProcessHooks(
+    optimizer_checks=(_check_optimizer_state, check_nothing_pending),
+    holds_sharded=lambda param: shard_info(param) is not None,
+    trims=_trims_heap,
+    parameter_registration=_refuse_new_parameter,
+    module_registration=_refuse_new_submodule,
+)
 
 
 def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:

@@ -33,7 +33,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from zerocompile.checkpoint import _is_sharded, _persistent_buffers, _resolve, _valid_numel, parameter_names, unwrap_model
-from zerocompile.checkpoint_files import _fsync_directory, write_json
+from zerocompile.checkpoint_files import SAFETENSORS_DTYPES, _fsync_directory, write_json
 from zerocompile.sharding import ShardInfo, shard_info
 
 SINGLE_FILE = "model.safetensors"
@@ -364,18 +364,12 @@ def _parse_size(size: int | str) -> int:
     return int(float(match[1]) * _SIZE_UNITS[match[2]])
 
 
-def _safetensors_dtypes() -> dict[torch.dtype, str]:
-    from zerocompile.tools.convert import SAFETENSORS_DTYPES  # the one table of the format's names
-
-    return SAFETENSORS_DTYPES
-
-
 def _check_dtypes(tensors: list[_ModelTensor]) -> None:
-    unsupported = [f"'{t.name}' ({t.tensor.dtype})" for t in tensors if t.tensor.dtype not in _safetensors_dtypes()]
+    unsupported = [f"'{t.name}' ({t.tensor.dtype})" for t in tensors if t.tensor.dtype not in SAFETENSORS_DTYPES]
     if unsupported:
         raise TypeError(
             f"save_weights cannot write {', '.join(unsupported)}: it writes the dtypes "
-            f"{sorted(str(d) for d in _safetensors_dtypes())}. Cast them (model.to(dtype)) first"
+            f"{sorted(str(d) for d in SAFETENSORS_DTYPES)}. Cast them (model.to(dtype)) first"
         )
 
 
@@ -531,12 +525,13 @@ def _partial(final: Path) -> Path:
 def _header(tensors: tuple[_ModelTensor, ...]) -> bytes:
     """The safetensors header: its length (8 bytes, little-endian), then JSON naming each tensor's
     dtype, shape and byte range in the data, padded with spaces so the data is 8-byte aligned."""
-    names = _safetensors_dtypes()
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     position = 0
     for tensor in tensors:
         end = position + tensor.nbytes
-        header[tensor.name] = {"dtype": names[tensor.tensor.dtype], "shape": list(tensor.shape), "data_offsets": [position, end]}
+        header[tensor.name] = {
+            "dtype": SAFETENSORS_DTYPES[tensor.tensor.dtype], "shape": list(tensor.shape), "data_offsets": [position, end]
+        }
         position = end
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
