@@ -20,7 +20,6 @@ from models import MODELS, local_batch
 from ranks import run_cases, run_on_ranks
 from test_parity import EAGER_TOLERANCE, INDUCTOR_TOLERANCE, _full_parameters
 from test_stages import _wchar
-from zerocompile.backend import compiled_graphs
 
 MICRO_STEPS = 4
 STEPS = 2
@@ -46,21 +45,22 @@ def accumulate(forward, model: nn.Module, no_sync, name: str, rank: int, world_s
         sent.append(_wchar() - before)
         losses.append(loss.item())
 
-    for step in range(STEPS):
-        sent.clear()
-        with no_sync() if no_sync is not None else contextlib.nullcontext():
-            for micro in range(MICRO_STEPS - 1):
-                micro_step(step, micro)
-        micro_step(step, MICRO_STEPS - 1)
-        optimizer.step()
-        optimizer.zero_grad()
-        if step == 0:
-            forwards_after_first_step = sum(g.kind == "forward" for g in compiled_graphs)
+    with zc.record_graphs() as graphs:
+        for step in range(STEPS):
+            sent.clear()
+            with no_sync() if no_sync is not None else contextlib.nullcontext():
+                for micro in range(MICRO_STEPS - 1):
+                    micro_step(step, micro)
+            micro_step(step, MICRO_STEPS - 1)
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 0:
+                forwards_after_first_step = sum(g.kind == "forward" for g in graphs)
     return {
         "losses": losses,
         "params": _full_parameters(model),
         "sent": list(sent),  # the last step's micro-steps
-        "forward_graphs": sum(g.kind == "forward" for g in compiled_graphs),
+        "forward_graphs": sum(g.kind == "forward" for g in graphs),
         "forward_graphs_after_first_step": forwards_after_first_step,
     }
 
@@ -76,7 +76,6 @@ def _zero(case: tuple, rank: int, world_size: int) -> dict:
     """Ours for `case` (see CASES); "bf16": compute in bf16, reduce and accumulate in fp32."""
     mode, stage, compiler = case[:3]
     torch._dynamo.reset()
-    compiled_graphs.clear()
     torch.manual_seed(0)
     dtypes = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if "bf16" in case else {}
     model = zc.shard(MODELS[MODEL](), stage=stage, **dtypes)
@@ -180,7 +179,6 @@ def test_a_synced_step_after_no_sync_reuses_the_first_synced_graph(single_rank) 
     model = zc.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), stage=3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
-    compiled_graphs.clear()
 
     def step(accumulate: bool) -> None:
         if accumulate:
@@ -190,6 +188,7 @@ def test_a_synced_step_after_no_sync_reuses_the_first_synced_graph(single_rank) 
         optimizer.step()
         optimizer.zero_grad()
 
-    for accumulate in (False, True, False, True, False):
-        step(accumulate)
-    assert sum(g.kind == "forward" for g in compiled_graphs) == 3
+    with zc.record_graphs() as graphs:
+        for accumulate in (False, True, False, True, False):
+            step(accumulate)
+    assert sum(g.kind == "forward" for g in graphs) == 3

@@ -26,7 +26,6 @@ from fx_helpers import on, trace
 from models import CheckpointedMLP, local_batch
 from ranks import run_on_ranks
 from test_parity import _full_parameters
-from zerocompile.backend import compiled_graphs
 from zerocompile.passes.markers import UNSHARD
 from zerocompile.passes.recompute_gathers import tag_gathers_for_recompute
 from zerocompile.tools.gpt import GPT, SIZES
@@ -64,18 +63,18 @@ def checkpointing_report(rank: int, world_size: int, name: str, stages: list[int
     for stage in stages:
         try:
             torch._dynamo.reset()
-            compiled_graphs.clear()
             torch.manual_seed(0)
             model = zc.shard(build(), stage=stage)
             # One parameter per collective: each gather in the ledger names one parameter.
             compiled = torch.compile(model, backend="zero", options={"compiler": compiler, "bucket_bytes": 0})
-            losses = _train(model, compiled, name, rank)
+            with zc.record_graphs() as records:
+                losses = _train(model, compiled, name, rank)
             params = _full_parameters(model)
-            graphs = {g.kind: g for g in compiled_graphs}
+            graphs = {g.kind: g for g in records}
             report[stage] = {
                 "loss_error": max(abs(a - b) for a, b in zip(losses, reference_losses)),
                 "param_error": max((params[k] - p.detach()).abs().max().item() for k, p in reference.named_parameters()),
-                "kinds": sorted(g.kind for g in compiled_graphs),
+                "kinds": sorted(g.kind for g in records),
                 "saved_gathered": graphs["forward"].saved_gathered,
                 "gathers": {
                     kind: Counter(fqn for e in g.ledger.entries if e.op == "all_gather" for fqn in e.params)

@@ -12,7 +12,6 @@ from torch import nn
 
 import zerocompile as zc
 from ranks import run_cases, run_on_ranks
-from zerocompile.backend import compiled_graphs
 
 LR = 0.5  # plain SGD: a wrongly scaled gradient moves the parameters visibly
 # Running statistics are means and variances of the same float32 activations on both sides, as
@@ -63,18 +62,18 @@ def _case(stage: int, broadcast: bool, compiler: str, rank: int) -> dict:
     _schedule(reference, ddp, torch.optim.SGD(reference.parameters(), lr=LR), ddp.no_sync, rank)
 
     torch._dynamo.reset()
-    compiled_graphs.clear()
     torch.manual_seed(0)
     model = zc.shard(BatchNormMLP(), stage=stage, broadcast_buffers=broadcast)
     compiled = torch.compile(model, backend="zero", options={"compiler": compiler})
-    _schedule(model, compiled, torch.optim.SGD(model.parameters(), lr=LR), lambda: zc.no_sync(model), rank)
+    with zc.record_graphs() as graphs:
+        _schedule(model, compiled, torch.optim.SGD(model.parameters(), lr=LR), lambda: zc.no_sync(model), rank)
 
     buffers = {name: (b.float() - dict(reference.named_buffers())[name].float()).abs().max().item() for name, b in model.named_buffers()}
     with zc.gathered(model):  # (its exit re-broadcasts buffers: read them before)
         parameters = max((p - dict(reference.named_parameters())[n]).abs().max().item() for n, p in model.named_parameters())
     # Whether each graph holding a broadcast also computes the model (its Linear layers' addmm).
     broadcasts = [
-        "addmm" in g.code for g in compiled_graphs if any(e.op == "broadcast" for e in g.ledger.entries)
+        "addmm" in g.code for g in graphs if any(e.op == "broadcast" for e in g.ledger.entries)
     ]
     return {"buffers": buffers, "parameters": parameters, "broadcasts": broadcasts}
 

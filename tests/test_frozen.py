@@ -21,7 +21,6 @@ from ranks import run_cases, run_on_ranks
 from test_accumulation import MICRO_STEPS, accumulate
 from test_parity import EAGER_TOLERANCE, _full_parameters
 from test_stages import _wchar
-from zerocompile.backend import compiled_graphs
 
 STAGES = (0, 1, 2, 3)
 STEPS = 3
@@ -53,11 +52,11 @@ def _train(model: nn.Module, forward, rank: int) -> dict:
 
 def _sharded(stage: int) -> dict:
     torch._dynamo.reset()
-    compiled_graphs.clear()
     torch.manual_seed(0)
     model = zc.shard(LoRAMLP(), stage=stage)
-    outcome = _train(model, torch.compile(model, backend="zero", options={"compiler": "eager"}), dist.get_rank())
-    entries = [entry for graph in compiled_graphs for entry in graph.ledger.entries]
+    with zc.record_graphs() as graphs:
+        outcome = _train(model, torch.compile(model, backend="zero", options={"compiler": "eager"}), dist.get_rank())
+    entries = [entry for graph in graphs for entry in graph.ledger.entries]
     trainable = [p for p in model.parameters() if p.requires_grad]
     outcome.update(
         reduced=sorted({fqn for e in entries if e.op != "all_gather" for fqn in e.params}),

@@ -57,12 +57,14 @@ def _batch(rank: int) -> torch.Tensor:
 
 
 def _identical(rank: int) -> dict:
-    """Two training steps on identical ranks: the guard runs once per graph and finds nothing."""
-    checks, written = guard.stats.checks, guard.stats.bytes_written
-    compiled = _compiled(3, branch_on_rank=False)
-    for _ in range(2):
-        compiled(_batch(rank)).backward()
-    return {"checks": guard.stats.checks - checks, "bytes_written": guard.stats.bytes_written - written}
+    """Two training steps on identical ranks: the guard runs once per graph and finds nothing.
+    Counted by every `record_stats()` block open, the outer one too."""
+    with guard.record_stats() as outer:
+        with guard.record_stats() as stats:
+            compiled = _compiled(3, branch_on_rank=False)
+            for _ in range(2):
+                compiled(_batch(rank)).backward()
+    return {"checks": stats.checks, "bytes_written": stats.bytes_written, "outer": outer == stats}
 
 
 def _diverging(stage: int, rank: int) -> dict:
@@ -117,29 +119,27 @@ class _RecordingStore:
 def _recompiling_alone(rank: int) -> dict:
     """Rank 1's second batch has another length, so it alone recompiles (for a dynamic batch
     size); the collectives still match, and training must go on after a bounded wait."""
-    unanswered = guard.stats.unanswered
     waits: list[timedelta] = []
     real_store = guard._get_process_group_store
     # Ranks are not pytest tests: no fixture, but the same restoring patch.
-    with pytest.MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch, guard.record_stats() as stats:
         patch.setattr(guard, "PEER_WAIT", PEER_WAIT)
         patch.setattr(guard, "_get_process_group_store", lambda group: _RecordingStore(real_store(group), waits))
         compiled = _compiled(3, branch_on_rank=False)
         compiled(_batch(rank)).backward()
         compiled(torch.randn(3 if rank == 1 else 4, 8)).backward()
-    return {"unanswered": guard.stats.unanswered - unanswered, "waits": waits}
+    return {"unanswered": stats.unanswered, "waits": waits}
 
 
 def _recompiling_together_after_a_reset(rank: int) -> dict:
     """After `_recompiling_alone` (rank 1 compiled frame 0/1 alone) and a reset, both ranks train
     and recompile frame 0/1 together: the guard must compare every graph, waiting for nothing."""
-    unanswered, checks = guard.stats.unanswered, guard.stats.checks
-    with pytest.MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch, guard.record_stats() as stats:
         patch.setattr(guard, "PEER_WAIT", PEER_WAIT)
         compiled = _compiled(3, branch_on_rank=False)  # resets Dynamo
         compiled(_batch(rank)).backward()
         compiled(torch.randn(3, 8)).backward()
-    return {"unanswered": guard.stats.unanswered - unanswered, "checks": guard.stats.checks - checks}
+    return {"unanswered": stats.unanswered, "checks": stats.checks}
 
 
 def guard_report(rank: int, world_size: int) -> dict:
@@ -176,6 +176,7 @@ def test_identical_ranks_pass_the_guard_cheaply(reports) -> None:
         # One training graph; the guard compared it once and wrote one small schedule.
         assert outcome["checks"] == 1
         assert 0 < outcome["bytes_written"] < 4096
+        assert outcome["outer"], "the outer record_stats() block counted otherwise"
 
 
 @pytest.mark.parametrize("stage", [3, 2])

@@ -84,8 +84,6 @@ def _reference(name: str, rank: int, world_size: int) -> tuple[list[float], dict
 
 def hf_report(rank: int, world_size: int, cases: list[tuple[str, int, str]]) -> dict:
     """{(model, stage, compiler): facts, or the traceback of a failure}; parameter facts on rank 0."""
-    from zerocompile.backend import compiled_graphs
-
     report = {}
     references = {}
     for case in cases:
@@ -95,18 +93,18 @@ def hf_report(rank: int, world_size: int, cases: list[tuple[str, int, str]]) -> 
                 references[name] = _reference(name, rank, world_size)
             ref_losses, ref_state = references[name]
             torch._dynamo.reset()
-            compiled_graphs.clear()
             torch.manual_seed(0)
             model = zc.shard(build_model(name), stage=stage)
             compiled = torch.compile(model, backend="zero", options={"compiler": compiler})
-            losses = _train(model, compiled, rank, world_size)
+            with zc.record_graphs() as graphs:
+                losses = _train(model, compiled, rank, world_size)
             state = zc.full_state_dict(model)
             report[case] = {
                 "loss_error": max(abs(a - b) for a, b in zip(losses, ref_losses)),
                 "param_error": max((state[k] - ref_state[k]).abs().max().item() for k in state) if state else None,
                 "names": sorted(state),
                 "ref_names": sorted(ref_state),
-                "dynamo_graphs": len({graph.compile_id for graph in compiled_graphs}),
+                "dynamo_graphs": len({graph.compile_id for graph in graphs}),
                 # The Parameter objects (`.weight` now returns a gathered tensor, new each access).
                 "tied": model.lm_head._parameters["weight"] is model.get_input_embeddings()._parameters["weight"],
             }

@@ -22,7 +22,6 @@ from torch.utils.checkpoint import CheckpointPolicy
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import zerocompile as zc
-from zerocompile import backend
 from fx_helpers import on, trace
 from models import MODELS, local_batch
 from ranks import run_on_ranks
@@ -105,12 +104,11 @@ def _hybrid_run(
     layout: str = "K",
     settings: dict | None = None,
 ) -> tuple:
-    with pytest.MonkeyPatch.context() as monkeypatch:
+    with pytest.MonkeyPatch.context() as monkeypatch, zc.record_graphs() as graphs:
         if broken:
             _without_replica_average(monkeypatch)
         torch._dynamo.reset()
         torch.manual_seed(0)
-        backend.compiled_graphs.clear()
         model = zc.shard(MODELS[name](), stage=stage, **_layout(layout), **(settings or {}))
         cls, lr = OPTIMIZERS[optimizer]
         opt = cls(model.parameters(), lr=lr)
@@ -121,8 +119,7 @@ def _hybrid_run(
         opt.step()
         opt.zero_grad()
     # The group sizes of the backward's gathers (stage 3 re-gathers: over K with hpZ).
-    regathered = {e.group_size for g in backend.compiled_graphs if g.kind == "backward" for e in g.ledger.entries if e.op == "all_gather"}
-    backend.compiled_graphs.clear()
+    regathered = {e.group_size for g in graphs if g.kind == "backward" for e in g.ledger.entries if e.op == "all_gather"}
     return model, {"held": held, "regathered": regathered}
 
 
@@ -230,21 +227,21 @@ def bytes_report(rank: int, world_size: int, dump_root: str) -> dict[str, dict]:
     report = {}
     for layout in ("K", "hpz"):
         torch._dynamo.reset()
-        backend.compiled_graphs.clear()
         torch.manual_seed(0)
         model = zc.shard(DeepMLP(), stage=3, **_layout(layout))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         options = {"compiler": "eager", "bucket_bytes": 2**20, "dump_dir": str(Path(dump_root, layout))}
         compiled = torch.compile(model, backend="zero", options=options)
         x = torch.randn(4, 8)
-        for _ in range(3):
-            dist.barrier()
-            before = _wchar()
-            compiled(x).backward()
-            written = _wchar() - before
-            optimizer.step()
-            optimizer.zero_grad()
-        ledgers = [graph.ledger for graph in backend.compiled_graphs]
+        with zc.record_graphs() as graphs:
+            for _ in range(3):
+                dist.barrier()
+                before = _wchar()
+                compiled(x).backward()
+                written = _wchar() - before
+                optimizer.step()
+                optimizer.zero_grad()
+        ledgers = [graph.ledger for graph in graphs]
         report[layout] = {
             "written": written,
             "ledger": sum(ledger.sent_bytes for ledger in ledgers),
@@ -442,6 +439,78 @@ def test_the_ledger_splits_bytes_inside_the_group_and_across_replicas(group_name
 
 
 # ---------------------------------------------------------------------------------------------
+# A world destroyed and made again: its hybrid groups are made again too
+
+
+def _one_hybrid_step(rank: int) -> tuple[nn.Module, tuple[dist.ProcessGroup, ...]]:
+    """One eager stage-3 SGD step of the uneven MLP in groups of 2, and the groups it used."""
+    from zerocompile.hybrid import hybrid_groups
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = zc.shard(MODELS["uneven_mlp"](), stage=3, shard_size=SHARD_SIZE)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
+    compiled(local_batch("uneven_mlp", 0, rank, WORLD)).backward()
+    optimizer.step()
+    groups = hybrid_groups(dist.group.WORLD, SHARD_SIZE)  # what shard() got: made once per world
+    return model, (groups.shard, groups.replicate)
+
+
+def reinitialised_world_report(rank: int, world_size: int, rendezvous: str) -> dict:
+    """Train a step in groups of 2, destroy the world, make a new one, and train the same step."""
+    import gc
+    import weakref
+
+    from zerocompile import hybrid
+
+    model, groups = _one_hybrid_step(rank)
+    before = _parameters_of(model)
+    names = [group.group_name for group in groups]
+    dead = [weakref.ref(group) for group in (*groups, dist.group.WORLD)]
+    del model, groups
+    dist.barrier()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    try:
+        try:
+            model, groups = _one_hybrid_step(rank)
+            after = _parameters_of(model)
+        except Exception:
+            return {"error": traceback.format_exc()}
+        gc.collect()
+        return {
+            "error": None,
+            "same_step": all(torch.equal(before[name], after[name]) for name in before),
+            # torch names such groups after their ranks: the new ones carry the old names
+            "same_names": [group.group_name for group in groups] == names,
+            "fresh": all(ref() is not group for ref in dead for group in groups),
+            "dead_released": [ref() is None for ref in dead],
+            "worlds_kept": len(hybrid._GROUPS),
+        }
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()  # the pool makes its own world again for the next job
+
+
+def _parameters_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    with zc.gathered(model):
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_a_world_made_again_gets_new_hybrid_groups(tmp_path: Path) -> None:
+    """After destroy_process_group() and init_process_group(), shard() makes its groups in the new
+    world (the destroyed world's are gone) and the same step trains to the same parameters. New
+    ranks: what earlier jobs left (a saved checkpoint's cached DeviceMesh holds its groups) would
+    keep the old world alive whatever this cache does."""
+    for report in run_on_ranks(WORLD, reinitialised_world_report, str(tmp_path / "rendezvous"), fresh=True):
+        assert report["error"] is None, report["error"]
+        assert report["same_step"] and report["same_names"] and report["fresh"]
+        assert report["dead_released"] == [True, True, True]  # the old world and its two groups
+        assert report["worlds_kept"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
 # Bad input: errors that name the numbers and the fix, before anything changes
 
 
@@ -538,7 +607,6 @@ def test_hpz_pass_leaves_local_copies_and_plain_stage_3_alone(local: bool, secon
 
 @pytest.mark.usefixtures("group_name")
 def test_a_mesh_that_disagrees_with_the_group_or_is_not_replicate_by_shard_is_refused() -> None:
-    from torch.distributed.device_mesh import DeviceMesh
 
     half = DeviceMesh("cpu", [[0, 1]], mesh_dim_names=("replicate", "shard"))  # 2 of the 4 ranks
     with pytest.raises(ValueError, match=r"DeviceMesh holds ranks \[\[0, 1\]\] but the sharding group has ranks \[0, 1, 2, 3\]"):

@@ -23,7 +23,6 @@ import zerocompile as zc
 from models import UnevenMLP, local_batch
 from ranks import run_cases, run_on_ranks
 from test_parity import _full_parameters
-from zerocompile.backend import compiled_graphs
 from zerocompile.sharding import shard_info
 from zerocompile.tools.gpt import GPT, SIZES
 
@@ -68,7 +67,6 @@ def _max_difference(params: dict[str, torch.Tensor], reference: nn.Module) -> fl
 def _inference_case(case: Case, stage: int, rank: int, compiler: str, schedule: tuple[str, ...]) -> dict[str, Any]:
     """Run `schedule` ("train" steps, "eval" forwards) on one compiled sharded model and on DDP."""
     torch._dynamo.reset()
-    compiled_graphs.clear()
     torch.manual_seed(0)
     reference = case.build()
     ddp = nn.parallel.DistributedDataParallel(reference)
@@ -79,20 +77,21 @@ def _inference_case(case: Case, stage: int, rank: int, compiler: str, schedule: 
     # One parameter per collective, so the stage-3 window is a parameter and the prefetched one.
     compiled = torch.compile(model, backend="zero", options={"compiler": compiler, "bucket_bytes": 0})
     loss_error = eval_error = 0.0
-    for step, mode in enumerate(schedule):
-        batch = local_batch(case.data, step, rank, WORLD_SIZE)
-        if mode == "train":
-            loss = _step(model, compiled, optimizer, case, batch)
-            loss_error = max(loss_error, abs(loss - _step(reference, ddp, reference_optimizer, case, batch)))
-            continue
-        model.eval()
-        reference.eval()
-        with torch.no_grad():
-            output = case.infer(compiled, batch)
-            eval_error = max(eval_error, (output - case.infer(reference, batch)).abs().max().item())
-        model.train()
-        reference.train()
-    inference = [g for g in compiled_graphs if g.kind == "inference"]
+    with zc.record_graphs() as graphs:
+        for step, mode in enumerate(schedule):
+            batch = local_batch(case.data, step, rank, WORLD_SIZE)
+            if mode == "train":
+                loss = _step(model, compiled, optimizer, case, batch)
+                loss_error = max(loss_error, abs(loss - _step(reference, ddp, reference_optimizer, case, batch)))
+                continue
+            model.eval()
+            reference.eval()
+            with torch.no_grad():
+                output = case.infer(compiled, batch)
+                eval_error = max(eval_error, (output - case.infer(reference, batch)).abs().max().item())
+            model.train()
+            reference.train()
+    inference = [g for g in graphs if g.kind == "inference"]
     # gathered buffers hold the padding too
     gathered_numels = {p: info.shard_numel * WORLD_SIZE for p in model.parameters() if (info := shard_info(p))}
     tied = [n for p, n in gathered_numels.items() if len(shard_info(p).names) > 1]
@@ -103,7 +102,7 @@ def _inference_case(case: Case, stage: int, rank: int, compiler: str, schedule: 
         "loss_error": loss_error,
         "eval_error": eval_error,
         "param_error": _max_difference(_full_parameters(model), reference),
-        "kinds": sorted(g.kind for g in compiled_graphs),
+        "kinds": sorted(g.kind for g in graphs),
         "inference_ops": [[e.op for e in g.ledger.entries] for g in inference],
         "peak_gathered": [g.peak_gathered_numel for g in inference],
         # stage 3: a tied weight stays gathered across its uses; any other parameter only while in
@@ -146,7 +145,6 @@ def _gathered_case(stage: int, rank: int, param_dtype: torch.dtype | None) -> di
     train two more; DDP gets the same values written between the same steps."""
     case = dataclasses.replace(CASES["gpt"], build=_build_gpt_with_frozen_norm)
     torch._dynamo.reset()
-    compiled_graphs.clear()
     torch.manual_seed(0)
     reference = case.build()
     ddp = nn.parallel.DistributedDataParallel(reference)
@@ -158,7 +156,6 @@ def _gathered_case(stage: int, rank: int, param_dtype: torch.dtype | None) -> di
     batches = [local_batch(case.data, step, rank, WORLD_SIZE) for step in range(3)]
     losses = [_step(model, compiled, optimizer, case, batches[0])]
     reference_losses = [_step(reference, ddp, reference_optimizer, case, batches[0])]
-    graphs_before = len(compiled_graphs)
     shards_before = {fqn: (p.data_ptr(), tuple(p.shape)) for fqn, p in model.named_parameters()}
     values = _new_values(reference)
     facts: dict[str, Any] = {}
@@ -179,10 +176,11 @@ def _gathered_case(stage: int, rank: int, param_dtype: torch.dtype | None) -> di
             param.copy_(values[fqn])
     facts["written_error"] = max((_full_parameters(model)[k] - v).abs().max().item() for k, v in values.items())
     facts["shards_in_place"] = shards_before == {fqn: (p.data_ptr(), tuple(p.shape)) for fqn, p in model.named_parameters()}
-    for batch in batches[1:]:
-        losses.append(_step(model, compiled, optimizer, case, batch))
-        reference_losses.append(_step(reference, ddp, reference_optimizer, case, batch))
-    facts["new_graphs_after_block"] = len(compiled_graphs) - graphs_before
+    with zc.record_graphs() as graphs_after:  # only uncompiled code runs before, in the block
+        for batch in batches[1:]:
+            losses.append(_step(model, compiled, optimizer, case, batch))
+            reference_losses.append(_step(reference, ddp, reference_optimizer, case, batch))
+    facts["new_graphs_after_block"] = len(graphs_after)
     if param_dtype is not None:
         facts["loss_finite"] = all(torch.isfinite(torch.tensor(losses)))
         return facts

@@ -202,22 +202,22 @@ def _budgeted(name: str, optimizer: str, budget: str, compiler: str, rank: int, 
     """Stage 3 within the budget: its largest parameter difference from DDP, and what its graphs
     keep and gather."""
     torch._dynamo.reset()
-    backend.compiled_graphs.clear()
     torch.manual_seed(0)
     model = BUDGET_MODELS[name]()
     model = zc.shard(model, stage=3, memory_budget=_budget(budget, model))
     compiled = torch.compile(model, backend="zero", options={"compiler": compiler})
-    _train(model, compiled, _optimizer(optimizer, model), name, rank, world_size)
+    with zc.record_graphs() as graphs:
+        _train(model, compiled, _optimizer(optimizer, model), name, rank, world_size)
     with zc.gathered(model):
         error = max((p.detach() - reference[fqn]).abs().max().item() for fqn, p in model.named_parameters())
-    return {"error": error, **_graph_facts()}
+    return {"error": error, **_graph_facts(graphs)}
 
 
-def _graph_facts() -> dict:
+def _graph_facts(graphs: list) -> dict:
     """Per graph kind, over its graphs: the parameters kept (and bytes, per graph), those
     gathered, and the forward's saved gathered values."""
     facts: dict = {}
-    for graph in backend.compiled_graphs:
+    for graph in graphs:
         record = facts.setdefault(graph.kind, {"kept": [], "kept_bytes": [], "gathers": [], "saved": []})
         record["kept"] += graph.ledger.kept_params
         record["kept_bytes"].append(graph.ledger.kept_bytes)
@@ -229,7 +229,6 @@ def _graph_facts() -> dict:
 def _deep_mlp_bytes(budget: str) -> dict:
     """One step of DeepMLP (Φ ≈ 1.1M) after warm-up: bytes written, and the ledger's figures."""
     torch._dynamo.reset()
-    backend.compiled_graphs.clear()
     torch.manual_seed(0)
     model = DeepMLP()
     phi = sum(p.numel() for p in model.parameters())
@@ -241,21 +240,22 @@ def _deep_mlp_bytes(budget: str) -> dict:
     )
     x = torch.randn(4, 8)
     sent = []
-    for _ in range(3):
-        dist.barrier()
-        before = _wchar()
-        compiled(x).backward()
-        sent.append(_wchar() - before)
-        optimizer.step()
-        optimizer.zero_grad()
+    with zc.record_graphs() as graphs:
+        for _ in range(3):
+            dist.barrier()
+            before = _wchar()
+            compiled(x).backward()
+            sent.append(_wchar() - before)
+            optimizer.step()
+            optimizer.zero_grad()
     return {
         "phi": phi,
         "budget": memory_budget,
         "sent": sent[-1],
-        "predicted": sum(graph.ledger.sent_bytes for graph in backend.compiled_graphs),
-        "peak": max(graph.ledger.peak_gathered_bytes for graph in backend.compiled_graphs),
-        "kept_bytes": max(graph.ledger.kept_bytes for graph in backend.compiled_graphs),
-        "backward_peak": next(g.ledger.peak_gathered_bytes for g in backend.compiled_graphs if g.kind == "backward"),
+        "predicted": sum(graph.ledger.sent_bytes for graph in graphs),
+        "peak": max(graph.ledger.peak_gathered_bytes for graph in graphs),
+        "kept_bytes": max(graph.ledger.kept_bytes for graph in graphs),
+        "backward_peak": next(g.ledger.peak_gathered_bytes for g in graphs if g.kind == "backward"),
         "optimizer_bytes": zc.model_state_bytes(model, optimizer)["optimizer"],
         "shard_numel": sum(zc.sharding.shard_info(p).shard_numel for p in model.parameters()),
     }

@@ -10,7 +10,6 @@ import zerocompile as zc
 from models import MODELS, local_batch
 from ranks import run_on_ranks
 from test_stages import _wchar
-from zerocompile.backend import compiled_graphs
 
 STEPS = 6
 
@@ -19,7 +18,6 @@ def train(
     rank: int, world_size: int, stage: int, param_dtype: torch.dtype | None, compiler: str = "eager", name: str = "tied_gpt"
 ) -> dict:
     torch._dynamo.reset()
-    compiled_graphs.clear()
     torch.manual_seed(0)
     model = MODELS[name]()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -27,17 +25,18 @@ def train(
     zc.shard(model, stage=stage, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     compiled = torch.compile(model, backend="zero", options={"compiler": compiler})
     losses, sent = [], []
-    for step in range(STEPS):
-        dist.barrier()
-        before = _wchar()
-        loss = compiled(local_batch(name, step, rank, world_size))
-        loss.backward()
-        sent.append(_wchar() - before)
-        grad_dtypes = {p.grad.dtype for p in model.parameters() if p.grad is not None}
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.float().item())
-    gathered = sum(e.sent_bytes for g in compiled_graphs for e in g.ledger.entries if e.op == "all_gather")
+    with zc.record_graphs() as graphs:
+        for step in range(STEPS):
+            dist.barrier()
+            before = _wchar()
+            loss = compiled(local_batch(name, step, rank, world_size))
+            loss.backward()
+            sent.append(_wchar() - before)
+            grad_dtypes = {p.grad.dtype for p in model.parameters() if p.grad is not None}
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.float().item())
+    gathered = sum(e.sent_bytes for g in graphs for e in g.ledger.entries if e.op == "all_gather")
     return {
         "losses": losses,
         "sent": sent[-1],

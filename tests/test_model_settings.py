@@ -17,7 +17,6 @@ from torch import nn
 import zerocompile as zc
 from models import ReusedWeight, UnevenMLP, local_batch
 from ranks import run_on_ranks
-from zerocompile.backend import compiled_graphs
 
 STEPS = 4
 # Plain SGD at a large rate: a gradient scaled wrongly (summed, or averaged twice) moves the
@@ -94,9 +93,9 @@ def _error(ours: nn.Module, theirs: nn.Module) -> float:
     return max((full[fqn] - p).abs().max().item() for fqn, p in theirs.named_parameters())
 
 
-def _entries() -> list[tuple[str, str, tuple[str, ...], str]]:
+def _entries(graphs: list) -> list[tuple[str, str, tuple[str, ...], str]]:
     """(graph kind, op, parameters served, dtype) of every collective of every compiled graph."""
-    return [(g.kind, e.op, tuple(e.params), e.dtype) for g in compiled_graphs for e in g.ledger.entries]
+    return [(g.kind, e.op, tuple(e.params), e.dtype) for g in graphs for e in g.ledger.entries]
 
 
 def two_models_side_by_side(rank: int, world_size: int) -> dict:
@@ -112,21 +111,21 @@ def two_models_side_by_side(rank: int, world_size: int) -> dict:
         world_size,
     )
     torch._dynamo.reset()
-    compiled_graphs.clear()
     actor, critic = _build(seed=0)
     zc.shard(actor, **ACTOR)
     zc.shard(critic, **CRITIC)
     options = {"compiler": "eager"}
-    _train(
-        [
-            (actor, torch.compile(actor, backend="zero", options=options), "uneven_mlp"),
-            (critic, torch.compile(critic, backend="zero", options=options), "reused_weight"),
-        ],
-        rank,
-        world_size,
-    )
+    with zc.record_graphs() as graphs:
+        _train(
+            [
+                (actor, torch.compile(actor, backend="zero", options=options), "uneven_mlp"),
+                (critic, torch.compile(critic, backend="zero", options=options), "reused_weight"),
+            ],
+            rank,
+            world_size,
+        )
     errors = {"actor": _error(actor, actor_twin), "critic": _error(critic, critic_twin)}
-    return {"errors": errors, "entries": _entries()}
+    return {"errors": errors, "entries": _entries(graphs)}
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -218,27 +217,27 @@ def teacher_beside_student(rank: int, world_size: int) -> dict:
     plain_teacher, student_twin = UnevenMLP(loss=False).eval(), _Student()
     plain_targets = _distil(plain_teacher, nn.parallel.DistributedDataParallel(student_twin), student_twin, rank, world_size)
     torch._dynamo.reset()
-    compiled_graphs.clear()
     torch.manual_seed(1)
     teacher, student = UnevenMLP(loss=False), _Student()
     zc.shard(teacher, **TEACHER)
     zc.shard(student, **STUDENT)
     teacher.eval()
     options = {"compiler": "eager"}
-    targets = _distil(
-        torch.compile(teacher, backend="zero", options=options),
-        torch.compile(student, backend="zero", options=options),
-        student,
-        rank,
-        world_size,
-    )
+    with zc.record_graphs() as graphs:
+        targets = _distil(
+            torch.compile(teacher, backend="zero", options=options),
+            torch.compile(student, backend="zero", options=options),
+            student,
+            rank,
+            world_size,
+        )
     return {
         "teacher_error": max((ours - plain).abs().max().item() for ours, plain in zip(targets, plain_targets)),
         "teacher_moved": _error(teacher, plain_teacher),
         "teacher_grads": [fqn for fqn, p in teacher.named_parameters() if p.grad is not None],
         "student_error": _error(student, student_twin),
-        "kinds": sorted(g.kind for g in compiled_graphs),
-        "entries": _entries(),
+        "kinds": sorted(g.kind for g in graphs),
+        "entries": _entries(graphs),
     }
 
 

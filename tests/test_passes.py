@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fx_helpers import WORLD, call_targets, markers_in, node_index, on, output_args, trace
-from zerocompile.passes import analysis, lowering
+from zerocompile.passes import analysis
 from zerocompile.passes.lower_markers import lower_markers
 from zerocompile.passes.markers import REDUCE_GRAD, UNSHARD, MarkerArgs, UnshardArgs, is_unshard
 from zerocompile.passes.merge_unshards import merge_repeated_unshards

@@ -31,7 +31,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import zerocompile as zc
 from ranks import run_on_ranks
-from zerocompile.backend import compiled_graphs
 from zerocompile.passes.stages import padded_numel
 from zerocompile.tools import plan
 from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
@@ -341,14 +340,13 @@ TRACED_PRECISIONS = {
 def traced_ledgers(factory, stage: int, example: torch.Tensor, targets: bool, settings: dict) -> list:
     """Ledgers of the forward and backward graphs the "zero" backend lowers for one step."""
     torch._dynamo.reset()
-    compiled_graphs.clear()
     model = zc.shard(factory(), stage=stage, **settings)
     compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
-    loss = compiled(example, example) if targets else compiled(example)
-    loss.backward()
-    ledgers = [graph.ledger for graph in compiled_graphs]
-    compiled_graphs.clear()  # leave no compiled state to the tests that follow
-    torch._dynamo.reset()
+    with zc.record_graphs() as graphs:
+        loss = compiled(example, example) if targets else compiled(example)
+        loss.backward()
+    ledgers = [graph.ledger for graph in graphs]
+    torch._dynamo.reset()  # leave no compiled state to the tests that follow
     return ledgers
 
 

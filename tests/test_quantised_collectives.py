@@ -239,7 +239,6 @@ def test_int8_training_stays_close_to_ddp_with_inductor(inductor_report, case):
 # -- the graphs and their bytes -----------------------------------------------------------------
 
 from test_snapshots import WORLD, FakeGroupTestCase, mlp_graphs  # noqa: E402
-from zerocompile import backend  # noqa: E402
 
 
 class TestInt8Graphs(FakeGroupTestCase):
@@ -267,12 +266,11 @@ class TestInt8Graphs(FakeGroupTestCase):
     def test_ledger_bytes_are_the_int8_formula_and_under_0_3_of_fp32(self) -> None:
         def sent(**settings) -> tuple[int, list[int]]:
             torch._dynamo.reset()
-            backend.compiled_graphs.clear()
             torch.manual_seed(0)
             model = zc.shard(TwoLayers(), 3, bucket_bytes=0, **settings)
-            torch.compile(model, backend="zero", options={"compiler": "eager"})(torch.randn(4, 300)).backward()
-            ledgers = [record.ledger for record in backend.compiled_graphs]
-            backend.compiled_graphs.clear()
+            with zc.record_graphs() as records:
+                torch.compile(model, backend="zero", options={"compiler": "eager"})(torch.randn(4, 300)).backward()
+            ledgers = [record.ledger for record in records]
             return sum(ledger.sent_bytes for ledger in ledgers), [p.numel() for p in TwoLayers().parameters()]
 
         fp32, numels = sent()

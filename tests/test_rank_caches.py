@@ -7,7 +7,6 @@ index in later tests reuse the directory (the C++ kernels are what makes the sui
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from ranks import run_on_ranks

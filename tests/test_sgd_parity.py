@@ -10,7 +10,6 @@ lowering patched to sum instead of average, the same comparison fails by orders 
 
 from __future__ import annotations
 
-import contextlib
 import traceback
 
 import pytest

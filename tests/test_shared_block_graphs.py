@@ -21,7 +21,6 @@ from torch import nn
 import zerocompile as zc
 from ranks import run_on_ranks
 from test_parity import EAGER_TOLERANCE, _full_parameters
-from zerocompile.backend import compiled_graphs
 
 DEPTH = 10  # > torch._dynamo.config.recompile_limit
 STEPS = 2
@@ -102,17 +101,17 @@ def _run(rank: int, world_size: int) -> dict:
     for layout in LAYOUTS:
         for accumulate in (False, True):
             torch._dynamo.reset()
-            compiled_graphs.clear()
             torch.manual_seed(0)
             model = zc.shard(Deep(graph_break=layout == "graph_break"), stage=3)
             forward = _compile(model, layout, "zero", {"compiler": "eager"})
             no_sync = (lambda model=model: zc.no_sync(model)) if accumulate else None
-            params = _train(model, forward, rank, world_size, no_sync)
+            with zc.record_graphs() as graphs:
+                params = _train(model, forward, rank, world_size, no_sync)
             dist.barrier()
             report[layout, accumulate] = {
                 "params": params,
-                "forward_graphs": sum(g.kind == "forward" for g in compiled_graphs),
-                "gathered": sorted({p for g in compiled_graphs for e in g.ledger.entries for p in e.params}),
+                "forward_graphs": sum(g.kind == "forward" for g in graphs),
+                "gathered": sorted({p for g in graphs for e in g.ledger.entries for p in e.params}),
             }
     return report
 

@@ -4,7 +4,7 @@ Two small models (an MLP whose sizes are not multiples of the world size, so eve
 padded, and a 2-layer GPT with tied embeddings) are sharded at each stage, compiled with
 backend="zero" and the eager compiler, and run once forward+backward on a fake 4-rank process
 group (collectives return garbage but never block: only the graphs matter). Each graph the backend
-records (`zerocompile.backend.compiled_graphs`) is normalized to one line per node:
+records (`zerocompile.record_graphs()`) is normalized to one line per node:
 
     input primals_1: f32[32]
     all_gather_into_tensor: f32[128] = _c10d_functional.all_gather_into_tensor(primals_1, 4, WORLD)  # param: fc1.weight; free: primals_1
@@ -170,7 +170,6 @@ def lowered_graphs(model: nn.Module, args: tuple, stage: int, **settings) -> tup
     """Shard (with `settings`), compile with the eager compiler, run forward+backward once;
     normalized (fw, bw)."""
     torch._dynamo.reset()
-    backend.compiled_graphs.clear()
     captured: list[fx.Graph] = []  # the lowered graphs themselves, for their nodes' meta
     lower = backend.lower_markers
 
@@ -182,12 +181,10 @@ def lowered_graphs(model: nn.Module, args: tuple, stage: int, **settings) -> tup
     try:
         zc.shard(model, stage, **settings)
         compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
-        with mock.patch.object(backend, "lower_markers", lower_and_capture):
+        with mock.patch.object(backend, "lower_markers", lower_and_capture), zc.record_graphs() as records:
             compiled(*args).backward()
-        records = list(backend.compiled_graphs)
     finally:
         torch._dynamo.reset()
-        backend.compiled_graphs.clear()
     assert len(records) == len(captured), "every recorded graph should have been captured once"
     kinds = [r.kind for r in records]
     assert kinds == ["forward", "backward"], f"expected one forward and one backward graph, got {kinds}"

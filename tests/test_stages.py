@@ -16,7 +16,6 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocompile as zc
-from zerocompile.backend import compiled_graphs
 from models import UnevenMLP
 from ranks import run_on_ranks
 
@@ -54,7 +53,6 @@ def stage_report(rank: int, world_size: int) -> dict[int, dict]:
     report = {}
     for stage in STAGES:
         torch._dynamo.reset()
-        compiled_graphs.clear()
         torch.manual_seed(0)
         model = DeepMLP()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -64,20 +62,21 @@ def stage_report(rank: int, world_size: int) -> dict[int, dict]:
         compiled = torch.compile(model, backend="zero", options=options)
         x = torch.randn(4, 8)
         sent = []
-        for _ in range(3):
-            dist.barrier()
-            before = _wchar()
-            compiled(x).backward()
-            sent.append(_wchar() - before)
-            optimizer.step()
-            held = zc.model_state_bytes(model, optimizer)
-            optimizer.zero_grad()
+        with zc.record_graphs() as graphs:
+            for _ in range(3):
+                dist.barrier()
+                before = _wchar()
+                compiled(x).backward()
+                sent.append(_wchar() - before)
+                optimizer.step()
+                held = zc.model_state_bytes(model, optimizer)
+                optimizer.zero_grad()
         report[stage] = {
             "phi": zc.full_numel(model),
             "shard_numels": [zc.sharding.shard_info(p).shard_numel for p in model.parameters()],
             "held": held,
             "sent_per_step": sent[-1],
-            "graphs": list(compiled_graphs),
+            "graphs": graphs,
         }
     return report
 

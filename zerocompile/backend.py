@@ -38,7 +38,7 @@ from torch.utils import _pytree as pytree
 from zerocompile import guard
 from zerocompile.config import COMPILE_TIME_FIELDS, ZeroConfig, refuse_concurrent_gloo_gathers
 from zerocompile.gathered import is_gathered
-from zerocompile import dump, torch_support, upstream_fixes
+from zerocompile import dump, graph_records, torch_support, upstream_fixes
 from zerocompile.passes import analysis, ledger
 from zerocompile.passes.ledger import GraphLedger
 from zerocompile.passes.lower_markers import lower_markers
@@ -52,7 +52,7 @@ from zerocompile.upstream_fixes import keep_every_iteration_of_split_loops
 
 
 class CompiledGraph:
-    """What one lowered forward/backward graph does; kept in `compiled_graphs` for inspection.
+    """What one lowered forward/backward graph does; kept for inspection by `record_graphs()`.
 
     Holds a copy of the graph as `lower_markers` left it (Inductor's later passes rewrite the
     original) and works out the facts on first access: measured, analysing every graph at
@@ -94,9 +94,6 @@ class CompiledGraph:
         return analysis.peak_unreduced_grad_numel(self.graph)
 
 
-compiled_graphs: list[CompiledGraph] = []
-
-
 def zero_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None) -> Callable:
     """`torch.compile(model, backend="zero", options={...})` lands here, once per Dynamo graph."""
     # Each of our steps is timed as Dynamo's own phases are: in torch._dynamo.utils.compile_times(),
@@ -115,7 +112,8 @@ def zero_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[st
         dump.emit_graph(directory, "dynamo", "after", "merge_repeated_unshards", gm.graph)
     with dynamo_timed("zerocompile.check_ranks_agree", log_pt2_compile_event=True):
         context = _check_ranks_agree(gm.graph, config) if config.check_ranks else None
-    lowering = Lowering(directory, config.bucket_bytes, config.prefetch)
+    # Bound now: the backward is lowered at its first call, maybe on an autograd thread.
+    lowering = Lowering(directory, config.bucket_bytes, config.prefetch, records=graph_records.open_records())
     if config.compiler == "eager":
         lower = functools.partial(_lower_and_run_eagerly, lowering=lowering, context=context)
         partition = functools.partial(_partition, directory=directory, memory_budget=config.memory_budget)
@@ -306,6 +304,8 @@ class Lowering:
     bucket_bytes: int
     prefetch: int
     decompositions: dict | None = None  # Inductor's table on the Inductor path
+    # The `record_graphs()` lists open where the compile started: each graph's record goes there.
+    records: tuple[list[CompiledGraph], ...] = dataclasses.field(default=(), compare=False)
 
 
 def _lower_and_record(graph: fx.Graph, lowering: Lowering) -> None:
@@ -314,10 +314,13 @@ def _lower_and_record(graph: fx.Graph, lowering: Lowering) -> None:
         dump.emit_graph(lowering.directory, kind, "before", "lower_markers", graph)
         lower_markers(graph, lowering.bucket_bytes, lowering.prefetch, lowering.decompositions)
         dump.emit_graph(lowering.directory, kind, "after", "lower_markers", graph)
+    if not lowering.records and lowering.directory is None:
+        return  # nobody reads the facts
     with dynamo_timed("zerocompile.record_graph", log_pt2_compile_event=True, metadata={"graph": kind}):
         record = CompiledGraph(kind, dump.compile_id(), _facts_only_copy(graph))
         dump.emit_ledger(lowering.directory, kind, lambda: record.ledger.to_json())
-    compiled_graphs.append(record)
+    for records in lowering.records:
+        records.append(record)
 
 
 # The node metadata the recorded facts are worked out from (see `analysis` and `ledger`).
@@ -328,9 +331,9 @@ def _facts_only_copy(graph: fx.Graph) -> fx.Graph:
     """A copy of `graph` whose nodes keep only the metadata the facts need, values as meta tensors.
 
     The graph's own values are fake tensors, which hold on to the compile's fake mode, and its
-    nodes carry stack traces and module stacks. Records are kept for every graph the process
-    compiles: for a 12m GPT's two stage-3 graphs, dropping them freed 6.6 MiB of RssAnon with
-    full copies and 4.9 MiB with these. Values with symbolic sizes stay as they are.
+    nodes carry stack traces and module stacks. Records live as long as the `record_graphs()`
+    lists that hold them: for a 12m GPT's two stage-3 graphs, dropping them freed 6.6 MiB of
+    RssAnon with full copies and 4.9 MiB with these. Values with symbolic sizes stay as they are.
     """
     copy = fx.Graph()
     copy.output(copy.graph_copy(graph, {}))

@@ -73,10 +73,24 @@ def _resolve(group_name: str) -> dist.ProcessGroup:
 
 @functools.cache
 def _mesh(group: dist.ProcessGroup, device_type: str) -> Any:
-    """One mesh per group object (a group re-created under the same name gets its own)."""
+    """One mesh per group object and device type, for one `save` or `load` (`_meshes_per_call`)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     return DeviceMesh.from_group(group, device_type)
+
+
+def _meshes_per_call(operation: Callable[..., Any]) -> Callable[..., Any]:
+    """`_mesh`'s cache emptied when `operation` ends: a mesh holds its group, and a cache for the
+    process would keep every destroyed world alive (and hand it out again)."""
+
+    @functools.wraps(operation)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return operation(*args, **kwargs)
+        finally:
+            _mesh.cache_clear()
+
+    return run
 
 
 def _global_view(local: torch.Tensor, info: ShardInfo | None) -> torch.Tensor:
@@ -271,6 +285,7 @@ def _full_shape(param: torch.Tensor) -> tuple[int, ...]:
     return tuple(info.shape) if info is not None else tuple(param.shape)
 
 
+@_meshes_per_call
 def save(
     path: str | Path,
     model: nn.Module,
@@ -423,6 +438,7 @@ def _zero_padding(tensors: list[tuple[torch.Tensor, ShardInfo | None]]) -> None:
                 tensor.view(-1)[_valid_numel(info) :].zero_()
 
 
+@_meshes_per_call
 def load(
     path: str | Path,
     model: nn.Module,

@@ -12,8 +12,9 @@ graph it is seen on every compile, Inductor/AOT cache hit or not.
 The exchange goes through the group's c10d store, not a collective: a collective could itself be
 mismatched and hang. A graph is named by its Dynamo frame (e.g. "0/1", the same on ranks running
 the same code), the Dynamo session (how many of the spans between `torch._dynamo.reset()`s, which
-restart the frame numbers, this rank has compiled in) and how often this rank compiled that frame in the session
-(`store.add`, so it starts afresh with every process group too). Counting per session keeps the
+restart the frame numbers, this rank has compared schedules in over the group) and how often this
+rank compiled that frame in the session (both counted with `store.add`, so they start afresh with
+every process group too). Counting per session keeps the
 ranks aligned after a rank-local recompile: counted over the group's life, the rank that compiled
 frame "0/1" alone stayed one compile ahead on "0/1" after every later reset, so each later "0/1"
 waited `PEER_WAIT` and was compared with nothing. Each rank
@@ -33,14 +34,17 @@ timeout) into an error saying which graph, rank and stage, and how to change the
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import json
 import logging
 import re
 import time
+import weakref
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -121,7 +125,7 @@ class Schedule:
 
 @dataclasses.dataclass
 class GuardStats:
-    """How often the guard ran in this process and what it cost (tests and benchmarks read it)."""
+    """How often the guard ran inside a `record_stats()` block and what it cost."""
 
     checks: int = 0  # graph x group exchanges compared
     unanswered: int = 0  # exchanges in which some peer had not compiled the same frame in time
@@ -129,7 +133,30 @@ class GuardStats:
     bytes_written: int = 0  # schedule JSON this rank put into the store
 
 
-stats = GuardStats()
+# The GuardStats of the `record_stats()` blocks open in this context (as `record_graphs()`'s lists).
+_OPEN_STATS: contextvars.ContextVar[tuple[GuardStats, ...]] = contextvars.ContextVar(
+    "zerocompile_guard_stats", default=()
+)
+
+
+@contextlib.contextmanager
+def record_stats() -> Iterator[GuardStats]:
+    """Counts the exchanges of the compiles run inside the block (blocks nest: each counts them);
+    outside any block nothing is counted."""
+    stats = GuardStats()
+    token = _OPEN_STATS.set((*_OPEN_STATS.get(), stats))
+    try:
+        yield stats
+    finally:
+        _OPEN_STATS.reset(token)
+
+
+def _count(checks: int = 0, unanswered: int = 0, seconds: float = 0.0, bytes_written: int = 0) -> None:
+    for stats in _OPEN_STATS.get():
+        stats.checks += checks
+        stats.unanswered += unanswered
+        stats.seconds += seconds
+        stats.bytes_written += bytes_written
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str | None:
@@ -243,19 +270,18 @@ def _exchange_and_compare(group: dist.ProcessGroup, group_name: str, schedule: S
     started = time.perf_counter()
     store = _get_process_group_store(group)  # already prefixed by the group's name
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    frame = f"{_dynamo_session()}/{schedule.compile_id}"
+    frame = f"{_dynamo_session(group, store, rank)}/{schedule.compile_id}"
     occurrence = store.add(f"{_KEY_PREFIX}/count/{frame}/rank{rank}", 1)
     name = f"Dynamo frame {schedule.compile_id} (compile #{occurrence} of it)"
     keys = [f"{_KEY_PREFIX}/{frame}#{occurrence}/rank{r}" for r in range(world_size)]
     payload = schedule.to_json()
     store.set(keys[rank], payload)
-    stats.bytes_written += len(payload)
+    _count(bytes_written=len(payload))
     try:
         store.wait(keys, min(PEER_WAIT, process_group_timeout(group)))
     except RuntimeError:  # a TCPStore times out with DistStoreError, a FileStore with RuntimeError
         missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        stats.seconds += time.perf_counter() - started
-        stats.unanswered += 1
+        _count(unanswered=1, seconds=time.perf_counter() - started)
         log.warning(
             "zerocompile: rank %d of group '%s' compiled %s; ranks %s have not compiled it within %s, so its "
             "collectives were not compared with theirs. Fine if they compile it later (rank-local input "
@@ -266,8 +292,7 @@ def _exchange_and_compare(group: dist.ProcessGroup, group_name: str, schedule: S
         return
     schedules = [schedule if r == rank else Schedule.from_json(store.get(keys[r])) for r in range(world_size)]
     difference = first_difference(schedules)
-    stats.checks += 1
-    stats.seconds += time.perf_counter() - started
+    _count(checks=1, seconds=time.perf_counter() - started)
     log.debug("rank %d: %s of group '%s' agrees on %d markers", rank, name, group_name, len(schedule.markers))
     if difference is not None:
         raise RankMismatchError(
@@ -276,20 +301,32 @@ def _exchange_and_compare(group: dist.ProcessGroup, group_name: str, schedule: S
         )
 
 
-_sessions = {"seen": 0}
+def _dynamo_session(group: dist.ProcessGroup, store: dist.Store, rank: int) -> int:
+    """How many Dynamo sessions this rank has compared schedules in over `group`.
+
+    `torch._dynamo.reset()` clears Dynamo's compile-callback registry, so a `_SessionMarker` that
+    is gone from it means a new session. The marker, which dies with its session, remembers the
+    number each group has for it; the count goes on in the group's store (which dies with the group,
+    as the keys it numbers do).
+    """
+    marker = next((c for c in callback_handler.start_callbacks if isinstance(c, _SessionMarker)), None)
+    if marker is None:
+        marker = _SessionMarker()
+        callback_handler.register_start_callback(marker)
+    if group not in marker.numbers:
+        marker.numbers[group] = store.add(f"{_KEY_PREFIX}/sessions/rank{rank}", 1)
+    return marker.numbers[group]
 
 
-def _dynamo_session() -> int:
-    """How many Dynamo sessions this process has compiled in: `torch._dynamo.reset()` clears
-    Dynamo's compile-callback registry, so a marker callback that is gone means a new session."""
-    if _session_marker not in callback_handler.start_callbacks:
-        callback_handler.register_start_callback(_session_marker)
-        _sessions["seen"] += 1
-    return _sessions["seen"]
+class _SessionMarker:
+    """Registered only to be found again (see `_dynamo_session`); holds this session's number in
+    each group that compared schedules in it."""
 
+    def __init__(self) -> None:
+        self.numbers: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
 
-def _session_marker(_args: Any) -> None:
-    """Registered only to be found again (see `_dynamo_session`)."""
+    def __call__(self, _args: Any) -> None:
+        pass
 
 
 # A transport failure or timeout, as gloo, NCCL and the c10d stores word them.

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import weakref
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -38,8 +39,12 @@ class HybridGroups:
 
 # Process groups are made once per set of ranks: torch names a group made with local
 # synchronisation after its ranks, so a second one over the same ranks would collide. Two models
-# with the same layout share the groups, as two models on one world group share it.
-_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+# with the same layout share the groups, as two models on one world group share it. Kept per world
+# (default group), weakly: after `destroy_process_group()` and a new `init_process_group()` the new
+# world makes its own groups, and the destroyed world's go once nothing else holds them.
+_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[int, ...], dist.ProcessGroup]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def check_shard_size(shard_size: object, setting: str = "shard_size") -> None:
@@ -83,11 +88,12 @@ def hybrid_groups(
 
 
 def _group_of(ranks: list[int]) -> dist.ProcessGroup:
+    made = _GROUPS.setdefault(dist.group.WORLD, {})
     key = tuple(ranks)
-    if key not in _GROUPS:
+    if key not in made:
         # Only the members synchronise: each rank makes just its own shard and replica groups.
-        _GROUPS[key] = dist.new_group(ranks, use_local_synchronization=True)
-    return _GROUPS[key]
+        made[key] = dist.new_group(ranks, use_local_synchronization=True)
+    return made[key]
 
 
 def _from_mesh(mesh: DeviceMesh, ranks: list[int]) -> HybridGroups:
