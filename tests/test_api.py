@@ -10,10 +10,9 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocompile as zc
-from zerocompile.backend import compiled_graphs
 from models import FrozenAndBuffer, TiedGPT, UnevenMLP, local_batch
 from ranks import run_on_ranks
-from zerocompile.distributed import free_loopback_port
+from zerocompile.tools.spawn import free_loopback_port
 
 
 @pytest.fixture
@@ -214,15 +213,38 @@ def test_shard_keeps_parameter_objects_and_names(single_rank) -> None:
 
 
 def test_frozen_parameters_get_no_reduction(single_rank) -> None:
-    compiled_graphs.clear()
     model = zc.shard(FrozenAndBuffer(), stage=2)
     compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
-    compiled(torch.randn(2, 6)).backward()
-    (backward,) = [g for g in compiled_graphs if g.kind == "backward"]
+    with zc.record_graphs() as graphs:
+        compiled(torch.randn(2, 6)).backward()
+    (backward,) = [g for g in graphs if g.kind == "backward"]
     reduced = sorted((p, n) for e in backward.ledger.entries for p, n in zip(e.params, e.param_bytes))
     # The bytes of this rank's shards: 5 and 50 elements padded to whole 16-element blocks.
     assert reduced == [("head.bias", 16 * 4), ("head.weight", 64 * 4)], "only the trainable head is reduced"
     assert model.frozen._parameters["weight"].grad is None
+
+
+def test_record_graphs_keeps_the_graphs_of_compiles_started_inside_it(single_rank, monkeypatch) -> None:
+    """Nested blocks each get the records; the backward, lowered at its first call, goes to the
+    blocks its forward was compiled in even once they are closed; outside any block no record is
+    made at all (a long job that recompiles keeps nothing)."""
+    from zerocompile import backend
+
+    made = []
+    record = backend.CompiledGraph
+    monkeypatch.setattr(backend, "CompiledGraph", lambda *args: made.append(record(*args)) or made[-1])
+    model = zc.shard(UnevenMLP(), stage=3)
+    compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
+    compiled(local_batch("uneven_mlp", 0, 0, 1)).backward()
+    assert made == []
+    torch._dynamo.reset()
+    with zc.record_graphs() as outer:
+        with zc.record_graphs() as inner:
+            loss = compiled(local_batch("uneven_mlp", 0, 0, 1))
+        assert [g.kind for g in inner] == [g.kind for g in outer] == ["forward"]
+    loss.backward()
+    assert [g.kind for g in outer] == ["forward", "backward"]
+    assert inner == outer == made
 
 
 def subgroups_and_uncompiled_match_ddp(rank: int, world_size: int) -> list[float]:
@@ -261,7 +283,8 @@ def test_each_of_our_compile_steps_is_timed_like_dynamos_own(single_rank) -> Non
     torch._dynamo.utils.compilation_time_metrics.clear()
     model = zc.shard(UnevenMLP(), stage=3)
     compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
-    compiled(local_batch("uneven_mlp", 0, 0, 1)).backward()
+    with zc.record_graphs():  # (the facts are recorded only for an open recorder)
+        compiled(local_batch("uneven_mlp", 0, 0, 1)).backward()
     timed = compile_times(repr="csv")[0]
     for key in (
         "zerocompile.dynamo_graph_passes",

@@ -42,7 +42,6 @@ from torch.utils._pytree import tree_leaves
 import zerocompile as zc
 from ranks import run_on_ranks
 from zerocompile import distributed as zc_distributed
-from zerocompile.distributed import loopback_rank_environment
 from zerocompile.sharding import shard_info
 from zerocompile.config import ZeroConfig, refuse_gloo_gathers_on_accelerator
 
@@ -619,10 +618,7 @@ def test_the_tools_start_the_backend_of_their_device(monkeypatch: pytest.MonkeyP
         raise Started
 
     monkeypatch.setattr(zc, "init_distributed", init_distributed)
-    # The rank environment bench sets (RANK, WORLD_SIZE, MASTER_PORT=0...) must not outlive the
-    # test: later subprocesses of this session would take themselves for a launched rank and hang.
-    for key in loopback_rank_environment(0, 2, 0):
-        monkeypatch.setenv(key, "")  # recorded, so restored (or removed) after the test
+    environment = dict(os.environ)
     with pytest.raises(Started):
         if tool == "train":
             parser = argparse.ArgumentParser()
@@ -633,9 +629,10 @@ def test_the_tools_start_the_backend_of_their_device(monkeypatch: pytest.MonkeyP
                 ranks=2, model_size="tiny", steps=1, warmup=1, batch_size=2, seed=0, modes=(),
                 interleave=(), cache_root="unused", device=torch.device("cpu"),
             )  # fmt: skip
-            with bench._rank_session(0, settings, port=0, cache_name="unused"):
+            with bench._rank_session(0, settings, cache_name="unused"):
                 pass
     assert asked == [torch.device("cpu")]
+    assert dict(os.environ) == environment, "a rank's variables come from its spawner, not from the rank's code"
 
 
 def test_nccl_without_a_visible_gpu_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from zerocompile import checkpoint_files
-from zerocompile.distributed import free_loopback_port
+from zerocompile.tools.spawn import free_loopback_port
 from zerocompile.tools.convert import convert
 
 KILL_RANK_TRAIN = Path(__file__).resolve().parent / "kill_rank_train.py"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from zerocompile.distributed import _first_host, _launcher_environment, _slurm_master_port, free_loopback_port
+from zerocompile.distributed import _first_host, _launcher_environment, _slurm_master_port
+from zerocompile.tools.spawn import free_loopback_port
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "gpt2_zero.py"
 EXAMPLE_ARGS = ["--steps", "6", "--batch-size", "4", "--seq-len", "32", "--compiler", "eager"]
@@ -96,6 +98,43 @@ def test_srun_environment_gives_rank_and_step_size(monkeypatch: pytest.MonkeyPat
         monkeypatch.setenv(name, value)
     assert _launcher_environment() == (5, 6, 1)
     assert _slurm_master_port() == 29500 + 242
+
+
+def test_a_task_srun_started_meets_its_peers_without_writing_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One task of one: the master is the step's first host, the port 29500 + SLURM_JOB_ID % 1000
+    (a job id whose port is free now), and both reach the rendezvous without being written into
+    os.environ, where this process's later children would inherit them."""
+    import torch.distributed as dist
+
+    import zerocompile as zc
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    job_id = next(job for job in range(1000) if _free(_SLURM_PORT_BASE + job))
+    srun = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_ID": str(job_id)}
+    for name, value in {**srun, "SLURM_STEP_NODELIST": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    before = dict(os.environ)
+    assert zc.init_distributed(backend="gloo") == (0, 1)
+    try:
+        assert dict(os.environ) == before
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        assert total.item() == 1.0
+    finally:
+        dist.destroy_process_group()
+
+
+_SLURM_PORT_BASE = 29500
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def test_sbatch_without_srun_is_an_error_not_a_hang(monkeypatch: pytest.MonkeyPatch) -> None:

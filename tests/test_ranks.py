@@ -12,19 +12,21 @@ from ranks import run_on_ranks
 
 
 def _spoil_the_process(rank: int, world_size: int) -> tuple[int, float]:
-    from zerocompile.backend import compiled_graphs
+    import zerocompile as zc
 
     first_draw = torch.rand(1).item()
     os.environ["ZC_LEFT_BEHIND"] = "1"
     torch.set_default_dtype(torch.float64)
     torch.set_grad_enabled(False)
-    compiled_graphs.append("left behind")
+    recorder = zc.record_graphs()
+    recorder.__enter__().append("left behind")  # never closed, nor collected (that would close it):
+    _spoil_the_process.left_open = recorder
     torch.manual_seed(1234)
     return os.getpid(), first_draw
 
 
 def _what_a_job_finds(rank: int, world_size: int) -> dict:
-    from zerocompile.backend import compiled_graphs
+    from zerocompile.graph_records import open_records
 
     return {
         "pid": os.getpid(),
@@ -33,7 +35,7 @@ def _what_a_job_finds(rank: int, world_size: int) -> dict:
         "test_variable": os.environ.get("ZC_RANKS_TEST"),
         "dtype": torch.get_default_dtype(),
         "grad": torch.is_grad_enabled(),
-        "graphs": len(compiled_graphs),
+        "recorders": open_records(),
     }
 
 
@@ -49,7 +51,7 @@ def test_the_next_job_reuses_the_ranks_and_finds_them_as_new() -> None:
         assert after["pid"] == pid, "a new process: the pool did not keep its ranks"
         assert after["first_draw"] == first_draw, "the job did not start from torch's default seed"
         assert after["left_behind"] is None and after["dtype"] == torch.float32 and after["grad"]
-        assert after["graphs"] == 0
+        assert after["recorders"] == ()
 
 
 def test_a_failed_job_takes_its_ranks_with_it() -> None:

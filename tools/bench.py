@@ -78,11 +78,13 @@ How each figure is measured, per mode, after --warmup untimed steps (the first o
               that is refused, ru_maxrss since the rank started, and the JSON says so), largest
               rank; "RSS between steps" is VmRSS after the warm-up steps. Every mode runs in its
               own processes, and Inductor is imported before it starts, so all modes start from
-              the same baseline. glibc keeps freed memory for reuse, so by default RSS is the
-              process's footprint, not its live tensors. --exact-rss starts the ranks with
-              MALLOC_MMAP_THRESHOLD_=65536, so every tensor over 64 kB is unmapped when freed: RSS
-              then follows live tensors, but every allocation page-faults and steps run 30-45 %
-              slower, so times from such a run are not comparable.
+              the same baseline. The ranks' malloc (tcmalloc, else jemalloc, where installed;
+              --allocator, and the first line printed) keeps freed memory for reuse, as glibc's
+              does, so by default RSS is the process's footprint, not its live tensors.
+              --exact-rss starts the ranks on glibc's malloc with MALLOC_MMAP_THRESHOLD_=65536,
+              so every tensor over 64 kB is unmapped when freed: RSS then follows live tensors,
+              but every allocation page-faults and steps run 30-45 % slower, so times from such a
+              run are not comparable.
   sent        bytes written by the rank (/proc/self/io wchar) around one step: gloo's socket
               writes, i.e. everything sent, not what we think we send; median over the timed
               steps, largest rank. Host-side, like peak RSS: NCCL's GPU transfers do not pass
@@ -137,7 +139,6 @@ import torch
 import torch._dynamo
 import torch._inductor.config
 import torch.distributed as dist
-import torch.multiprocessing
 from torch import nn
 from torch._dynamo.utils import compilation_time_metrics as compile_timers
 from torch._inductor.runtime.cache_dir_utils import cache_dir, temporary_cache_dir
@@ -150,14 +151,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import zerocompile as zc
 from zerocompile import torch_support
-from zerocompile.distributed import (
-    default_backend,
-    exit_spawned_rank,
-    free_loopback_port,
-    inherited_environment,
-    loopback_rank_environment,
-)
+from zerocompile.distributed import default_backend
 from zerocompile.tools import gpt as gpt_module
+from zerocompile.tools import spawn
 from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
 from zerocompile.tools.rss import reset_peak_rss, status_bytes
 from zerocompile.tools.train import add_device_argument, chosen_device
@@ -408,9 +404,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--exact-rss",
         action="store_true",
-        help="ranks unmap freed tensors at once (MALLOC_MMAP_THRESHOLD_=65536): RSS follows live tensors, "
-        "steps run 30-45%% slower; a separate run for memory",
+        help="ranks unmap freed tensors at once (MALLOC_MMAP_THRESHOLD_=65536, glibc's malloc: no "
+        "allocator preloaded): RSS follows live tensors, steps run 30-45%% slower; a separate run for memory",
     )
+    spawn.add_allocator_argument(parser)
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default ./bench-out)")
 
 
@@ -461,8 +458,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.batch_size % ranks:
         raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the {ranks} ranks")
     backend = "fake" if fake else default_backend(args.device)
+    preload = _preload(args)
     config = _gpt_config(model_size, args.layers)
     phi = _count_parameters(config)
+    print(spawn.allocator_line(preload), flush=True)
     machine = {"node": platform.node(), "cpu_count": os.cpu_count(), "torch": torch_support.RELEASE}
     print(
         f"zerocompile bench on {machine['node']} ({machine['cpu_count']} CPUs, torch {machine['torch']}): "
@@ -487,17 +486,14 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             fake=fake,
         )
         measured = {}
-        with inherited_environment(EXACT_RSS_ENVIRONMENT if args.exact_rss else {}):
-            for name in settings.modes:
-                results_file = Path(tmp) / f"{name}.json"
-                torch.multiprocessing.spawn(
-                    _spawned_rank,
-                    args=(name, settings, free_loopback_port(), str(results_file)),
-                    nprocs=settings.processes,
-                )
-                measured[name] = json.loads(results_file.read_text())
-                print(_progress_line(measured[name]), flush=True)
-            interleaved = _run_interleaved(settings) if settings.interleave else None
+        environment = EXACT_RSS_ENVIRONMENT if args.exact_rss else {}
+        for name in settings.modes:
+            ranks_spawned = spawn.spawn_ranks(
+                _spawned_rank, settings.processes, (name, settings), env=environment, preload=preload
+            )
+            measured[name] = ranks_spawned[0]
+            print(_progress_line(measured[name]), flush=True)
+        interleaved = _run_interleaved(settings, environment, preload) if settings.interleave else None
     summary = {
         "machine": machine,
         "settings": {
@@ -512,7 +508,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "block_size": settings.config.block_size,
             "optimizer": f"torch.optim.AdamW(lr={LEARNING_RATE}), fp32",
             "quick": args.quick,
-            "malloc": " ".join(f"{k}={v}" for k, v in EXACT_RSS_ENVIRONMENT.items()) if args.exact_rss else "default",
+            "malloc": " ".join(f"{k}={v}" for k, v in EXACT_RSS_ENVIRONMENT.items()) if args.exact_rss else preload or "default",
         },
         "method": {
             "step_time": "median over timed steps of the slowest rank's step; each step starts after a barrier",
@@ -551,6 +547,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     return summary
 
 
+def _preload(args: argparse.Namespace) -> str | None:
+    """The allocator the ranks preload: --exact-rss tunes glibc's malloc, so it takes none."""
+    if args.exact_rss and args.allocator in ("tcmalloc", "jemalloc"):
+        raise SystemExit(f"--exact-rss sets glibc's malloc variables, which --allocator {args.allocator} ignores: leave one out")
+    return spawn.find_allocator("system" if args.exact_rss else args.allocator)
+
+
 def _interleaved_modes(args: argparse.Namespace) -> tuple[str, ...]:
     """--interleave resolved: none under --fake-ranks (refused if asked for), and with --quick."""
     if args.fake_ranks is not None:
@@ -580,16 +583,16 @@ def _theory(phi: int, ranks: int) -> dict[str, float]:
     }
 
 
-def _spawned_rank(rank: int, name: str, settings: Settings, port: int, results_file: str) -> None:
-    """Run mode `name` on this rank; rank 0 writes every rank's summarised figures to `results_file`."""
-    with _rank_session(rank, settings, port, name):
+def _spawned_rank(rank: int, name: str, settings: Settings) -> dict[str, Any] | None:
+    """Run mode `name` on this rank; every rank's summarised figures on rank 0."""
+    with _rank_session(rank, settings, name):
         measured = _run_mode(MODES[name], settings, rank)
-    _gather_to_file(measured, results_file, lambda per_rank: _summarise(name, per_rank))
+    return _gathered(measured, lambda per_rank: _summarise(name, per_rank))
 
 
-def _interleaved_rank(rank: int, settings: Settings, port: int, results_file: str) -> None:
+def _interleaved_rank(rank: int, settings: Settings) -> dict[str, Any] | None:
     """Time the --interleave modes side by side on this rank (see the module docstring)."""
-    with _rank_session(rank, settings, port, "interleaved"):
+    with _rank_session(rank, settings, "interleaved"):
         device = chosen_device(settings.device)
         prepared = {}
         for name in settings.interleave:
@@ -605,7 +608,7 @@ def _interleaved_rank(rank: int, settings: Settings, port: int, results_file: st
                     times[name].append(step.seconds)
                     phases[name].append(step.phases)
         measured = {"step_times": times, "phases": phases, "load": os.getloadavg()[0]}
-    _gather_to_file(measured, results_file, _summarise_interleaved)
+    return _gathered(measured, _summarise_interleaved)
 
 
 def _gpt_class_of_its_own(name: str) -> type[GPT]:
@@ -626,7 +629,7 @@ def _gpt_class_of_its_own(name: str) -> type[GPT]:
 
 
 @contextlib.contextmanager
-def _rank_session(rank: int, settings: Settings, port: int, cache_name: str) -> Iterator[None]:
+def _rank_session(rank: int, settings: Settings, cache_name: str) -> Iterator[None]:
     """This rank's process group, threads and a fresh Inductor cache of its own for the run."""
     # The ranks share the machine's cores, and each compiles with one worker: more threads than
     # cores slows every rank down. A process alone (--fake-ranks) keeps Inductor's own workers:
@@ -637,43 +640,37 @@ def _rank_session(rank: int, settings: Settings, port: int, cache_name: str) -> 
     # Inductor's modules take tens of MB once imported: import them in every mode, so the eager
     # modes do not look leaner than the compiled ones by that much.
     importlib.import_module("torch._inductor.compile_fx")
-    _start_process_group(rank, settings, port)
+    _start_process_group(settings)
     # Per rank too: ranks sharing a cache split the C++ compiles between them (the first to reach a
     # kernel compiles it, its peer loads it), so a rank's compile CPU depended on that race.
     with temporary_cache_dir(os.path.join(settings.cache_root, cache_name, f"rank{rank}")):
         yield
 
 
-def _start_process_group(rank: int, settings: Settings, port: int) -> None:
-    """Rank `rank` of the spawned ranks on 127.0.0.1:`port`; under --fake-ranks, rank 0 of a fake
-    group of `settings.ranks` (no peers, no port), whose collectives take tensors on every device."""
+def _start_process_group(settings: Settings) -> None:
+    """This rank of the spawned ranks (the spawner gave it torchrun's variables); under
+    --fake-ranks, rank 0 of a fake group of `settings.ranks` (no peers, no port), whose collectives
+    take tensors on every device."""
     if settings.fake:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=settings.ranks)
         return
-    os.environ.update(loopback_rank_environment(rank, settings.ranks, port))
     zc.init_distributed(device=settings.device)
 
 
-def _gather_to_file(measured: dict[str, Any], results_file: str, summarise: Callable[[list[dict]], dict]) -> None:
-    """Rank 0 writes `summarise` of every rank's `measured` to `results_file`; the process ends.
-    A fake group's other ranks do not exist (and its all-gathers return garbage): rank 0's alone."""
+def _gathered(measured: dict[str, Any], summarise: Callable[[list[dict]], dict]) -> dict[str, Any] | None:
+    """`summarise` of every rank's `measured` on rank 0 (None on the others). A fake group's other
+    ranks do not exist (and its all-gathers return garbage): rank 0's alone."""
     if _communicates():
         per_rank: list[dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
         dist.all_gather_object(per_rank, measured)
     else:
         per_rank = [measured]
-    if dist.get_rank() == 0:
-        Path(results_file).write_text(json.dumps(summarise(per_rank)))
-    exit_spawned_rank()
+    return summarise(per_rank) if dist.get_rank() == 0 else None
 
 
-def _run_interleaved(settings: Settings) -> dict[str, Any]:
+def _run_interleaved(settings: Settings, environment: dict[str, str], preload: str | None) -> dict[str, Any]:
     print(f"interleaved      {', '.join(settings.interleave)}: {settings.steps} rounds", flush=True)
-    results_file = Path(settings.cache_root) / "interleaved.json"
-    torch.multiprocessing.spawn(
-        _interleaved_rank, args=(settings, free_loopback_port(), str(results_file)), nprocs=settings.ranks
-    )
-    interleaved = json.loads(results_file.read_text())
+    interleaved = spawn.spawn_ranks(_interleaved_rank, settings.ranks, (settings,), env=environment, preload=preload)[0]
     first = settings.interleave[0]
     print(
         "interleaved      "

@@ -84,17 +84,11 @@ from typing import Any
 import torch
 import torch._inductor.config
 import torch.distributed as dist
-import torch.multiprocessing
 from torch import nn
 
 import zerocompile as zc
 from zerocompile import torch_support
-from zerocompile.distributed import (
-    exit_spawned_rank,
-    free_loopback_port,
-    inherited_environment,
-    loopback_rank_environment,
-)
+from zerocompile.tools import spawn
 from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
 from zerocompile.tools.rss import reset_peak_rss
 from zerocompile.tools.train import GlobalBatches, load_text
@@ -384,8 +378,7 @@ def _train(job: Job, marks: Marks) -> dict[str, Any]:
     return {"losses": losses}
 
 
-def _rank_setup(rank: int, ranks: int, port: int) -> None:
-    os.environ.update(loopback_rank_environment(rank, ranks, port))
+def _rank_setup(ranks: int) -> None:
     # The ranks share the machine's cores: more threads than cores slows every rank down.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
     # Inductor compiles in this process (no worker pool whose memory the rank's RSS would miss).
@@ -397,18 +390,16 @@ def _rank_setup(rank: int, ranks: int, port: int) -> None:
     zc.init_distributed()
 
 
-def _finish(measured: dict[str, Any], results_file: str) -> None:
-    """Rank 0 writes every rank's measurements to `results_file`; the process ends."""
+def _finish(measured: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Every rank's measurements on rank 0 (None on the others)."""
     per_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, measured)
-    if dist.get_rank() == 0:
-        Path(results_file).write_text(json.dumps(per_rank))
-    exit_spawned_rank()
+    return per_rank if dist.get_rank() == 0 else None
 
 
-def _capacity_rank(rank: int, job: Job, port: int, results_file: str) -> None:
+def _capacity_rank(rank: int, job: Job) -> list[dict[str, Any]] | None:
     marks = Marks()
-    _rank_setup(rank, job.ranks, port)
+    _rank_setup(job.ranks)
     marks("started")
     try:
         measured = _train(job, marks)
@@ -420,7 +411,7 @@ def _capacity_rank(rank: int, job: Job, port: int, results_file: str) -> None:
         marks=marks.marks,
         peak_phase=marks.peak_phase() if marks.marks else None,
     )
-    _finish(measured, results_file)
+    return _finish(measured)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,53 +438,53 @@ def _wait_for_memory(needed_total: float, wait_seconds: float) -> tuple[bool, in
         time.sleep(min(30.0, max(1.0, deadline - time.monotonic())))
 
 
+class _Aborted(Exception):
+    """MemAvailable fell under the reserve while ranks ran."""
+
+
 def spawn_ranks(
-    function: Callable[..., None], nprocs: int, args: tuple, environment: dict[str, str] | None = None
+    function: Callable[..., Any], nprocs: int, args: tuple, environment: dict[str, str] | None = None
 ) -> dict[str, Any]:
     """Run `function(rank, *args)` in `nprocs` spawned processes, watching MemAvailable.
 
-    Returns {"status": "ok" | "failed" | "aborted", "min_mem_available": bytes, "seconds": s,
-    "error": ...}. If MemAvailable falls under RESERVE_BYTES, our ranks are killed (by their pids)
-    before the machine's other users are hurt.
+    Returns {"status": "ok" | "failed" | "aborted", "results": what each rank returned (when ok),
+    "min_mem_available": bytes, "seconds": s, "error": ...}. If MemAvailable falls under
+    RESERVE_BYTES, our ranks are killed (by their pids) before the machine's other users are hurt.
+    The ranks run on the C library's malloc, nothing preloaded: the table is glibc's footprint.
     """
     start = time.perf_counter()
     lowest = mem_available()
-    with inherited_environment(environment or {}):
-        context = torch.multiprocessing.start_processes(function, args=args, nprocs=nprocs, join=False, start_method="spawn")
     watched = {"max_total_rss": 0, "hwm_per_rank": [0] * nprocs}
 
     def outcome(status: str, **extra: Any) -> dict[str, Any]:
         return {"status": status, "min_mem_available": lowest, "seconds": time.perf_counter() - start, **watched, **extra}
 
+    def watch(pids: list[int]) -> None:
+        nonlocal lowest
+        lowest = min(lowest, mem_available())
+        _watch(pids, watched)
+        if lowest < RESERVE_BYTES:
+            raise _Aborted(
+                f"MemAvailable fell to {lowest / GB:.2f} GB: the ranks were killed to protect the machine "
+                f"(their RSS then: {watched['max_total_rss'] / GB:.2f} GB in total at most, peaks per rank "
+                + ", ".join(f"{hwm / GB:.2f}" for hwm in watched["hwm_per_rank"]) + " GB)"
+            )
+
     try:
-        while True:
-            try:
-                if context.join(timeout=0.5):
-                    break
-            except Exception as error:  # a rank failed: join() has terminated the others
-                return outcome("failed", error=f"{type(error).__name__}: {error}")
-            lowest = min(lowest, mem_available())
-            _watch(context, watched)
-            if lowest < RESERVE_BYTES:
-                _kill(context)
-                return outcome(
-                    "aborted",
-                    error=f"MemAvailable fell to {lowest / GB:.2f} GB: the ranks were killed to protect the machine "
-                    f"(their RSS then: {watched['max_total_rss'] / GB:.2f} GB in total at most, peaks per rank "
-                    + ", ".join(f"{hwm / GB:.2f}" for hwm in watched["hwm_per_rank"]) + " GB)",
-                )
-    except BaseException:
-        _kill(context)
-        raise
-    return outcome("ok")
+        results = spawn.spawn_ranks(function, nprocs, args, env=environment, preload=None, watch=watch)
+    except _Aborted as aborted:
+        return outcome("aborted", error=str(aborted))
+    except spawn.RanksFailed as error:
+        return outcome("failed", error=f"{type(error).__name__}: {error}")
+    return outcome("ok", results=results)
 
 
-def _watch(context: Any, watched: dict[str, Any]) -> None:
+def _watch(pids: list[int], watched: dict[str, Any]) -> None:
     """The ranks' RSS as the parent sees it (/proc/PID/status): the largest total, each rank's VmHWM."""
     total = 0
-    for rank, process in enumerate(context.processes):
+    for rank, pid in enumerate(pids):
         try:
-            text = Path(f"/proc/{process.pid}/status").read_text()
+            text = Path(f"/proc/{pid}/status").read_text()
         except OSError:
             continue
         fields = dict(re.findall(r"^(VmRSS|VmHWM):\s+(\d+) kB", text, re.MULTILINE))
@@ -502,19 +493,10 @@ def _watch(context: Any, watched: dict[str, Any]) -> None:
     watched["max_total_rss"] = max(watched["max_total_rss"], total)
 
 
-def _kill(context: Any) -> None:
-    for process in context.processes:
-        if process.is_alive():
-            process.kill()
-    for process in context.processes:
-        process.join()
-
-
 def run_job(
     job: Job,
     facts: ModelFacts,
     wait_seconds: float,
-    tmp: Path,
     measured: list[dict[str, Any]] = (),
     environment: dict[str, str] | None = None,
     min_free: float | None = None,
@@ -544,8 +526,7 @@ def run_job(
         )
         row.update(status="skipped", reason=f"skipped: {needs}, MemAvailable {available / GB:.1f} GB")
         return row
-    results_file = tmp / f"{job.mode}-{job.size}-{job.ranks}.json"
-    outcome = spawn_ranks(_capacity_rank, job.ranks, (job, free_loopback_port(), str(results_file)), environment)
+    outcome = spawn_ranks(_capacity_rank, job.ranks, (job,), environment)
     row.update(
         min_mem_available=outcome["min_mem_available"],
         seconds=round(outcome["seconds"], 1),
@@ -554,7 +535,7 @@ def run_job(
     if outcome["status"] != "ok":
         row.update(status=outcome["status"], reason=outcome["error"])
         return row
-    per_rank = json.loads(results_file.read_text())
+    per_rank = outcome["results"][0]
     errors = [f"rank {m['rank']}: {m['error']}" for m in per_rank if "error" in m]
     peak_rank = max(per_rank, key=lambda m: m["peak_rss"])
     row.update(
@@ -667,20 +648,19 @@ def capacity_table(report: dict[str, Any]) -> str:
 
 def _prepare_weights_rank(rank: int, size: str, seed: int, path: str) -> None:
     """A one-rank job: the GPT built on meta, sharded over a 1-rank group, its weights saved."""
-    zc.init_distributed()  # no launcher variables: a one-rank group, no port
+    zc.init_distributed()  # a one-rank group (the spawner's WORLD_SIZE=1)
     with torch.device("meta"):
         model = GPT(SIZES[size])
     torch.manual_seed(seed)
     zc.shard(model, stage=3, init=GPT._init_weights)
     zc.save_weights(model, path)
-    exit_spawned_rank()
 
 
 def _load_rank(
-    rank: int, route: str, size: str, ranks: int, seed: int, port: int, path: str, save_path: str, results_file: str
-) -> None:
+    rank: int, route: str, size: str, ranks: int, seed: int, path: str, save_path: str
+) -> list[dict[str, Any]] | None:
     """One rank of a load-check route (see the module docstring); rises in bytes over the RSS before."""
-    _rank_setup(rank, ranks, port)
+    _rank_setup(ranks)
     measured: dict[str, Any] = {"rank": rank}
     try:
         torch.manual_seed(seed)
@@ -730,7 +710,7 @@ def _load_rank(
                             save_rss_before=save_before)
     except Exception as error:
         measured.update(error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc())
-    _finish(measured, results_file)
+    return _finish(measured)
 
 
 def load_check(size: str, ranks: int, seed: int, wait_seconds: float) -> dict[str, Any]:
@@ -761,16 +741,15 @@ def load_check(size: str, ranks: int, seed: int, wait_seconds: float) -> dict[st
             return {**result, "status": "failed", "reason": f"writing the weights file: {outcome['error']}"}
         result["file_bytes"] = weights.stat().st_size
         for route in ("meta", "plain"):
-            results_file = tmp / f"{route}.json"
             outcome = spawn_ranks(
                 _load_rank,
                 ranks,
-                (route, size, ranks, seed, free_loopback_port(), str(weights), str(tmp / "saved.safetensors"), str(results_file)),
+                (route, size, ranks, seed, str(weights), str(tmp / "saved.safetensors")),
                 EXACT_RSS_ENVIRONMENT,
             )
             if outcome["status"] != "ok":
                 return {**result, "status": "failed", "reason": f"{route} route: {outcome['error']}"}
-            per_rank = json.loads(results_file.read_text())
+            per_rank = outcome["results"][0]
             errors = [f"rank {m['rank']}: {m['error']}" for m in per_rank if "error" in m]
             if errors:
                 return {**result, "status": "failed", "reason": f"{route} route: {'; '.join(errors)}", route: per_rank}
@@ -859,19 +838,18 @@ def big_run(args: argparse.Namespace, measured: list[dict[str, Any]]) -> dict[st
     facts = model_facts(SIZES[size])
     malloc = _malloc_text() if args.exact_rss else "default"
     result: dict[str, Any] = {"size": size, "phi": facts.phi, "ranks": ranks, "malloc": malloc, "runs": []}
-    with tempfile.TemporaryDirectory(prefix="zerocompile-capacity-big-") as tmp:
-        for mode in ("zero3", "fsdp2"):
-            job = Job(mode, size, ranks, args.steps, args.tokens, args.compiler, args.seed, repeat_batch=True, lr=args.big_lr)
-            wait = args.big_wait if mode == "zero3" else 0  # FSDP2 only if it fits right away
-            min_free = args.big_min_free * GB if args.big_force and mode == "zero3" else None
-            row = run_job(job, facts, wait, Path(tmp), measured, _job_environment(args), min_free)
-            if row["status"] == "ok":
-                losses = row["losses"]
-                row["finite_and_falling"] = all(map(math.isfinite, losses)) and all(
-                    later < earlier for earlier, later in zip(losses, losses[1:])
-                )
-            result["runs"].append(row)
-            print(_big_line(row), flush=True)
+    for mode in ("zero3", "fsdp2"):
+        job = Job(mode, size, ranks, args.steps, args.tokens, args.compiler, args.seed, repeat_batch=True, lr=args.big_lr)
+        wait = args.big_wait if mode == "zero3" else 0  # FSDP2 only if it fits right away
+        min_free = args.big_min_free * GB if args.big_force and mode == "zero3" else None
+        row = run_job(job, facts, wait, measured, _job_environment(args), min_free)
+        if row["status"] == "ok":
+            losses = row["losses"]
+            row["finite_and_falling"] = all(map(math.isfinite, losses)) and all(
+                later < earlier for earlier, later in zip(losses, losses[1:])
+            )
+        result["runs"].append(row)
+        print(_big_line(row), flush=True)
     return result
 
 
@@ -1006,15 +984,14 @@ def capacity(args: argparse.Namespace) -> dict[str, Any]:
     print(f"zerocompile capacity on {m['node']} ({m['cores']} cores, {m['ram_bytes'] / GiB:.1f} GiB RAM, "
           f"MemAvailable {m['mem_available_at_start'] / GB:.1f} GB), {report['date']}", flush=True)
     if not args.no_table:
-        with tempfile.TemporaryDirectory(prefix="zerocompile-capacity-") as tmp:
-            for size in args.sizes:
-                facts = model_facts(SIZES[size])
-                for ranks in args.ranks:
-                    for mode in args.modes:
-                        job = Job(mode, size, ranks, args.steps, args.tokens, args.compiler, args.seed)
-                        row = run_job(job, facts, args.wait, Path(tmp), report["runs"], _job_environment(args))
-                        report["runs"].append(row)
-                        print(_progress(row), flush=True)
+        for size in args.sizes:
+            facts = model_facts(SIZES[size])
+            for ranks in args.ranks:
+                for mode in args.modes:
+                    job = Job(mode, size, ranks, args.steps, args.tokens, args.compiler, args.seed)
+                    row = run_job(job, facts, args.wait, report["runs"], _job_environment(args))
+                    report["runs"].append(row)
+                    print(_progress(row), flush=True)
         report["fits"] = fits_per_mode(report["runs"])
         print("\n" + capacity_table(report), flush=True)
     if args.load_check:

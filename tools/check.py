@@ -62,9 +62,10 @@ from torch import nn
 
 import zerocompile as zc
 from zerocompile import torch_support
-from zerocompile.distributed import default_backend, exit_spawned_rank, free_loopback_port, loopback_rank_environment
+from zerocompile.distributed import default_backend
 from zerocompile.passes.stages import shard_numel
 from zerocompile.sharding import shard_info
+from zerocompile.tools import spawn
 from zerocompile.tools.gpt import GPT, GPTConfig
 
 # Two layers keep Inductor's compiles short (they cost the time here, not the steps); a width of
@@ -595,13 +596,8 @@ def conclude(facts: dict[str, str], runs: list[Run], rows: list[dict[str, Any]],
 # ------------------------------------------------------------------------------- starting ranks
 
 
-def _spawned_rank(rank: int, run: Run, port: int, work: str) -> None:
+def _spawned_rank(rank: int, run: Run, work: str) -> None:
     """One rank of `run`: its group, a share of the cores, then `measure`; rank 0 writes the rows."""
-    # One Inductor cache for the ranks of this check, fresh: kernels compiled on an earlier day or
-    # by another torch would not exercise this machine's compiler. Shared, so of two ranks
-    # compiling the same kernel one compiles and the other loads it (the compile is the cost here).
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(work, "inductor")
-    os.environ["TRITON_CACHE_DIR"] = os.path.join(work, "inductor", "triton")
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // run.processes))
     if run.processes > 1:
         torch._inductor.config.compile_threads = 1  # the ranks already keep every core busy
@@ -610,7 +606,6 @@ def _spawned_rank(rank: int, run: Run, port: int, work: str) -> None:
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=run.ranks)
     else:
-        os.environ.update(loopback_rank_environment(rank, run.ranks, port))
         zc.init_distributed(backend=run.backend, device=run.device)
     rows_file = Path(work) / "rows.jsonl"
 
@@ -626,39 +621,32 @@ def _spawned_rank(rank: int, run: Run, port: int, work: str) -> None:
         record = {"row": failure.row, "error": f"{type(cause).__name__}: {cause}", "traceback": traceback.format_exc()}
         (Path(work) / f"error-rank{rank}.json").write_text(json.dumps(record))
         raise
-    if run.backend == "fake":
-        sys.stdout.flush()
-        os._exit(0)  # no peers to wait for
-    exit_spawned_rank()
 
 
-def execute(run: Run) -> list[dict[str, Any]]:
-    """Start `run`'s ranks and wait for them: its rows, and a failed row for whatever stopped it."""
+def execute(run: Run, preload: str | None = None) -> list[dict[str, Any]]:
+    """Start `run`'s ranks and wait for them: its rows, and a failed row for whatever stopped it.
+    The rows are written as they are measured, so a failure keeps those before it."""
     print(f"== {run.name}: stages {', '.join(map(str, run.stages))}; {', '.join(run.compilers)}", flush=True)
     with tempfile.TemporaryDirectory(prefix="zerocompile-check-") as work:
-        context = torch.multiprocessing.start_processes(
-            _spawned_rank, args=(run, free_loopback_port(), work), nprocs=run.processes, join=False
-        )
-        failure = _wait(context, RUN_TIMEOUT_S)
+        # One Inductor cache for the ranks of this check, fresh: kernels compiled on an earlier day or
+        # by another torch would not exercise this machine's compiler. Shared, so of two ranks
+        # compiling the same kernel one compiles and the other loads it (the compile is the cost here).
+        cache = os.path.join(work, "inductor")
+        environment = {"TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
+        failure = None
+        try:
+            spawn.spawn_ranks(
+                _spawned_rank, run.processes, (run, work), env=environment, preload=preload, timeout=RUN_TIMEOUT_S
+            )
+        except spawn.RanksFailed as error:
+            failure = str(error).strip().splitlines()[-1]
+        except TimeoutError:
+            failure = f"no result after {RUN_TIMEOUT_S:.0f} s (a rank stuck waiting for its peers?)"
         rows_file = Path(work) / "rows.jsonl"
         rows = [json.loads(line) for line in rows_file.read_text().splitlines()] if rows_file.exists() else []
         if failure is not None:
             rows.append(_failed_row(run, Path(work), failure))
     return rows
-
-
-def _wait(context: torch.multiprocessing.ProcessContext, timeout: float) -> str | None:
-    """None once every rank exited cleanly; else what went wrong (the ranks left are killed)."""
-    deadline = time.monotonic() + timeout
-    try:
-        while not context.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline:
-                for process in context.processes:
-                    process.kill()
-                return f"no result after {timeout:.0f} s (a rank stuck waiting for its peers?)"
-    except torch.multiprocessing.ProcessException as error:
-        return str(error).strip().splitlines()[-1]
-    return None
 
 
 def _failed_row(run: Run, work: Path, failure: str) -> dict[str, Any]:
@@ -713,20 +701,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", type=_stage_list, default=STAGES, help="comma-separated (default 0,1,2,3)")
     parser.add_argument("--compilers", type=_compiler_list, default=COMPILERS, help="comma-separated (default eager,inductor)")
     parser.add_argument("--json", type=Path, default=None, help="also write the environment and every row here")
+    spawn.add_allocator_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """`zerocompile check`: 0 if every row is within bounds, 1 otherwise, 2 if it cannot run here."""
+    preload = spawn.find_allocator(args.allocator)
+    print(spawn.allocator_line(preload), flush=True)
     device = args.device or (torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")).type
     try:
         runs = plan(device, visible_devices(device), args.ranks, args.fake_ranks, args.stages, args.compilers)
     except ValueError as impossible:
         print(f"zerocompile check: {impossible}", file=sys.stderr)
         return 2
-    facts = environment(device)
+    facts = {**environment(device), "ranks' malloc": preload or "C library"}
     for key, value in facts.items():
         print(f"{key:24} {value}")
     started = time.perf_counter()
-    rows = [row for one in runs for row in execute(one)]
+    rows = [row for one in runs for row in execute(one, preload)]
     print(f"measured in {time.perf_counter() - started:.0f} s", flush=True)
     return conclude(facts, runs, rows, args.json)

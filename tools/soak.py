@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -41,18 +40,12 @@ import torch
 import torch._dynamo.utils
 import torch._inductor.config
 import torch.distributed as dist
-import torch.multiprocessing
 from torch.nn.parallel import DistributedDataParallel
 
 import zerocompile as zc
-from zerocompile import backend, torch_support
-from zerocompile.distributed import (
-    _launcher_environment,
-    exit_spawned_rank,
-    free_loopback_port,
-    leave_process_group,
-    loopback_rank_environment,
-)
+from zerocompile import torch_support
+from zerocompile.distributed import _launcher_environment, leave_process_group
+from zerocompile.tools import spawn
 from zerocompile.tools.allocations import allocation_census, format_census
 from zerocompile.tools.gpt import GPT, SIZES
 from zerocompile.tools.rss import reset_peak_rss, status_bytes
@@ -154,24 +147,15 @@ def soak(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def _spawn(args: argparse.Namespace, mode: str) -> dict[str, Any]:
-    """Run `mode` in --ranks freshly spawned processes; the summarised results."""
-    with tempfile.TemporaryDirectory(prefix="zerocompile-soak-") as tmp:
-        # A file rather than a queue: spawn() joins before we could drain a pipe that filled up.
-        results_file = Path(tmp) / "results.json"
-        torch.multiprocessing.spawn(
-            _spawned_rank, args=(args, mode, free_loopback_port(), str(results_file)), nprocs=args.ranks
-        )
-        return json.loads(results_file.read_text())
+    """Run `mode` in --ranks freshly spawned processes; the summarised results. They run on the C
+    library's malloc, nothing preloaded: the soak bounds glibc's RSS growth (see the docstring)."""
+    return spawn.spawn_ranks(_spawned_rank, args.ranks, (args, mode), preload=None)[0]
 
 
-def _spawned_rank(rank: int, args: argparse.Namespace, mode: str, port: int, results_file: str) -> None:
-    os.environ.update(loopback_rank_environment(rank, args.ranks, port))
+def _spawned_rank(rank: int, args: argparse.Namespace, mode: str) -> dict[str, Any] | None:
     # The ranks share this machine's cores; more threads than cores makes every rank slower.
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // args.ranks))
-    results = _soak_this_rank(args, mode)
-    if results is not None:
-        Path(results_file).write_text(json.dumps(results))
-    exit_spawned_rank()
+    return _soak_this_rank(args, mode)
 
 
 def _soak_this_rank(args: argparse.Namespace, mode: str) -> dict[str, Any] | None:
@@ -222,18 +206,19 @@ def _measure(args: argparse.Namespace, rank: int, world_size: int, mode: str = Z
         optimizer.zero_grad()
         return loss.item()  # waits for the step: RSS and time are taken after it
 
-    for step in range(1, args.steps + 1):
-        if step in (args.rss_from, args.steps):
-            if not reset_peak_rss():
-                raise RuntimeError("/proc/self/clear_refs refused: the soak cannot take the peak of one step")
-        loss_value = train_step()
-        if step == COMPILING_STEPS:
-            frames_after_compiling, graphs_after_compiling = frames["total"], len(backend.compiled_graphs)
-            steady_start = time.perf_counter()
-        if step in (args.rss_from, args.steps):
-            step_peaks[step] = status_bytes("VmHWM")
-        if step in (args.rss_from, args.steps) or step % args.rss_every == 0:
-            rss_samples[step] = status_bytes("VmRSS")
+    with zc.record_graphs() as graphs:  # the graphs lowered: a recompile adds some
+        for step in range(1, args.steps + 1):
+            if step in (args.rss_from, args.steps):
+                if not reset_peak_rss():
+                    raise RuntimeError("/proc/self/clear_refs refused: the soak cannot take the peak of one step")
+            loss_value = train_step()
+            if step == COMPILING_STEPS:
+                frames_after_compiling, graphs_after_compiling = frames["total"], len(graphs)
+                steady_start = time.perf_counter()
+            if step in (args.rss_from, args.steps):
+                step_peaks[step] = status_bytes("VmHWM")
+            if step in (args.rss_from, args.steps) or step % args.rss_every == 0:
+                rss_samples[step] = status_bytes("VmRSS")
     end = time.perf_counter()
     steady_steps = args.steps - COMPILING_STEPS
     census = allocation_census(train_step) if args.allocations else None
@@ -242,8 +227,8 @@ def _measure(args: argparse.Namespace, rank: int, world_size: int, mode: str = Z
         "mode": mode,
         "frames_compiled": frames["total"],
         "recompiles_after_step_2": frames["total"] - frames_after_compiling,
-        "zero_graphs_lowered": len(backend.compiled_graphs),
-        "zero_graphs_lowered_after_step_2": len(backend.compiled_graphs) - graphs_after_compiling,
+        "zero_graphs_lowered": len(graphs),
+        "zero_graphs_lowered_after_step_2": len(graphs) - graphs_after_compiling,
         "rss_bytes": {str(step): rss for step, rss in sorted(rss_samples.items())},
         "rss_from_bytes": rss_samples[args.rss_from],
         "rss_last_bytes": rss_samples[args.steps],

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
-import tempfile
 import time
 import warnings
 from importlib import resources
@@ -32,18 +30,11 @@ from pathlib import Path
 import torch
 import torch._inductor.config
 import torch.distributed as dist
-import torch.multiprocessing
 
 import zerocompile as zc
 from zerocompile import checkpoint_files
-from zerocompile.distributed import (
-    _launcher_environment,
-    exit_spawned_rank,
-    free_loopback_port,
-    group_device,
-    leave_process_group,
-    loopback_rank_environment,
-)
+from zerocompile.distributed import _launcher_environment, group_device, leave_process_group
+from zerocompile.tools import spawn
 from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
 
 MB = 1e6
@@ -156,6 +147,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="continue from this checkpoint; if it does not exist yet, start afresh (for restarts)",
     )
     parser.add_argument("--out", type=Path, default=Path("train-out"), help="where loss.png goes (default ./train-out)")
+    spawn.add_allocator_argument(parser)
     parser.add_argument(
         "--sample-bytes",
         type=int,
@@ -180,12 +172,9 @@ def train(args: argparse.Namespace) -> list[float]:
         losses = train_this_rank(args)
         leave_process_group()  # only on success: a rank that raised must exit, not wait for its peers
         return losses
-    with tempfile.TemporaryDirectory(prefix="zerocompile-train-") as tmp:
-        # A file rather than a queue: spawn() joins before we could drain a pipe that filled up.
-        losses_file = Path(tmp) / "losses.json"
-        port = free_loopback_port()
-        torch.multiprocessing.spawn(_spawned_rank, args=(args, port, str(losses_file)), nprocs=args.ranks)
-        return json.loads(losses_file.read_text())
+    preload = spawn.find_allocator(args.allocator)
+    print(spawn.allocator_line(preload), flush=True)
+    return spawn.spawn_ranks(_spawned_rank, args.ranks, (args,), preload=preload)[0]
 
 
 def _launched_by_torchrun_or_slurm() -> bool:
@@ -193,14 +182,10 @@ def _launched_by_torchrun_or_slurm() -> bool:
     return _launcher_environment() is not None
 
 
-def _spawned_rank(rank: int, args: argparse.Namespace, port: int, losses_file: str) -> None:
-    os.environ.update(loopback_rank_environment(rank, args.ranks, port))
+def _spawned_rank(rank: int, args: argparse.Namespace) -> list[float]:
     # The ranks share this machine's cores; more threads than cores makes every rank slower.
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // args.ranks))
-    losses = train_this_rank(args)
-    if rank == 0:
-        Path(losses_file).write_text(json.dumps(losses))
-    exit_spawned_rank()
+    return train_this_rank(args)
 
 
 def train_this_rank(args: argparse.Namespace) -> list[float]:

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import socket
-import sys
-from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,24 +58,6 @@ def _slurm_master_addr() -> str:
 def _slurm_master_port() -> int:
     """29500 plus the job id modulo 1000: jobs sharing their first node rarely pick the same port."""
     return 29500 + int(os.environ.get("SLURM_JOB_ID", "0")) % 1000
-
-
-def free_loopback_port() -> int:
-    """A TCP port free on 127.0.0.1 now, for a rendezvous of ranks this process spawns."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def loopback_rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
-    """The variables torchrun would set for `rank` of a single-node job on 127.0.0.1:`port`."""
-    return {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    }
 
 
 def process_group_timeout(group: dist.ProcessGroup | None = None) -> timedelta:
@@ -136,14 +114,15 @@ def init_distributed(
     if launched is None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=rank, world_size=world_size, **kwargs)
         return rank, world_size
-    if "MASTER_ADDR" not in os.environ:
-        os.environ["MASTER_ADDR"] = _slurm_master_addr()
-    os.environ.setdefault("MASTER_PORT", str(_slurm_master_port()))
-    restart_store = _torchrun_attempt_store(world_size, timeout)
+    # Passed on, not written into os.environ: a library leaves its process's environment as it was.
+    addr = os.environ.get("MASTER_ADDR") or _slurm_master_addr()
+    port = int(os.environ.get("MASTER_PORT") or _slurm_master_port())
+    restart_store = _torchrun_attempt_store(addr, port, world_size, timeout)
     if restart_store is not None:
         dist.init_process_group(backend, store=restart_store, rank=rank, world_size=world_size, **kwargs)
     else:
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, **kwargs)
+        host = f"[{addr}]" if ":" in addr else addr  # an IPv6 address, as a URL writes it
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size, **kwargs)
     return rank, world_size
 
 
@@ -166,7 +145,7 @@ def _cuda_device(backend: str, local_rank: int) -> torch.device | None:
     return torch.device("cuda", local_rank % visible)
 
 
-def _torchrun_attempt_store(world_size: int, timeout: timedelta | None) -> dist.Store | None:
+def _torchrun_attempt_store(addr: str, port: int, world_size: int, timeout: timedelta | None) -> dist.Store | None:
     """Under torchrun's agent store, a view of it private to this restart attempt; else None.
 
     With the static rendezvous (--master-addr/--master-port) torchrun keeps one store for the whole
@@ -176,8 +155,8 @@ def _torchrun_attempt_store(world_size: int, timeout: timedelta | None) -> dist.
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
+        addr,
+        port,
         world_size,
         is_master=False,
         timeout=timeout or timedelta(minutes=30),
@@ -226,41 +205,8 @@ def group_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-@contextlib.contextmanager
-def inherited_environment(values: dict[str, str]) -> Iterator[None]:
-    """`values` in the environment that ranks spawned inside inherit; restored afterwards."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                del os.environ[key]
-            else:
-                os.environ[key] = value
-
-
 def leave_process_group() -> None:
     """End the group of a rank a launcher started (its process goes on). The barrier first: a rank
     tearing gloo down while another is still in a collective sometimes kills that one (SIGABRT)."""
     dist.barrier()
     dist.destroy_process_group()
-
-
-def exit_spawned_rank() -> NoReturn:
-    """End a rank process that we spawned, once every rank is done with the group's collectives.
-
-    Tearing gloo down can deadlock: the last reference to its backend may be dropped while this
-    thread holds the GIL and joins gloo's worker threads, and a worker still releasing a finished
-    collective's tensors needs the GIL to drop their Python objects (pytorch/pytorch#56297,
-    pytorch/pytorch#75097; seen here as a `zerocompile bench` rank stuck for good in
-    `destroy_process_group()` after `all_gather_object`). A rank we spawned has written its
-    results and has nothing left to release, so it leaves without the teardown. The barrier comes
-    first: a rank that exits while a peer is still inside a collective would break that peer's
-    connection mid-message.
-    """
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -174,7 +174,8 @@ def shard(
     if on_meta:
         shard_numels = {param: info.shard_numel if policy.shards_parameters else None for param, info in infos.items()}
         local, buffers = materialise_sharded(
-            model, init, shard_numels=shard_numels, group=hybrid.shard, device=group_device(group), agree_over=group
+            model, init, shard_numels=shard_numels, group=hybrid.shard, device=group_device(group), agree_over=group,
+            trim=config.trim_heap,
         )
         _install_materialised(local, buffers, policy)
     else:
