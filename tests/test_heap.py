@@ -36,24 +36,24 @@ def test_trims_every_tenth_step_of_the_sharded_models_optimizer(single_rank, mon
     model = zc.shard(nn.Linear(4, 4), stage=3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     _steps(model, optimizer, 2 * heap.TRIM_EVERY - 1)
-    trimmer = sharding._WHILE_SHARDED.trimmers[optimizer]
+    trimmer = sharding.WHILE_SHARDED.trimmers[optimizer]
     assert trimmer.trims == 1
     _steps(model, optimizer, 1)
     assert trimmer.trims == 2
     plain = nn.Linear(4, 4)
     foreign = torch.optim.SGD(plain.parameters(), lr=0.1)
     _steps(plain, foreign, heap.TRIM_EVERY)
-    assert foreign not in sharding._WHILE_SHARDED.trimmers
+    assert foreign not in sharding.WHILE_SHARDED.trimmers
     del model, optimizer, trimmer
     gc.collect()
-    assert not sharding._WHILE_SHARDED.installed
+    assert not sharding.WHILE_SHARDED.installed
 
 
 def test_trim_heap_false_leaves_the_heap_alone(single_rank) -> None:
     model = zc.shard(nn.Linear(4, 4), stage=3, trim_heap=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     _steps(model, optimizer, heap.TRIM_EVERY)
-    assert optimizer not in sharding._WHILE_SHARDED.trimmers
+    assert optimizer not in sharding.WHILE_SHARDED.trimmers
 
 
 def _preloadable() -> list[str]:

@@ -33,6 +33,8 @@ _LIFETIME = textwrap.dedent(
         }
 
     before = global_hooks()
+    from torch._inductor.codegen.cpp import CppScheduling
+    torch_split = CppScheduling.try_loop_split
     import zerocompile as zc
     assert global_hooks() == before, "importing zerocompile installed a hook"
     zc.init_distributed()
@@ -45,9 +47,12 @@ _LIFETIME = textwrap.dedent(
         optimizer.step()
         optimizer.zero_grad()
     assert global_hooks() != before, "no hook while a sharded model lives: this test proves nothing"
+    patched = CppScheduling.try_loop_split is not torch_split
+    assert patched == (COMPILER == "inductor"), "the loop-split fix goes with Inductor compiles only"
     del model, compiled, optimizer
     gc.collect()
     assert global_hooks() == before, f"left behind: {global_hooks()} (before: {before})"
+    assert CppScheduling.try_loop_split is torch_split, "Inductor's loop split is still patched"
 
     package = os.path.dirname(zc.__file__)
     ours = []
@@ -114,7 +119,7 @@ def test_an_optimizer_without_sharded_parameters_runs_no_check(single_rank) -> N
         # While a sharded model lives, torch calls the one global pre-hook for every optimizer;
         # for this one it is a weak-dictionary lookup (the first step also sorts it).
         assert not checks & set(_calls_of_ours(foreign.step))
-    assert foreign not in sharding._WHILE_SHARDED.trimmers
+    assert foreign not in sharding.WHILE_SHARDED.trimmers
     del model, ours
     gc.collect()
     assert _calls_of_ours(foreign.step) == []

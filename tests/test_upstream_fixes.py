@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from zerocompile.upstream_fixes import keep_every_iteration_of_split_loops
+from zerocompile.upstream_fixes import keep_every_iteration_of_split_loops, remove_loop_split_fix
 
 pytestmark = pytest.mark.core
 
@@ -44,7 +44,13 @@ def test_inductor_still_drops_the_iterations_a_loop_split_leaves_over() -> None:
 def test_with_the_fix_every_element_is_computed() -> None:
     from torch._inductor.codegen.cpp import CppScheduling
 
+    torch_split = CppScheduling.try_loop_split
     keep_every_iteration_of_split_loops()
     keep_every_iteration_of_split_loops()
-    assert not hasattr(CppScheduling.try_loop_split.__wrapped__, "__wrapped__"), "installed twice"
-    assert _compiled_error() <= 1e-6
+    try:
+        assert not hasattr(CppScheduling.try_loop_split.__wrapped__, "__wrapped__"), "installed twice"
+        assert _compiled_error() <= 1e-6
+    finally:
+        remove_loop_split_fix()
+        remove_loop_split_fix()
+    assert CppScheduling.try_loop_split is torch_split

@@ -47,8 +47,8 @@ from zerocompile.passes.merge_unshards import merge_repeated_unshards
 from zerocompile.passes.recompute_gathers import KEPT, tag_gathers_for_recompute
 from zerocompile.passes.recording import meta_like
 from zerocompile.passes.secondary_shards import regather_from_secondary_shards
-from zerocompile.sharding import ShardInfo, shard_info
-from zerocompile.upstream_fixes import keep_every_iteration_of_split_loops
+from zerocompile.sharding import WHILE_SHARDED, ShardInfo, shard_info
+from zerocompile.upstream_fixes import keep_every_iteration_of_split_loops, remove_loop_split_fix
 
 
 class CompiledGraph:
@@ -123,7 +123,8 @@ def zero_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[st
 
     from torch._inductor.decomposition import select_decomp_table
 
-    keep_every_iteration_of_split_loops()  # int8 dequantisation would lose elements otherwise
+    # int8 dequantisation would lose elements otherwise; only graphs of sharded models need it.
+    WHILE_SHARDED.patch(keep_every_iteration_of_split_loops, remove_loop_split_fix)
 
     lowering = dataclasses.replace(lowering, decompositions=select_decomp_table())
     config_patches = torch_support.inductor_config_patches({

@@ -4,7 +4,8 @@ Some mistakes show only where torch offers nothing but global hooks: an optimize
 shards it cannot step on, or with state made for the full parameters, or while gradients are
 pending under `no_sync` (optimizer step pre-hook); a Parameter or submodule assigned on a module
 of a sharded model (module registration hooks). `ProcessHooks` installs them with the first
-sharded model and removes them, by their handles, when the last one is collected: a process that
+sharded model and removes them, by their handles, when the last one is collected, with any patch
+made through `patch` (the Inductor workaround of `zerocompile.upstream_fixes`): a process that
 holds no sharded model runs none of our code.
 
 While one lives, every optimizer's step passes through `_before_step`. An optimizer is sorted once
@@ -62,6 +63,7 @@ class ProcessHooks:
         self._module_registration = module_registration
         self._alive = 0
         self._handles: list[RemovableHandle] = []
+        self._undo: dict[Callable[[], None], None] = {}  # ordered set of what `patch` installed
         self._sorted: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Sorted] = weakref.WeakKeyDictionary()
         self.trimmers: weakref.WeakKeyDictionary[torch.optim.Optimizer, StepTrimmer] = weakref.WeakKeyDictionary()
 
@@ -80,12 +82,23 @@ class ProcessHooks:
         self._alive += 1
         weakref.finalize(model, self._release)
 
+    def patch(self, install: Callable[[], None], remove: Callable[[], None]) -> bool:
+        """`install()` now and `remove()` when the last sharded model is collected, if one lives;
+        else nothing (False): nothing would remove it."""
+        if self._alive == 0:
+            return False
+        install()
+        self._undo[remove] = None
+        return True
+
     def _release(self) -> None:
         self._alive -= 1
         if self._alive == 0:
             for handle in self._handles:
                 handle.remove()
-            self._handles = []
+            for remove in self._undo:
+                remove()
+            self._handles, self._undo = [], {}
             self._sorted = weakref.WeakKeyDictionary()
             self.trimmers = weakref.WeakKeyDictionary()
 

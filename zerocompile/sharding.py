@@ -203,7 +203,7 @@ def shard(
     model._zero_config = config
     for prefix, module in model.named_modules():
         module._zero_prefix = prefix  # what the registration guard names; its mark of a sharded model
-    _WHILE_SHARDED.hold(model)
+    WHILE_SHARDED.hold(model)
     return model
 
 
@@ -575,7 +575,7 @@ def _trims_heap(param: torch.Tensor) -> bool:
     return info is not None and info.config.trim_heap and param.device.type == "cpu"
 
 
-_WHILE_SHARDED = ProcessHooks(
+WHILE_SHARDED = ProcessHooks(
     optimizer_checks=(_check_optimizer_state, check_nothing_pending),
     holds_sharded=lambda param: shard_info(param) is not None,
     trims=_trims_heap,

@@ -19,9 +19,10 @@ iteration is left to torch, so correct code is generated exactly as before. Chec
 than undoing afterwards needs nothing but the loop bodies' sizes and indexing, which every torch
 from 2.11 to 2.15 has (2.13's `snapshot_loop_state` does not exist in 2.11). Measured per version
 by tests/test_upstream_fixes.py: 2.11.0 and 2.13.0 have the bug. It applies to every C++ kernel
-Inductor generates in the process once installed, since the backward's kernels are generated after
-our backend has returned (which only ever turns wrong code into right code). On CUDA, Triton
-kernels do not go through this function.
+Inductor generates in the process while installed, since the backward's kernels are generated after
+our backend has returned (which only ever turns wrong code into right code); the backend installs
+it while a sharded model lives, and the last one collected puts torch's method back
+(`zerocompile.process_hooks`). On CUDA, Triton kernels do not go through this function.
 """
 
 from __future__ import annotations
@@ -48,6 +49,15 @@ def keep_every_iteration_of_split_loops() -> None:
 
     setattr(try_loop_split, _MARK, True)
     CppScheduling.try_loop_split = try_loop_split
+
+
+def remove_loop_split_fix() -> None:
+    """Put torch's own `try_loop_split` back (idempotent)."""
+    from torch._inductor.codegen.cpp import CppScheduling
+
+    installed = CppScheduling.try_loop_split
+    if getattr(installed, _MARK, False):
+        CppScheduling.try_loop_split = installed.__wrapped__
 
 
 def _split_would_drop_iterations(node: Any) -> bool:
