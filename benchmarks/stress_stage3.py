@@ -73,10 +73,10 @@ def main() -> None:
             )  # fmt: skip
             outcome = {"ok": True, "loss": results[0]["loss"]}
         except (spawn.RanksFailed, TimeoutError) as failure:
-            outcome = {"ok": False, "error": str(failure)[-2000:]}
+            outcome = {"ok": False, "error": str(failure)[-4000:]}
         outcome["seconds"] = round(time.monotonic() - started, 1)
         outcomes.append(outcome)
-        detail = f"loss {outcome['loss']:.4f}" if outcome["ok"] else outcome["error"].splitlines()[0]
+        detail = f"loss {outcome['loss']:.4f}" if outcome["ok"] else "\n" + outcome["error"]
         print(f"launch {launch + 1}/{args.launches}: {'ok' if outcome['ok'] else 'FAILED'} in {outcome['seconds']} s, {detail}", flush=True)
     failed = sum(not outcome["ok"] for outcome in outcomes)
     print(

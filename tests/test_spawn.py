@@ -129,3 +129,33 @@ def test_train_says_which_malloc_its_ranks_run_on_and_leaks_no_semaphore(tmp_pat
         named = r"ranks preload /\S+/lib(tc|je)malloc\S* \(--allocator system to use the C library's malloc\)"
         assert re.fullmatch(named, first_line), first_line
     assert "leaked semaphore" not in result.stderr and "resource_tracker" not in result.stderr, result.stderr
+
+
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie nobody has reaped yet (e.g. where PID 1 never reaps)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_ranks_die_with_a_killed_parent() -> None:
+    driver = (
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "import test_spawn\n"
+        "from zerocompile.tools import spawn\n"
+        "spawn.spawn_ranks(test_spawn._sleep, 2, timeout=600, watch=lambda pids: print(*pids, flush=True) or time.sleep(0.5))\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(pid) for pid in parent.stdout.readline().split()]
+    finally:
+        parent.kill()  # SIGKILL: no finally block of the spawner runs
+        parent.wait()
+    assert len(pids) == 2
+    deadline = time.monotonic() + 30
+    while not all(map(_gone, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(map(_gone, pids)), f"ranks {pids} outlived their killed parent"

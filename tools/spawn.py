@@ -344,5 +344,19 @@ def _serve(jobs: Connection, outcomes: Connection) -> NoReturn:
         outcomes.send_bytes(data)
 
 
+def _die_with_the_parent() -> None:
+    """Linux: the kernel kills this rank when the process that started it dies (killed, crashed),
+    rather than leaving it to run its job to the end as an orphan."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() == 1:  # the parent died before the request took effect
+            os._exit(1)
+
+
 if __name__ == "__main__":
+    _die_with_the_parent()
     _serve(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False))
