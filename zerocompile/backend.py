@@ -316,7 +316,10 @@ def _lower_and_record(graph: fx.Graph, lowering: Lowering) -> None:
         lower_markers(graph, lowering.bucket_bytes, lowering.prefetch, lowering.decompositions)
         dump.emit_graph(lowering.directory, kind, "after", "lower_markers", graph)
     if not lowering.records and lowering.directory is None:
-        return  # nobody reads the facts
+        # No record: only the structured trace (TORCH_TRACE, what tlparse reads) may want the ledger,
+        # which `emit_ledger` works out only where that trace is on.
+        dump.emit_ledger(None, kind, lambda: ledger.graph_ledger(graph, kind).to_json())
+        return
     with dynamo_timed("zerocompile.record_graph", log_pt2_compile_event=True, metadata={"graph": kind}):
         record = CompiledGraph(kind, dump.compile_id(), _facts_only_copy(graph))
         dump.emit_ledger(lowering.directory, kind, lambda: record.ledger.to_json())
