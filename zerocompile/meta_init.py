@@ -88,6 +88,11 @@ def check_meta_model(model: nn.Module) -> None:
         )
 
 
+# A module whose full tensors were smaller leaves holes glibc reuses anyway (its own trim threshold
+# is 128 KiB): trimming after each of a model's many norms and biases would only cost start-up time.
+_TRIM_AFTER_BYTES = 2**20
+
+
 def materialise_sharded(
     model: nn.Module,
     init: Callable[[nn.Module], Any] | None,
@@ -134,7 +139,8 @@ def materialise_sharded(
         with walk:
             call(module)
         walk.keep_slices()
-        if trim and device.type == "cpu":
+        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        if trim and device.type == "cpu" and sum(t.numel() * t.element_size() for t in own) >= _TRIM_AFTER_BYTES:
             # Each module's full tensors are freed between the slices kept of it and of the next:
             # glibc would keep those holes resident, and the build's peak would grow with the model
             # (101M GPT, 2 ranks: 268-303 MB held after shard() against 193 MB of shards).
