@@ -177,21 +177,35 @@ def _sgd(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
 
 
-def _reference(spec: ModelSpec, run: RunSpec) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The plain model's state before and after the steps, trained as DDP trains: each rank's
-    local batch backward on its own, the gradients averaged; with `param_dtype`, forward and
-    backward run on a copy in that dtype and the fp32 master weights take its gradients, as
+def _reference(
+    spec: ModelSpec, run: RunSpec, sharded: list[dict[str, torch.Tensor]]
+) -> list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+    """For each step, the plain model's state before it and after it, trained as DDP trains: each
+    rank's local batch backward on its own, the gradients averaged; with `param_dtype`, forward
+    and backward run on a copy in that dtype and the fp32 master weights take its gradients, as
     sharding does.
 
+    Each step after the first starts from the sharded model's weights after the one before
+    (`sharded`; the momentum stays the reference's own), so every step is checked on its own
+    arithmetic: started from the reference's own weights, the two differ by a rounding of one
+    gradient, which can flip a bf16 weight of the next forward by an ulp, and a LayerNorm over a
+    few elements amplifies that past any tolerance that would still catch a wrong shard (found by
+    ZC_HYPOTHESIS_SEED=2888496189: step-1 weights 7e-5 apart, one gradient rounding; step-2 weights
+    1.6x the bound apart). A wrong first step fails its own comparison; a wrong momentum on the
+    shards still moves the second.
+
     (The global batch's mean, or fp32 compute, gives the same gradient only up to rounding, which a
-    LayerNorm over two elements amplifies past any tolerance that would still catch a wrong shard.)
+    LayerNorm over two elements amplifies the same way.)
     """
     torch.manual_seed(run.data_seed)
     model = Generated(spec)
     optimizer = _sgd(model)
-    initial = copy.deepcopy(model.state_dict())
     compute = model if run.param_dtype is None else copy.deepcopy(model).to(run.param_dtype)
+    steps = []
     for step in range(STEPS):
+        if step:
+            model.load_state_dict(sharded[step - 1])
+        before = copy.deepcopy(model.state_dict())
         with torch.no_grad():
             for low, master in zip(compute.parameters(), model.parameters()):
                 low.copy_(master)
@@ -203,12 +217,16 @@ def _reference(spec: ModelSpec, run: RunSpec) -> tuple[dict[str, torch.Tensor], 
                 master.grad, low.grad = low.grad.to(master.dtype), None
         optimizer.step()
         optimizer.zero_grad()
-    return initial, model.state_dict()
+        steps.append((before, copy.deepcopy(model.state_dict())))
+    return steps
 
 
-def _sharded(spec: ModelSpec, run: RunSpec, group: dist.ProcessGroup, checkpoint: Path) -> dict[str, torch.Tensor]:
-    """The sharded model's full state after the steps; at world size 2 also saved and loaded back
-    at `run.reload_stage` (checkpoints need the whole world, so not the one-rank groups)."""
+def _sharded(
+    spec: ModelSpec, run: RunSpec, group: dist.ProcessGroup, checkpoint: Path
+) -> list[dict[str, torch.Tensor]]:
+    """The sharded model's full state after each step; at world size 2 the last is also saved and
+    loaded back at `run.reload_stage` (checkpoints need the whole world, so not the one-rank
+    groups)."""
     torch.manual_seed(run.data_seed)
     model = zc.shard(Generated(spec), stage=run.stage, group=group, param_dtype=run.param_dtype)
     forward = model
@@ -219,12 +237,14 @@ def _sharded(spec: ModelSpec, run: RunSpec, group: dist.ProcessGroup, checkpoint
         forward = torch.compile(model, backend="zero", options={"compiler": "eager"})
     optimizer = _sgd(model)
     rank = dist.get_rank(group)
+    states = []
     for step in range(STEPS):
         ids, targets = (t.chunk(run.world_size)[rank] for t in _global_batch(spec, run, step))
         forward(ids, targets).backward()
         optimizer.step()
         optimizer.zero_grad()
-    full = zc.full_state_dict(model, rank0_only=False)
+        states.append(zc.full_state_dict(model, rank0_only=False))
+    full = states[-1]
     if run.world_size == 2:
         zc.save(checkpoint, model, optimizer)
         torch.manual_seed(run.data_seed + 1)  # other initial values: all must come from the file
@@ -232,23 +252,25 @@ def _sharded(spec: ModelSpec, run: RunSpec, group: dist.ProcessGroup, checkpoint
         zc.load(checkpoint, reloaded, _sgd(reloaded))
         for name, value in zc.full_state_dict(reloaded, rank0_only=False).items():
             assert torch.equal(value, full[name]), f"{name} changed through save at stage {run.stage} and load at {run.reload_stage}"
-    return full
+    return states
 
 
 def _compare(spec: ModelSpec, run: RunSpec, group: dist.ProcessGroup, checkpoint: Path) -> None:
-    initial, expected = _reference(spec, run)
     got = _sharded(spec, run, group, checkpoint)
-    assert list(got) == list(expected), f"state dict keys {list(got)} != {list(expected)}"
-    for name, value in expected.items():
-        assert got[name].shape == value.shape and got[name].dtype == value.dtype, (
-            f"{name}: {tuple(got[name].shape)} {got[name].dtype}, expected {tuple(value.shape)} {value.dtype}"
-        )
-        if value.numel():
-            error = (got[name].double() - value.double()).abs().max().item()
-            tolerance = TOLERANCE
-            if run.param_dtype is not None:
-                tolerance += BF16_UPDATE_FRACTION * (value.double() - initial[name].double()).abs().max().item()
-            assert error <= tolerance, f"{name} differs from the plain model's by {error:.3g} (tolerance {tolerance:.3g})"
+    for step, ((before, expected), state) in enumerate(zip(_reference(spec, run, got), got)):
+        assert list(state) == list(expected), f"state dict keys {list(state)} != {list(expected)}"
+        for name, value in expected.items():
+            assert state[name].shape == value.shape and state[name].dtype == value.dtype, (
+                f"{name}: {tuple(state[name].shape)} {state[name].dtype}, expected {tuple(value.shape)} {value.dtype}"
+            )
+            if value.numel():
+                error = (state[name].double() - value.double()).abs().max().item()
+                tolerance = TOLERANCE
+                if run.param_dtype is not None:
+                    tolerance += BF16_UPDATE_FRACTION * (value.double() - before[name].double()).abs().max().item()
+                assert error <= tolerance, (
+                    f"{name} differs from the plain model's after step {step + 1} by {error:.3g} (tolerance {tolerance:.3g})"
+                )
 
 
 def _agree(group: dist.ProcessGroup, example: str, failure: str | None) -> None:
@@ -372,7 +394,7 @@ def test_the_property_catches_a_wrong_shard(stage: int, monkeypatch) -> None:
     monkeypatch.setattr(sharding, "local_slice", shifted_slice)
     zc.init_distributed()
     try:
-        with pytest.raises(AssertionError, match="differs from the plain model.s by"):
+        with pytest.raises(AssertionError, match="differs from the plain model.s after step 1 by"):
             _compare(spec, run, dist.group.WORLD, Path("unused: world size 1 saves nothing"))
     finally:
         dist.destroy_process_group()
