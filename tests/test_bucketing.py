@@ -55,7 +55,7 @@ def subgroup_name(group_name):
     """A second group (ranks 0 and 1): markers of another group must get their own collective."""
     return dist.new_group([0, 1]).group_name
 
-pytestmark = pytest.mark.usefixtures("group_name")
+pytestmark = [pytest.mark.fast, pytest.mark.usefixtures("group_name")]
 
 
 # --------------------------------------------------------------------------------------- helpers

@@ -1,4 +1,4 @@
-"""`zerocompile capacity`: one real configuration in spawned ranks (tiny GPT, eager compiler), the
+"""`python -m benchmarks.capacity`: one real configuration in spawned ranks (tiny GPT, eager compiler), the
 skip that protects the machine, the fit, and the tables, checked for structure and consistency.
 
 Nothing here asserts a time or an RSS value: they depend on the machine and on what else runs on it.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from zerocompile.tools import capacity, cli
+from benchmarks import capacity
 from zerocompile.tools.gpt import SIZES
 
 
@@ -30,11 +30,15 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     return report, out
 
 
-def test_capacity_is_a_subcommand() -> None:
-    assert cli.subcommand("capacity") is capacity
-    args = cli.build_parser().parse_args(["capacity", "--sizes", "tiny", "--ranks", "2,4", "--modes", "ddp,zero3"])
+def test_capacity_runs_as_a_module_of_benchmarks_not_a_subcommand() -> None:
+    """Lab equipment: run from the repository root, not shipped in the wheel's `zerocompile` command."""
+    from zerocompile.tools import cli
+
+    assert "capacity" not in cli.SUBCOMMANDS
+    parser = argparse.ArgumentParser()
+    capacity.add_arguments(parser)
+    args = parser.parse_args(["--sizes", "tiny", "--ranks", "2,4", "--modes", "ddp,zero3"])
     assert (args.sizes, args.ranks, args.modes, args.compiler) == (["tiny"], [2, 4], ["ddp", "zero3"], "eager")
-    assert args.run is capacity.run
 
 
 def test_one_configuration_runs_in_its_ranks_and_reports_every_phase(tiny_run: tuple[dict, Path]) -> None:

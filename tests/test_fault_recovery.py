@@ -2,7 +2,7 @@
 
 The job (`zerocompile train --save D --save-every N --resume D`) must be restarted by torchrun from
 its last complete checkpoint and end with exactly the parameters, optimizer state and loss curve of
-a run that was never interrupted: the README's promise for `torchrun --max-restarts=K`.
+a run that was never interrupted: docs/checkpoints.md's promise for `torchrun --max-restarts=K`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _torchrun_train(entry: list[str], checkpoint: Path, out: Path, extra_env: di
     """
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", **extra_env}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1"]
-    # The static rendezvous, as the README launches: one store for the whole job, which
+    # The static rendezvous, as docs/launchers.md launches: one store for the whole job, which
     # init_distributed gives each restart attempt a private view of.
     command += ["--monitor-interval=0.1", "--master-addr=127.0.0.1", f"--master-port={free_loopback_port()}"]
     command += ["--local-addr=127.0.0.1"]

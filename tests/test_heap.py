@@ -2,7 +2,7 @@
 holds a CPU model's shards; nothing for other optimizers, with `trim_heap=False`, or where another
 allocator is preloaded.
 
-What trimming buys is measured, not tested (RSS depends on the machine): `zerocompile soak
+What trimming buys is measured, not tested (RSS depends on the machine): `python -m benchmarks.soak
 --compare-ddp` reports each step's RSS for stage 3 and DDP+compile.
 """
 

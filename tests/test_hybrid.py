@@ -217,7 +217,7 @@ def test_a_rank_holds_16_phi_over_k(reports, stage: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Bytes: the ledger against the README's formulas and against what each rank wrote
+# Bytes: the ledger against the formulas of docs/launchers.md and against what each rank wrote
 
 
 def bytes_report(rank: int, world_size: int, dump_root: str) -> dict[str, dict]:
@@ -270,7 +270,7 @@ def test_dump_shows_each_collectives_group_and_the_bytes_to_other_nodes(bytes_se
 
 @pytest.mark.parametrize("layout", ["K", "hpz"])
 def test_bytes_across_nodes_follow_the_formulas_and_the_ledger_what_was_written(bytes_sent, layout: str) -> None:
-    """README formulas, nodes of M = 2 among N = 4, fp32 (p = 4): hybrid sends 2pΦ(N-M)/(N·M)
+    """docs/launchers.md's formulas, nodes of M = 2 among N = 4, fp32 (p = 4): hybrid sends 2pΦ(N-M)/(N·M)
     to other nodes (the replicas' all-reduce of the reduced shards), hpZ 2pΦ(N-M)/N (the
     forward's gather and the reduce-scatter over all ranks; its backward gathers stay inside).
     Padding to 16-element shards is the only difference (under 2 %); the ledger's total is within

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.fast
+
 ROOT = Path(__file__).resolve().parent.parent
 # Source directory -> the package it ships as (pyproject.toml's package-dir), in layer order.
 LAYERS = {"passes": "zerocompile.passes", "zerocompile": "zerocompile", "tools": "zerocompile.tools"}

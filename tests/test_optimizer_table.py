@@ -9,7 +9,7 @@ combines elements across parameters (LBFGS's dot products) would, on the flat 1-
 one such an optimizer treats by its shape, and none divides evenly, so every shard is padded.
 
 The optimizers are found in `torch.optim.__all__`, not listed, so one a new torch adds is measured
-too; the README's table of them must then match what was measured here.
+too; the table of them in docs/api.md must then match what was measured here.
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ TOLERANCE = 1e-6
 # other's collectives. Tolerances that never stop it keep the ranks in step, so the measurement
 # finishes whatever LBFGS does; 4 iterations keep it short.
 SETTINGS: dict[str, dict] = {"LBFGS": {"max_iter": 4, "tolerance_grad": -1.0, "tolerance_change": -1.0}}
-# Built before shard() it is passed in, as the README asks of an optimizer that already holds state:
+# Built before shard() it is passed in, as docs/api.md asks of an optimizer that already holds state:
 # Adagrad makes its state when built (test_adagrad_built_before_shard_... covers leaving it out).
 ORDERS = ("built before shard(), passed in", "built after shard()")
-README = Path(__file__).resolve().parent.parent / "README.md"
+TABLE_PAGE = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 
 
 def torch_optimizers() -> list[type[torch.optim.Optimizer]]:
@@ -150,7 +150,7 @@ def outcomes() -> dict[tuple[str, int, str], float | Refused | str]:
 
 
 def _verdict(outcomes: dict, optimizer: str, stage: int) -> str:
-    """The README's word for the measured outcome of both orders."""
+    """docs/api.md's word for the measured outcome of both orders."""
     both = [outcomes[(optimizer, stage, order)] for order in ORDERS]
     if all(isinstance(outcome, float) and outcome <= TOLERANCE for outcome in both):
         return "= DDP"
@@ -188,14 +188,14 @@ def test_adagrad_built_before_shard_and_not_passed_in_is_told_to_pass_it(single_
         optimizer.step()
 
 
-def test_readme_table_is_what_was_measured(outcomes) -> None:
+def test_documented_table_is_what_was_measured(outcomes) -> None:
     measured = {
         optimizer: [_verdict(outcomes, optimizer, stage) for stage in STAGES] for optimizer in OPTIMIZERS
     }
     documented = {
         row[0].strip("` "): [cell.strip() for cell in row[1 : 1 + len(STAGES)]]
-        for row in (line.strip().strip("|").split("|") for line in README.read_text().splitlines())
+        for row in (line.strip().strip("|").split("|") for line in TABLE_PAGE.read_text().splitlines())
         if row and re.fullmatch(r"\s*`\w+`\s*", row[0]) and row[0].strip("` ") in OPTIMIZERS
     }
     rows = "\n".join(f"| `{name}` | {' | '.join(cells)} |" for name, cells in measured.items())
-    assert documented == measured, f"the README's optimizer table should read:\n{rows}"
+    assert documented == measured, f"docs/api.md's optimizer table should read:\n{rows}"

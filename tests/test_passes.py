@@ -52,7 +52,7 @@ ALL_TO_ALL = [
 ALL_TO_ALL_PADDED = [PACK, *ALL_TO_ALL[1:]]
 ALL_REDUCE = [funcol.all_reduce.default, funcol.wait_tensor.default, aten.unsqueeze.default, AVERAGE_ROWS]
 
-pytestmark = pytest.mark.usefixtures("group_name")
+pytestmark = [pytest.mark.fast, pytest.mark.usefixtures("group_name")]
 
 
 # --------------------------------------------------------------------------------------- helpers

@@ -116,6 +116,7 @@ def totals(report: dict) -> list[float]:
 # ------------------------------------------------------------------------------ --params Φ
 
 
+@pytest.mark.fast
 def test_figure_1_of_the_zero_paper_exactly(capsys) -> None:
     """7.5B parameters, 64 ranks, K = 12, fp16/bf16: 120, 31.4, 16.6 and 1.9 GB (10^9 bytes)."""
     argv = ["--params", "7.5e9", "--ranks", "64", "--optimizer-bytes", "12"]
@@ -134,8 +135,9 @@ def test_figure_1_of_the_zero_paper_exactly(capsys) -> None:
     assert table.startswith("The ZeRO paper's model state") and "the paper's accounting, not zerocompile's" in table
 
 
+@pytest.mark.fast
 def test_1024_ranks_in_nodes_of_8_reproduce_the_readme_formulas(capsys) -> None:
-    """The README's table of stage 3 across nodes, written out here from its formulas: N = 1024,
+    """docs/launchers.md's table of stage 3 across nodes, written out here from its formulas: N = 1024,
     M = 8, Φ = 7.5e9, p = 2 bytes (bf16), K = 12 (the paper's mixed-precision Adam)."""
     phi, n, m, p, k = 7.5e9, 1024, 8, 2, 12
     report = plan_json(["--params", "7.5e9", "--ranks", "1024", "--ranks-per-node", "8"], capsys)
@@ -163,6 +165,7 @@ def test_1024_ranks_in_nodes_of_8_reproduce_the_readme_formulas(capsys) -> None:
     assert "2·2Φ(N-M)/(N·M)" in table and "shard_size=8" in table and "secondary_shard_size=8" in table
 
 
+@pytest.mark.fast
 def test_all_fp32_column_with_adam(capsys) -> None:
     """fp32 and no --optimizer-bytes: K = 8, so 16Φ, 8Φ+8Φ/N, 4Φ+12Φ/N, 16Φ/N."""
     report = plan_json(["--params", "1000", "--ranks", "4", "--param-dtype", "fp32"], capsys)
@@ -197,6 +200,7 @@ def held_after_one_step(factory, stage: int, example: torch.Tensor, targets: boo
     return zc.model_state_bytes(model, optimizer)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "factory, example, targets",
     [
@@ -215,6 +219,7 @@ def test_model_state_equals_what_shard_holds(fake_world: int, factory, example, 
         assert held == expected, f"stage {planned['stage']} at N={fake_world}"
 
 
+@pytest.mark.fast
 def test_tied_frozen_and_padded_counts_by_hand(capsys) -> None:
     """embed.weight (91, tied with head.weight) once; frozen 49+7 without gradient; head.bias 13.
 
@@ -237,6 +242,7 @@ def test_tied_frozen_and_padded_counts_by_hand(capsys) -> None:
     assert [s["full_grads_in_step_bytes"] for s in report["stages"]] == [0, 104 * 4, 91 * 4, 91 * 4]
 
 
+@pytest.mark.fast
 def test_model_table_labels_bounds_and_frozen_parameters(capsys) -> None:
     argv = ["--model", "test_plan:tied_frozen_uneven", "--ranks", "4", "--param-dtype", "bf16"]
     code, table, _ = run_plan(argv, capsys)
@@ -248,6 +254,7 @@ def test_model_table_labels_bounds_and_frozen_parameters(capsys) -> None:
     assert "≥ 256 B" in stage3 and "≤ " in stage3  # 128 padded bf16 elements; re-gathers at most
 
 
+@pytest.mark.fast
 def test_user_module_in_the_working_directory(tmp_path, monkeypatch, capsys) -> None:
     """`mymodels:make_model` as a user types it, from the directory holding mymodels.py."""
     (tmp_path / "plan_user_models.py").write_text(
@@ -259,6 +266,7 @@ def test_user_module_in_the_working_directory(tmp_path, monkeypatch, capsys) -> 
     assert report["params"] == 33
 
 
+@pytest.mark.fast
 def test_mixed_precision_is_described_as_zerocompile_does_it(capsys) -> None:
     """param_dtype=bf16 keeps fp32 shards, gradients and Adam state: the held bytes of fp32, the
     gathered buffers and traffic of bf16; reduce_dtype changes only what the reductions send."""
@@ -350,6 +358,7 @@ def traced_ledgers(factory, stage: int, example: torch.Tensor, targets: bool, se
     return ledgers
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("fake_world", [4], indirect=True, ids=lambda n: f"N={n}")
 @pytest.mark.parametrize(
     "factory, example, targets, precision",
@@ -394,6 +403,7 @@ def test_traced_graphs_meet_the_plan_and_its_bounds(
 # ------------------------------------------------------------------------------- bad input
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -442,6 +452,7 @@ def test_bad_input_names_the_fix(argv: list[str], message: str, capsys) -> None:
     assert re.search(message, err), err
 
 
+@pytest.mark.fast
 def test_missing_dependency_of_the_users_module(tmp_path, monkeypatch, capsys) -> None:
     (tmp_path / "plan_models_with_a_dependency.py").write_text("import not_installed_dependency_xyz\n")
     monkeypatch.chdir(tmp_path)
@@ -468,6 +479,7 @@ RUN_PLAN_AND_REPORT_PEAK_RSS = textwrap.dedent(
 )
 
 
+@pytest.mark.fast
 def test_one_billion_parameters_at_1024_ranks_in_2_gb() -> None:
     """In a fresh process, torch import included.
 

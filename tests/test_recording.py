@@ -16,7 +16,7 @@ from zerocompile.passes.recording import record_ops
 aten = torch.ops.aten
 funcol = torch.ops._c10d_functional
 
-pytestmark = pytest.mark.usefixtures("group_name")
+pytestmark = [pytest.mark.fast, pytest.mark.usefixtures("group_name")]
 
 
 def test_records_each_op_with_its_value_and_make_fx_names(group_name: str) -> None:

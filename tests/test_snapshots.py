@@ -44,7 +44,7 @@ from zerocompile import backend, sharding
 from zerocompile.passes.lowering import ALL_TO_ALL_REDUCE_SCATTER
 from zerocompile.tools.gpt import GPT, GPTConfig
 
-pytestmark = pytest.mark.core
+pytestmark = [pytest.mark.fast, pytest.mark.core]
 
 WORLD = 4
 GPT_CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)

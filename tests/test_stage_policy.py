@@ -18,6 +18,8 @@ from zerocompile.passes.merge_unshards import merge_repeated_unshards
 from zerocompile.passes.recompute_gathers import tag_gathers_for_recompute
 from zerocompile.passes.stages import STAGES, padded_numel, shard_numel, stage_policy
 
+pytestmark = pytest.mark.fast
+
 funcol = torch.ops._c10d_functional
 ABSENT = "no-such-group"  # resolving it would raise: the passes must never ask
 WORLD = 3

@@ -10,6 +10,8 @@ import pytest
 
 from zerocompile import torch_support
 
+pytestmark = pytest.mark.fast
+
 ROOT = Path(__file__).resolve().parents[1]
 _READS_THE_RELEASE = re.compile(r"torch\.__version__|TorchVersion|torch_version")
 

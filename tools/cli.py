@@ -15,7 +15,7 @@ import importlib
 import sys
 from types import ModuleType
 
-SUBCOMMANDS = ("check", "train", "dump", "plan", "bench", "convert", "soak", "capacity")
+SUBCOMMANDS = ("check", "train", "dump", "plan", "bench", "convert")
 
 
 def subcommand(name: str) -> ModuleType:

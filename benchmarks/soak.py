@@ -14,7 +14,7 @@ as the rank torchrun/srun started, for --steps optimizer steps, and reports for 
   steps/s      optimizer steps per second after step 2 (compiling excluded).
 
 With --allocations one more step runs after the last under torch.profiler, and the table lists
-rank 0's allocations of at least 64 KiB in it by the op that made them (`tools/allocations.py`):
+rank 0's allocations of at least 64 KiB in it by the op that made them (`benchmarks/allocations.py`):
 the per-step churn that fragments a CPU heap, for each mode.
 
 With --compare-ddp the same run (model, seed, batches, steps) is then trained again with
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ import zerocompile as zc
 from zerocompile import torch_support
 from zerocompile.distributed import _launcher_environment, leave_process_group
 from zerocompile.tools import spawn
-from zerocompile.tools.allocations import allocation_census, format_census
+from benchmarks.allocations import allocation_census, format_census
 from zerocompile.tools.gpt import GPT, SIZES
 from zerocompile.tools.rss import reset_peak_rss, status_bytes
 from zerocompile.tools.train import GlobalBatches, load_text
@@ -65,7 +66,7 @@ def _positive_int(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `zerocompile soak`."""
+    """The flags of `python -m benchmarks.soak`."""
     parser.add_argument("--steps", type=_positive_int, default=1000, help="optimizer steps (default 1000)")
     parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=3, help="ZeRO stage (default 3)")
     parser.add_argument(
@@ -111,9 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """`zerocompile soak`: 0 when every rank stayed within the limits, 1 otherwise."""
+    """`python -m benchmarks.soak`: 0 when every rank stayed within the limits, 1 otherwise."""
     if args.rss_from >= args.steps:
-        raise SystemExit(f"zerocompile soak: --rss-from {args.rss_from} must be before the last step {args.steps}")
+        raise SystemExit(f"python -m benchmarks.soak: --rss-from {args.rss_from} must be before the last step {args.steps}")
     results = soak(args)
     if results is None:  # a rank other than torchrun's rank 0: rank 0 reports
         return 0
@@ -132,7 +133,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any] | None:
     """
     if _launcher_environment() is not None:
         if args.compare_ddp:
-            raise SystemExit("zerocompile soak: --compare-ddp spawns its own ranks; run it without torchrun/srun")
+            raise SystemExit("python -m benchmarks.soak: --compare-ddp spawns its own ranks; run it without torchrun/srun")
         results = _soak_this_rank(args, ZERO)
         leave_process_group()
         return results
@@ -276,7 +277,7 @@ def format_table(results: dict[str, Any]) -> str:
     settings = results["settings"]
     rss_from, last = settings["rss_from"], settings["steps"]
     lines = [
-        f"zerocompile soak: stage {settings['stage']}, {settings['ranks']} ranks, GPT {settings['model_size']}, "
+        f"python -m benchmarks.soak: stage {settings['stage']}, {settings['ranks']} ranks, GPT {settings['model_size']}, "
         f"{last} steps, compiler {settings['compiler']}",
         f"| rank | recompiles after step 2 | RSS step {rss_from} MB | RSS step {last} MB | growth % | steps/s |",
         "|---|---|---|---|---|---|",
@@ -319,3 +320,19 @@ def format_table(results: dict[str, Any]) -> str:
         f"{results['rss_growth_percent']:+.2f} % (limit {settings['max_rss_growth_percent']} %)"
     )
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m benchmarks.soak` from the repository root (its ranks import this module)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    # The ranks import their functions by this module's name, which `python -m` hides as __main__.
+    from benchmarks.soak import main as main_of_the_module
+
+    sys.exit(main_of_the_module())

@@ -73,6 +73,7 @@ import os
 import platform
 import re
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -602,7 +603,7 @@ def capacity_table(report: dict[str, Any]) -> str:
     sizes = list(dict.fromkeys(row["size"] for row in rows))
     phis = {row["size"]: row["phi"] for row in rows}
     lines = [
-        f"`zerocompile capacity` on {machine_['node']} ({machine_['cores']} cores, {machine_['ram_bytes'] / GiB:.1f} GiB RAM, "
+        f"`python -m benchmarks.capacity` on {machine_['node']} ({machine_['cores']} cores, {machine_['ram_bytes'] / GiB:.1f} GiB RAM, "
         f"torch {machine_['torch']}), {report['date']}: peak RSS (VmHWM) per rank over the whole job (start-up, "
         f"build, shard/init, compile, {settings['steps']} steps of fp32 AdamW on 1 x {settings['tokens']} tokens "
         f"per rank), the largest rank; compiler {settings['compiler']} (ddp: {settings['ddp_backend']}; fsdp2 "
@@ -922,7 +923,7 @@ def _rank_list(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `zerocompile capacity`."""
+    """The flags of `python -m benchmarks.capacity`."""
     parser.add_argument("--sizes", type=_listed(sorted(SIZES)), default=list(DEFAULT_SIZES),
                         help=f"GPT sizes, comma-separated (default {','.join(DEFAULT_SIZES)})")
     parser.add_argument("--ranks", type=_rank_list, default=list(DEFAULT_RANKS),
@@ -981,7 +982,7 @@ def capacity(args: argparse.Namespace) -> dict[str, Any]:
         "fits": [],
     }
     m = report["machine"]
-    print(f"zerocompile capacity on {m['node']} ({m['cores']} cores, {m['ram_bytes'] / GiB:.1f} GiB RAM, "
+    print(f"python -m benchmarks.capacity on {m['node']} ({m['cores']} cores, {m['ram_bytes'] / GiB:.1f} GiB RAM, "
           f"MemAvailable {m['mem_available_at_start'] / GB:.1f} GB), {report['date']}", flush=True)
     if not args.no_table:
         for size in args.sizes:
@@ -1023,10 +1024,26 @@ def _progress(row: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """`zerocompile capacity`: 1 if a configuration failed or was aborted, else 0 (skips are not failures)."""
+    """`python -m benchmarks.capacity`: 1 if a configuration failed or was aborted, else 0 (skips are not failures)."""
     report = capacity(args)
     statuses = [row["status"] for row in report["runs"]]
     statuses += [row["status"] for row in report.get("big", {}).get("runs", [])]
     if "load_check" in report:
         statuses.append(report["load_check"]["status"])
     return 1 if any(status in ("failed", "aborted") for status in statuses) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m benchmarks.capacity` from the repository root (its ranks import this module)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.capacity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    # The ranks import their functions by this module's name, which `python -m` hides as __main__.
+    from benchmarks.capacity import main as main_of_the_module
+
+    sys.exit(main_of_the_module())
