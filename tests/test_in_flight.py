@@ -9,6 +9,7 @@ gloo group, at shard() and through a compile option, before anything runs.
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -97,9 +98,18 @@ def test_a_compile_option_of_prefetch_over_one_on_gloo_is_refused_before_running
 
 
 def test_stage_0_and_prefetch_one_run_on_gloo(single_rank) -> None:
-    """Stage 0 gathers nothing, so any prefetch is harmless; prefetch=1 is the safe default."""
+    """Stage 0 gathers nothing, so any prefetch is harmless; prefetch=1 is the safe default. Both
+    run, and on one rank their gradients are the plain model's."""
     for stage, prefetch in [(0, 2), (3, 1)]:
         torch._dynamo.reset()
-        model = zc.shard(Layers(), stage, prefetch=prefetch)
+        torch.manual_seed(0)
+        plain = Layers()
+        model = zc.shard(copy.deepcopy(plain), stage, prefetch=prefetch)
+        x = torch.randn(4, 16)
         compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
-        compiled(torch.randn(4, 16)).backward()
+        compiled(x).backward()
+        plain(x).backward()
+        for (name, shard), full in zip(model.named_parameters(), plain.parameters()):
+            # One rank holds the whole parameter: flat (stages 1-3), padded past its numel.
+            got = shard.grad.reshape(-1)[: full.numel()]
+            assert torch.equal(got, full.grad.reshape(-1)), f"stage {stage}: {name}"

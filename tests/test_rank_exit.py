@@ -17,7 +17,27 @@ import pytest
 from zerocompile.tools.spawn import RETURNED, Child, child_environment, collect, free_loopback_port
 from zerocompile.tools.spawn import loopback_rank_environment
 
-LATE_BY = 1.0  # seconds rank 1 arrives after rank 0: far longer than a process takes to exit
+def _announce_the_barrier(tmp: str) -> None:
+    """Make this rank's next `dist.barrier()` (the one `exit_spawned_rank` waits in) write a file
+    first, so its peer can see it arrive there."""
+    import torch.distributed as dist
+
+    barrier = dist.barrier
+
+    def announcing_barrier(*args, **kwargs):
+        Path(tmp, "rank0-at-barrier").write_text("")
+        return barrier(*args, **kwargs)
+
+    dist.barrier = announcing_barrier
+
+
+def _state(pid: str) -> str:
+    """The process's state letter, "gone" if it was reaped. A zombie ("Z") has exited: our
+    parent has not joined it yet."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
 
 
 def _rank(rank: int, tmp: str) -> None:
@@ -25,15 +45,18 @@ def _rank(rank: int, tmp: str) -> None:
 
     dist.init_process_group("gloo")  # from the variables the spawner gave this rank
     if rank == 0:
+        _announce_the_barrier(tmp)
         Path(tmp, "rank0.pid").write_text(str(os.getpid()))
     else:
         while not Path(tmp, "rank0.pid").exists():
             time.sleep(0.01)
-        time.sleep(LATE_BY)
         rank0 = Path(tmp, "rank0.pid").read_text()
-        # A zombie ("Z") has exited: our parent has not joined it yet.
-        state = Path(f"/proc/{rank0}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        Path(tmp, "rank0-state-when-rank1-arrived").write_text(state)
+        # Rank 0 has returned its result and been told to stop: it either waits at the barrier
+        # (announced) or, if it did not wait for its peers, exits. Whichever comes first decides,
+        # not how long this rank waited.
+        while not Path(tmp, "rank0-at-barrier").exists() and _state(rank0) not in ("Z", "X", "gone"):
+            time.sleep(0.01)
+        Path(tmp, "rank0-state-when-rank1-arrived").write_text(_state(rank0))
     print(f"rank {rank} leaves", end="")  # no newline: only an explicit flush writes it out
 
 
@@ -52,6 +75,6 @@ def test_ranks_exit_zero_after_every_peer_reached_the_barrier(
         codes = [child.reap(within=60) for child in children]
     assert outcomes == {0: (RETURNED, None), 1: (RETURNED, None)}, outcomes
     assert codes == [0, 0]
-    assert (tmp_path / "rank0-state-when-rank1-arrived").read_text() != "Z", "rank 0 left before its peer arrived"
+    assert (tmp_path / "rank0-state-when-rank1-arrived").read_text() not in ("Z", "X", "gone"), "rank 0 left before its peer arrived"
     printed = capfd.readouterr().out
     assert "rank 0 leaves" in printed and "rank 1 leaves" in printed
