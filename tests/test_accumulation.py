@@ -142,13 +142,14 @@ def test_no_sync_micro_steps_send_nothing_and_the_synced_one_reduces_once(report
     every = _case(report, "every", case[1], "eager")["sent"]
     assert min(every) > 0
     if "bf16" not in case:  # bf16 gathers half the bytes
-        assert sent[-1] == pytest.approx(every[-1], rel=0.05)
+        # Exact: the same collectives write the same gloo messages (measured equal in every case).
+        assert sent[-1] == every[-1]
 
 
 @pytest.mark.parametrize("stage", (0, 1, 2, 3))
 def test_reducing_every_micro_step_sends_a_full_step_each_time(report, stage: int) -> None:
     sent = _case(report, "every", stage, "eager")["sent"]
-    assert max(sent) == pytest.approx(min(sent), rel=0.05)
+    assert max(sent) == min(sent)  # the same messages every micro-step: measured equal
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))

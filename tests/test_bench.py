@@ -77,8 +77,10 @@ def test_bytes_sent_per_step_match_zero_formulas(quick_run: tuple[int, Path]) ->
     """
     summary, modes = _modes(quick_run)
     theory = summary["theory"]
-    assert modes["zero3-eager"]["sent_bytes_per_step"] == pytest.approx(theory["sent_3phi"], rel=0.10)
-    assert modes["ddp"]["sent_bytes_per_step"] == pytest.approx(theory["sent_2phi"], rel=0.10)
+    # Measured 0.988: the position embedding's share of 3Φ is missing by design (see above).
+    assert modes["zero3-eager"]["sent_bytes_per_step"] == pytest.approx(theory["sent_3phi"], rel=0.015)
+    # Measured 1.005: wchar also counts gloo's framing and DDP's small broadcasts.
+    assert modes["ddp"]["sent_bytes_per_step"] == pytest.approx(theory["sent_2phi"], rel=0.01)
 
 
 def test_model_state_and_loss_are_what_each_mode_promises(quick_run: tuple[int, Path]) -> None:
@@ -93,13 +95,18 @@ def test_model_state_and_loss_are_what_each_mode_promises(quick_run: tuple[int, 
     assert losses == pytest.approx([losses[0]] * len(losses), rel=1e-4)
 
 
-def test_compile_cpu_is_seconds_where_the_first_step_compiles(quick_run: tuple[int, Path]) -> None:
-    """Only stage 3 compiles (with the eager compiler: Python only); its compile CPU is seconds
-    (measured on the tiny GPT, 2026-11-26: 3.0 s), while eager DDP's first step costs what any
-    step does, give or take scheduling noise (measured: ~0.01 s)."""
+def test_compile_figures_come_from_the_ranks_that_held_the_others_up(quick_run: tuple[int, Path]) -> None:
+    """A mode's step is its slowest rank's in each round, its compile time the slowest first step
+    minus the median of those, its compile CPU the largest rank's. Their size is a measurement, not
+    asserted here (CI's load moves it); that stage 3 compiled at all is
+    test_compile_phases_say_where_the_compile_went's."""
     _, modes = _modes(quick_run)
-    assert modes["zero3-eager"]["compile_cpu_s"] > 1.0
-    assert abs(modes["ddp"]["compile_cpu_s"]) < 0.5 * modes["zero3-eager"]["compile_cpu_s"]
+    for name, mode in modes.items():
+        ranks = mode["per_rank"]
+        assert mode["step_times_s"] == [max(times) for times in zip(*(rank["step_times"] for rank in ranks))], name
+        assert mode["first_step_s"] == max(rank["first_step"] for rank in ranks), name
+        assert mode["compile_time_s"] == mode["first_step_s"] - statistics.median(mode["step_times_s"]), name
+        assert mode["compile_cpu_s"] == max(rank["compile_cpu"] for rank in ranks), name
 
 
 def test_every_rank_of_every_mode_compiles_into_a_cache_of_its_own(quick_run: tuple[int, Path]) -> None:

@@ -106,7 +106,9 @@ def test_dump_totals_match_bytes_sent(dumped, stage: int) -> None:
     ranks = dump.load(str(directory))
     for rank, result in zip(sorted(ranks), results):
         summary = dump.rank_summary(ranks[rank])
-        assert summary["sent"] == pytest.approx(result["sent"], rel=0.05)
+        # The dump's ledger against the bytes the rank wrote (wchar, gloo's framing included):
+        # measured 0.9989-0.9990 at both stages.
+        assert summary["sent"] == pytest.approx(result["sent"], rel=0.003)
         assert summary["params"] == result["held"]["params"]
         assert summary["grads"] == result["held"]["grads"]
         assert summary["optimizer"] == result["held"]["optimizer"]

@@ -129,7 +129,8 @@ def test_only_trainable_gradients_are_reduced(report, stage: int) -> None:
     assert ours["reduced"] == TRAINABLE
     volumes = 2 if stage == 0 else 1
     reduced = volumes * ours["trainable_bytes"] * (WORLD_SIZE - 1) / WORLD_SIZE
-    assert ours["sent"] == pytest.approx(ours["gathered_sent"] + reduced, rel=0.05), (
+    # A step writes only ~25 kB here, so gloo's per-message framing weighs more: measured +0.1 to +2.3 %.
+    assert ours["sent"] == pytest.approx(ours["gathered_sent"] + reduced, rel=0.03), (
         f"sent {ours['sent']} B; gathers {ours['gathered_sent']} B + trainable reductions {reduced:.0f} B"
     )
 

@@ -341,12 +341,13 @@ def test_each_graph_of_a_broken_model_chooses_within_the_whole_budget(reports) -
 
 @pytest.mark.parametrize("world_size", [n for n, budgets in BYTES_CASES.items() if "above" in budgets])
 def test_budget_above_the_model_sends_stage_2s_traffic(reports, world_size: int) -> None:
-    """2Φ·(N−1)/N·4 B, predicted by the ledger (within 2 %) and written (within 5 %), while the
+    """2Φ·(N−1)/N·4 B, predicted by the ledger (within 2 %) and written (within 0.3 %), while the
     optimizer state stays sharded: AdamW's two fp32 moments of this rank's shards."""
     r = _case(reports, world_size, ("bytes", "above"))
     stage2 = 2 * r["phi"] * (world_size - 1) / world_size * 4
     assert r["predicted"] == pytest.approx(stage2, rel=0.02), r
-    assert r["sent"] == pytest.approx(r["predicted"], rel=0.05), r
+    # wchar: the ledger's payload plus gloo's framing, measured +0.06 to +0.12 %.
+    assert r["sent"] == pytest.approx(r["predicted"], rel=0.003), r
     assert r["optimizer_bytes"] == 8 * r["shard_numel"], r
     # The backward gathers nothing, yet its peak counts the kept parameters it holds from its start.
     assert r["backward_peak"] == r["kept_bytes"] > 0, r
@@ -354,12 +355,13 @@ def test_budget_above_the_model_sends_stage_2s_traffic(reports, world_size: int)
 
 @pytest.mark.parametrize("world_size", [n for n, budgets in BYTES_CASES.items() if "half" in budgets])
 def test_half_budget_ledger_predicts_bytes_sent_and_bounds_the_peak(reports, world_size: int) -> None:
-    """Between stage 2's and stage 3's traffic, the ledger's prediction within 5 % of the bytes
+    """Between stage 2's and stage 3's traffic, the ledger's prediction within 0.3 % of the bytes
     written, at most the budget kept, and a gathered peak within the budget plus one bucket."""
     r = _case(reports, world_size, ("bytes", "half"))
     stage2, stage3 = (volumes * r["phi"] * (world_size - 1) / world_size * 4 for volumes in (2, 3))
     assert stage2 < r["predicted"] < stage3, r
-    assert r["sent"] == pytest.approx(r["predicted"], rel=0.05), r
+    # wchar: the ledger's payload plus gloo's framing, measured +0.06 %.
+    assert r["sent"] == pytest.approx(r["predicted"], rel=0.003), r
     assert 0 < r["kept_bytes"] <= r["budget"], r
     assert r["peak"] <= r["budget"] + DEEP_BUCKET, r
 

@@ -74,7 +74,7 @@ def test_bf16_trains_like_fp32_within_bf16_tolerance(report, stage: int) -> None
 def test_bf16_under_inductor_matches_the_eager_compiler(report) -> None:
     """Inductor lowers the casts our passes insert (they must arrive decomposed)."""
     assert report["inductor"]["losses"] == pytest.approx(report["mlp"]["losses"], rel=2e-2)
-    assert report["inductor"]["sent"] == pytest.approx(report["mlp"]["sent"], rel=0.05)
+    assert report["inductor"]["sent"] == report["mlp"]["sent"]  # the same collectives: measured equal
 
 
 @pytest.mark.parametrize("stage", (0, 3))
@@ -88,7 +88,8 @@ def test_bf16_all_gathers_send_half_the_bytes(report) -> None:
     fp32, bf16 = report[(3, "None")], report[(3, "torch.bfloat16")]
     assert bf16["gathered_sent"] * 2 == fp32["gathered_sent"]
     # Stage 3 sends two gathers (halved) and one fp32 reduction per parameter: 2/3 of fp32's.
-    assert bf16["sent"] == pytest.approx(fp32["sent"] * 2 / 3, rel=0.05)
+    # wchar also counts gloo's per-message framing, which does not halve: measured 1.0056 x 2/3.
+    assert bf16["sent"] == pytest.approx(fp32["sent"] * 2 / 3, rel=0.01)
 
 
 def test_mixed_precision_dtypes_are_validated() -> None:

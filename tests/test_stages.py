@@ -104,11 +104,13 @@ def test_model_state_held_between_steps(reports, stage: int, world_size: int) ->
 @pytest.mark.parametrize("world_size", (2, 4))
 @pytest.mark.parametrize("stage", STAGES)
 def test_bytes_sent_per_step_match_zero_formula(reports, stage: int, world_size: int) -> None:
-    """2Φ·(N−1)/N·4 B at stages 0-2, 3Φ·(N−1)/N·4 B at stage 3, within 5 %."""
+    """2Φ·(N−1)/N·4 B at stages 0-2, 3Φ·(N−1)/N·4 B at stage 3, within 0.3 %."""
     r = reports[world_size][stage]
     volumes = 3 if stage == 3 else 2
     theory = volumes * r["phi"] * (world_size - 1) / world_size * 4
-    assert r["sent_per_step"] == pytest.approx(theory, rel=0.05), (
+    # wchar adds gloo's framing (+0.06 to +0.16 % measured); stage 3 does not re-gather the first
+    # layer (-0.13 % of 3Φ): measured 0.9993-1.0016.
+    assert r["sent_per_step"] == pytest.approx(theory, rel=0.003), (
         f"sent {r['sent_per_step'] / 1e6:.3f} MB, ZeRO formula {theory / 1e6:.3f} MB"
     )
 
@@ -161,7 +163,8 @@ def test_ledger_predicts_the_bytes_sent(reports, stage: int, world_size: int) ->
     """The ledger, read off the lowered graphs alone, against the bytes the step really wrote."""
     r = reports[world_size][stage]
     predicted = sum(graph.ledger.sent_bytes for graph in r["graphs"])
-    assert r["sent_per_step"] == pytest.approx(predicted, rel=0.05)
+    # wchar: the ledger's payload plus gloo's framing, measured +0.06 to +0.16 %.
+    assert r["sent_per_step"] == pytest.approx(predicted, rel=0.003)
 
 
 def shard_layout(rank: int, world_size: int) -> dict[tuple, dict]:
