@@ -1,7 +1,7 @@
 """Start ranks as new Python processes, each with an environment of its own, and collect their results.
 
-The one way the tools (`train`, `bench`, `soak`, `capacity`, `check`) and the tests' rank pool start
-ranks on this machine. Each rank is `python -m zerocompile.tools.spawn` started by `subprocess`
+The one way the tools (`train`, `bench`, `check`), the benchmarks/ harnesses and the tests' rank
+pool start ranks on this machine. Each rank is `python -m zerocompile.tools.spawn` started by `subprocess`
 with its whole environment given (`env=`): the parent's os.environ is never written, so nothing a
 rank needs (RANK, MASTER_PORT, LD_PRELOAD, ...) leaks into the caller or into other processes it
 starts later. No multiprocessing context either: torch.multiprocessing's queues are semaphores,
