@@ -35,6 +35,20 @@ def _sleep(rank: int) -> None:
     time.sleep(3600)
 
 
+def _crash(rank: int) -> None:
+    import ctypes
+
+    ctypes.string_at(0)  # reads address 0: a segmentation fault, as a crash inside a C++ library
+
+
+def test_a_rank_that_crashes_prints_its_python_stack(capfd: pytest.CaptureFixture) -> None:
+    with pytest.raises(Exception, match="status -11"):
+        spawn.spawn_ranks(_crash, 1, preload=None, timeout=120)
+    printed = capfd.readouterr().err
+    assert "Fatal Python error: Segmentation fault" in printed, printed[-2000:]
+    assert 'in _crash' in printed, printed[-2000:]
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

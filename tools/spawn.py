@@ -19,6 +19,7 @@ chosen when a process starts, so `LD_PRELOAD` goes in the child's environment, n
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import pickle
 import socket
@@ -358,5 +359,9 @@ def _die_with_the_parent() -> None:
 
 
 if __name__ == "__main__":
+    # A rank that dies of a signal (a segmentation fault inside gloo or a kernel) prints every
+    # thread's Python stack to the stderr it shares with its parent: without it the parent can say
+    # only "exited with status -11". This process is ours, so the handler is ours to install.
+    faulthandler.enable()
     _die_with_the_parent()
     _serve(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False))
