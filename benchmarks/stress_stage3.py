@@ -22,6 +22,8 @@ from pathlib import Path
 from zerocompile.tools import spawn
 from zerocompile.tools.gpt import SIZES
 
+PROGRESS_EVERY = 100  # steps between rank 0's progress lines
+
 
 def _train(rank: int, size: str, layers: int | None, steps: int, compiler: str, batch: int) -> dict:
     import dataclasses
@@ -40,12 +42,14 @@ def _train(rank: int, size: str, layers: int | None, steps: int, compiler: str, 
     compiled = torch.compile(model, backend="zero", options={"compiler": compiler})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.Generator().manual_seed(rank)
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         x = torch.randint(config.vocab_size, (batch, config.block_size + 1), generator=tokens)
         loss = compiled(x[:, :-1], x[:, 1:])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if rank == 0 and step % PROGRESS_EVERY == 0:  # a long launch says how far it got
+            print(f"  step {step}/{steps}, loss {float(loss.detach()):.4f}", flush=True)
     return {"loss": float(loss.detach())}
 
 
