@@ -1033,17 +1033,7 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any(status in ("failed", "aborted") for status in statuses) else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m benchmarks.capacity` from the repository root (its ranks import this module)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.capacity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
 if __name__ == "__main__":
-    # The ranks import their functions by this module's name, which `python -m` hides as __main__.
-    from benchmarks.capacity import main as main_of_the_module
+    from benchmarks import harness
 
-    sys.exit(main_of_the_module())
+    sys.exit(harness.main("benchmarks.capacity"))

@@ -322,17 +322,7 @@ def format_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m benchmarks.soak` from the repository root (its ranks import this module)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
 if __name__ == "__main__":
-    # The ranks import their functions by this module's name, which `python -m` hides as __main__.
-    from benchmarks.soak import main as main_of_the_module
+    from benchmarks import harness
 
-    sys.exit(main_of_the_module())
+    sys.exit(harness.main("benchmarks.soak"))
