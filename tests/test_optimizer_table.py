@@ -2,10 +2,11 @@
 before its first step changes anything, by an error naming it, why, and what works instead.
 
 An elementwise optimizer updates each element from that element's own history, so on a shard it
-does exactly what it does on the full parameter. One that reads a parameter's shape (Adafactor
-factors its second moment by rows and columns, Muon orthogonalises the update as a matrix) or
-combines elements across parameters (LBFGS's dot products) would, on the flat 1-D shards of stages
-1-3, silently compute something else. The model here holds only matrices, so every parameter is
+does exactly what it does on the full parameter. One that combines elements across parameters
+(LBFGS's dot products) would, on the flat 1-D shards of stages 1-3, silently compute something
+else. Two that read a parameter's shape step there as their `zerocompile.optim` equivalents: Muon
+(which orthogonalises each update as a matrix) and Adafactor (which factors its second moment by
+rows and columns). The model here holds only matrices, so every parameter is
 one such an optimizer treats by its shape, and none divides evenly, so every shard is padded.
 
 The optimizers are found in `torch.optim.__all__`, not listed, so one a new torch adds is measured
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 import zerocompile as zc
+import zerocompile.optim
 from models import local_batch
 from ranks import run_cases, run_on_ranks
 
@@ -45,6 +47,10 @@ SETTINGS: dict[str, dict] = {"LBFGS": {"max_iter": 4, "tolerance_grad": -1.0, "t
 # Built before shard() it is passed in, as docs/api.md asks of an optimizer that already holds state:
 # Adagrad makes its state when built (test_adagrad_built_before_shard_... covers leaving it out).
 ORDERS = ("built before shard(), passed in", "built after shard()")
+# What users build after shard() instead of torch's Muon (whose constructor refuses flat shards,
+# "Muon only supports 2D parameters", before a hook of ours could take it over) and Adafactor (whose
+# first step on shards is refused, test_torch_optimizer_built_after_shard_is_refused_...).
+BUILT_AFTER_SHARD = {torch.optim.Muon: zerocompile.optim.Muon, torch.optim.Adafactor: zerocompile.optim.Adafactor}
 TABLE_PAGE = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 
 
@@ -121,7 +127,7 @@ def _sharded_outcome(optimizer_class: type[torch.optim.Optimizer], stage: int, o
         return Refused("shard", str(error), changed_nothing=unchanged and not hasattr(model, "_zero_config"))
     as_sharded = [p.detach().clone() for p in model.parameters()]
     try:
-        optimizer = optimizer or _build(optimizer_class, model)
+        optimizer = optimizer or _build(BUILT_AFTER_SHARD.get(optimizer_class, optimizer_class), model)
     except (ValueError, TypeError) as error:
         return Refused("construction", str(error), changed_nothing=True)
     try:
@@ -186,6 +192,19 @@ def test_adagrad_built_before_shard_and_not_passed_in_is_told_to_pass_it(single_
     model(local_batch("uneven_mlp", 0, 0, 1)).backward()
     with pytest.raises(RuntimeError, match=r"\(Adagrad\) stepped before zerocompile.shard\(\), or made its state when built.*optimizer=optimizer"):
         optimizer.step()
+
+
+@pytest.mark.parametrize("optimizer_class", [torch.optim.Adafactor])
+def test_torch_optimizer_built_after_shard_is_refused_naming_ours(single_rank, optimizer_class) -> None:
+    """torch's Adafactor built on the shards would run unfactored: its first step is refused
+    before anything changes, naming zerocompile's equivalent."""
+    model = zc.shard(UnevenMatrices(), stage=3)
+    optimizer = optimizer_class(model.parameters())
+    model(local_batch("uneven_mlp", 0, 0, 1)).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match=rf"torch.optim.{optimizer_class.__name__} cannot step.*zerocompile.optim.{optimizer_class.__name__}"):
+        optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)) and not optimizer.state
 
 
 def test_documented_table_is_what_was_measured(outcomes) -> None:

@@ -15,6 +15,7 @@ from zerocompile.ema import EMA
 from zerocompile.gathered import gathered
 from zerocompile.graph_records import record_graphs
 from zerocompile.grad_scaler import ShardedGradScaler
+from zerocompile import optim
 from zerocompile.sharding import full_numel, full_shape, model_state_bytes, shard
 from zerocompile.weights import LoadResult, load_weights, save_weights
 
@@ -33,6 +34,7 @@ __all__ = [
     "load_weights",
     "model_state_bytes",
     "no_sync",
+    "optim",
     "record_graphs",
     "save",
     "save_weights",

@@ -17,6 +17,7 @@ import functools
 import json
 import warnings
 from pathlib import Path
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerocompile import checkpoint_files as files
+from zerocompile.optimizers import optimizer_list, replicated_state_keys
 from zerocompile.sharding import ShardInfo, _parameter_owners, own_state_dict, shard_info
 
 if TYPE_CHECKING:
@@ -208,9 +210,10 @@ def _optimizer_parameters(
 
 
 def _optimizer_state(
-    optimizer: torch.optim.Optimizer, params: dict[nn.Parameter, tuple[str, ...]]
+    optimizer: torch.optim.Optimizer, params: dict[nn.Parameter, tuple[str, ...]], prefix: str
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """DCP entries of the optimizer state, and its JSON description (groups, kinds of state)."""
+    """DCP entries of the optimizer state under `prefix`, and its JSON description (groups, kinds
+    of state)."""
     group_fqns = _optimizer_parameters(optimizer, params)
     groups = []
     for fqns, group in zip(group_fqns, optimizer.param_groups):
@@ -224,15 +227,19 @@ def _optimizer_state(
         groups.append({"params": fqns, **settings})
     tensors: dict[str, torch.Tensor] = {}
     kinds: dict[str, dict[str, Any]] = {}
+    replicated = replicated_state_keys(optimizer)
     for param, state in optimizer.state.items():
         fqn, info = params[param][0], shard_info(param)
         kinds[fqn] = {}
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.dim() == 0:
-                tensors[f"optim.{fqn}.{key}"] = value.detach()
+            if isinstance(value, torch.Tensor) and key in replicated:
+                tensors[f"{prefix}.{fqn}.{key}"] = value.detach()
+                kinds[fqn][key] = {"kind": "replicated", "dtype": files.dtype_name(value.dtype), "shape": list(value.shape)}
+            elif isinstance(value, torch.Tensor) and value.dim() == 0:
+                tensors[f"{prefix}.{fqn}.{key}"] = value.detach()
                 kinds[fqn][key] = {"kind": "scalar", "dtype": files.dtype_name(value.dtype)}
             elif isinstance(value, torch.Tensor) and value.shape == param.shape:
-                tensors[f"optim.{fqn}.{key}"] = _global_view(value, info)
+                tensors[f"{prefix}.{fqn}.{key}"] = _global_view(value, info)
                 kinds[fqn][key] = {"kind": "like_param", "dtype": files.dtype_name(value.dtype)}
             elif not isinstance(value, torch.Tensor) and _is_json(value):
                 kinds[fqn][key] = {"kind": "value", "value": value}
@@ -244,6 +251,28 @@ def _optimizer_state(
                     "scalar tensors and JSON values"
                 )
     return tensors, {"type": type(optimizer).__name__, "param_groups": groups, "state": kinds}
+
+
+def _state_prefix(index: int) -> str:
+    """Where the `index`th optimizer's state lies in the checkpoint (the first where a single
+    optimizer's always has)."""
+    return "optim" if index == 0 else f"optim{index}"
+
+
+def _saved_optimizers(saved: dict[str, Any], count: int) -> list[dict[str, Any]]:
+    """The descriptions of the `count` optimizers passed to `load`, as `save` wrote them (one: a
+    dict; several: a list); none asked for, none (a checkpoint's weights load without its
+    optimizers)."""
+    if count == 0:
+        return []
+    described = saved["optimizer"]
+    described = [] if described is None else [described] if isinstance(described, dict) else described
+    if len(described) != count:
+        raise ValueError(
+            f"the checkpoint holds the state of {len(described)} optimizer(s), and load was given {count}: "
+            "pass the optimizers saved, in the same order (optimizer=[...])"
+        )
+    return described
 
 
 def _is_json(value: Any) -> bool:
@@ -289,11 +318,12 @@ def _full_shape(param: torch.Tensor) -> tuple[int, ...]:
 def save(
     path: str | Path,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     ema: EMA | None = None,
     **extra: Any,
 ) -> None:
-    """Write a checkpoint of `model` (and `optimizer`, `ema`) to directory `path`; every rank calls it.
+    """Write a checkpoint of `model` (and `optimizer`, one or a list, and `ema`) to directory
+    `path`; every rank calls it.
 
     Each rank writes its own shards. `extra` holds this rank's tensors and JSON values (step
     counters, RNG states); `load` returns them. The checkpoint appears at `path` only when
@@ -310,9 +340,13 @@ def save(
         state = _model_state(params, buffers)
         description = _describe(model, params, buffers)
         description["optimizer"] = description["ema"] = None
-        if optimizer is not None:
-            optim_tensors, description["optimizer"] = _optimizer_state(optimizer, params)
+        described = []
+        for index, one in enumerate(optimizer_list(optimizer)):
+            optim_tensors, description_of_one = _optimizer_state(one, params, _state_prefix(index))
             state.update(optim_tensors)
+            described.append(description_of_one)
+        if described:
+            description["optimizer"] = described[0] if isinstance(optimizer, torch.optim.Optimizer) else described
         if ema is not None:
             state.update(_ema_state(ema, model, params))
             description["ema"] = {"decay": ema.decay}
@@ -382,12 +416,11 @@ def _check_matches(
 
 
 def _optimizer_destinations(
-    optimizer: torch.optim.Optimizer, saved: dict[str, Any], params: dict[nn.Parameter, tuple[str, ...]]
+    optimizer: torch.optim.Optimizer, saved: dict[str, Any], params: dict[nn.Parameter, tuple[str, ...]], prefix: str
 ) -> tuple[dict[str, torch.Tensor], dict[nn.Parameter, dict[str, Any]], list[tuple[torch.Tensor, ShardInfo]]]:
-    """Fresh state for the saved optimizer state: DCP views to fill, the state by parameter, and
-    the tensors laid out like their parameter (whose padding must stay zero)."""
-    if saved is None:
-        raise ValueError("the checkpoint holds no optimizer state: load without optimizer=, or save with it")
+    """Fresh state for the saved optimizer state (its DCP entries under `prefix`): DCP views to
+    fill, the state by parameter, and the tensors laid out like their parameter (whose padding
+    must stay zero)."""
     group_fqns = _optimizer_parameters(optimizer, params)
     saved_fqns = [g["params"] for g in saved["param_groups"]]
     if group_fqns != saved_fqns:
@@ -410,10 +443,12 @@ def _optimizer_destinations(
                 continue
             dtype = files.dtype_from_name(kind["dtype"])
             if kind["kind"] == "scalar":
-                state[key] = views[f"optim.{fqn}.{key}"] = torch.zeros((), dtype=dtype, device=scalar_device)
+                state[key] = views[f"{prefix}.{fqn}.{key}"] = torch.zeros((), dtype=dtype, device=scalar_device)
+            elif kind["kind"] == "replicated":
+                state[key] = views[f"{prefix}.{fqn}.{key}"] = param.new_zeros(kind["shape"], dtype=dtype)
             else:
                 state[key] = torch.zeros_like(param, dtype=dtype)
-                views[f"optim.{fqn}.{key}"] = _global_view(state[key], info)
+                views[f"{prefix}.{fqn}.{key}"] = _global_view(state[key], info)
                 like_param.append((state[key], info))
     return views, states, like_param
 
@@ -442,10 +477,11 @@ def _zero_padding(tensors: list[tuple[torch.Tensor, ShardInfo | None]]) -> None:
 def load(
     path: str | Path,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     ema: EMA | None = None,
 ) -> dict[str, Any]:
-    """Load a checkpoint written by `save` into `model` (and `optimizer`, `ema`); returns `extra`.
+    """Load a checkpoint written by `save` into `model` (and `optimizer`, one or the list saved, and
+    `ema`); returns `extra`.
 
     The stage and world size may differ from the saving run's (N = 1 and unsharded models
     included). A checkpoint of another model, or a damaged one (a file truncated, changed or
@@ -467,10 +503,14 @@ def load(
         _check_matches(directory, saved, params, buffers)
         views = _model_state(params, buffers)
         padded = [(p, shard_info(p)) for p in params]
-        states: dict = {}
-        if optimizer is not None:
-            optim_views, states, like_param = _optimizer_destinations(optimizer, saved["optimizer"], params)
+        states: list[dict] = []
+        optimizers = optimizer_list(optimizer)
+        if optimizers and saved["optimizer"] is None:
+            raise ValueError("the checkpoint holds no optimizer state: load without optimizer=, or save with it")
+        for index, (one, described) in enumerate(zip(optimizers, _saved_optimizers(saved, len(optimizers)))):
+            optim_views, state_of_one, like_param = _optimizer_destinations(one, described, params, _state_prefix(index))
             views.update(optim_views)
+            states.append(state_of_one)
             padded += like_param
         if ema is not None:
             if saved["ema"] is None:
@@ -491,8 +531,9 @@ def load(
             no_dist=not dist.is_initialized(),
         )
     _zero_padding(padded)
-    if optimizer is not None:
-        _install_optimizer_state(optimizer, saved["optimizer"], states)
+    optimizers = optimizer_list(optimizer)
+    for one, described, state in zip(optimizers, _saved_optimizers(saved, len(optimizers)), states):
+        _install_optimizer_state(one, described, state)
     if ema is not None:
         ema.decay = saved["ema"]["decay"]
     return extra

@@ -155,7 +155,7 @@ _SCHEMA = {
     "params": list,
     "buffers": list,
     "state_dict_keys": list,
-    "optimizer": (dict, type(None)),
+    "optimizer": (dict, list, type(None)),  # a list: several optimizers, saved in order
     "ema": (dict, type(None)),
 }
 _ENTRY_SCHEMA = {"params": {"names": list, "shape": list, "dtype": str}, "buffers": {"name": str, "shape": list, "dtype": str}}

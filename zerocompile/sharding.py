@@ -13,6 +13,7 @@ import contextvars
 import dataclasses
 import functools
 import warnings
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
@@ -30,7 +31,7 @@ from zerocompile.config import (
 from zerocompile.distributed import backend_for, group_device, reduce_scatter_flavour
 from zerocompile.hybrid import hybrid_groups
 from zerocompile.meta_init import built_on_meta, check_meta_model, local_slice, materialise_sharded
-from zerocompile.optimizers import refuse_unsupported_optimizer
+from zerocompile.optimizers import optimizer_list, refuse_unsupported_optimizer, replicated_state_keys
 from zerocompile.passes.markers import UNSHARD, MarkerArgs
 from zerocompile.passes.stages import StagePolicy, stage_policy
 from zerocompile.process_hooks import ProcessHooks
@@ -112,14 +113,15 @@ def shard(
     stage: int | ZeroConfig | None = None,
     *,
     group: dist.ProcessGroup | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     init: Callable[[nn.Module], Any] | None = None,
     **settings: Any,
 ) -> nn.Module:
     """Shard `model` in place for ZeRO `stage` (0-3) over `group`; returns `model`.
 
     `stage` may also be a `ZeroConfig`; keyword settings override its fields. Pass `optimizer=`
-    if it has already stepped, so its state is sharded too.
+    (one or a list) if it has already stepped, so its state is sharded too; a `torch.optim.Muon`
+    or `Adafactor` passed in becomes its `zerocompile.optim` equivalent, which steps on shards.
 
     A model built under `with torch.device("meta"):` is materialised straight into this rank's
     shards, on the group's device: `init` runs as `model.apply(init)` would (default: each
@@ -133,8 +135,13 @@ def shard(
     config = config_from_kwargs(base, None if isinstance(stage, ZeroConfig) else stage, settings)
     on_meta = built_on_meta(model)
     _check_can_shard(model, on_meta)
-    if optimizer is not None:
-        refuse_unsupported_optimizer(optimizer, {config.stage})
+    from zerocompile.optim import SHARDED_EQUIVALENTS, take_over  # optim builds on this module
+
+    optimizers = optimizer_list(optimizer)
+    policy = stage_policy(config.stage)
+    for passed in optimizers:
+        if not (policy.shards_parameters and type(passed) in SHARDED_EQUIVALENTS):  # taken over below
+            refuse_unsupported_optimizer(passed, {config.stage})
     group = config.group if config.group is not None else dist.group.WORLD
     refuse_concurrent_gloo_gathers(config, group)
     # Every parameter is on one device (checked above); a meta-built model lands on the group's.
@@ -149,7 +156,6 @@ def shard(
     secondary = hybrid_groups(group, config.secondary_shard_size, "secondary_shard_size").shard
     secondary_name, secondary_size = ("", 1) if secondary is group else (secondary.group_name, dist.get_world_size(secondary))
 
-    policy = stage_policy(config.stage)
     owners = _parameter_owners(model)
     infos = {}
     flavour = reduce_scatter_flavour(hybrid.shard, device)
@@ -188,8 +194,10 @@ def shard(
                 param.data = local_slice(param.detach().reshape(-1), info.shard_numel, rank)
     for param, info in infos.items():
         param._zero = info
-    if optimizer is not None:
-        _shard_optimizer_state(optimizer)
+    for passed in optimizers:
+        if policy.shards_parameters:
+            take_over(passed)
+        _shard_optimizer_state(passed)
     sync = GradientSync({shard_info(param).fqn: param for param in owners})
     notice = ShardedStateDictNotice()
     for module in {id(m): m for places in owners.values() for _p, m, _a in places}.values():
@@ -339,13 +347,16 @@ def _install_materialised(
 
 
 def _shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Slice per-parameter optimizer state (exp_avg, ...) shaped like the full parameter."""
+    """Slice per-parameter optimizer state (exp_avg, ...) shaped like the full parameter, but for
+    the state the optimizer keeps whole (Adafactor's column statistics of a one-row matrix have
+    the matrix's shape)."""
+    replicated = replicated_state_keys(optimizer)
     for param, state in optimizer.state.items():
         info = shard_info(param)
         if info is None or not info.policy.shards_parameters:
             continue
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and tuple(value.shape) == info.shape and value.dim() > 0:
+            if isinstance(value, torch.Tensor) and tuple(value.shape) == info.shape and value.dim() > 0 and key not in replicated:
                 state[key] = local_slice(value.reshape(-1), info.shard_numel, info.group_rank)
 
 
@@ -554,9 +565,10 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     parameter, which means shard() came after the optimizer stepped (or built its state)."""
     sharded = [(p, info) for group in optimizer.param_groups for p in group["params"] if (info := shard_info(p)) is not None]
     refuse_unsupported_optimizer(optimizer, {info.stage for _param, info in sharded})
+    replicated = replicated_state_keys(optimizer)
     for param, info in sharded:
         for key, value in optimizer.state.get(param, {}).items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape and key not in replicated:
                 if tuple(param.shape) != sharded_shape(info):  # the parameter changed, not the state
                     raise RuntimeError(_data_replaced_message(info, param))
                 # Any other shape is the optimizer's own layout (Adafactor's row_var, LBFGS's flat
@@ -584,22 +596,23 @@ WHILE_SHARDED = ProcessHooks(
 )
 
 
-def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Bytes this rank holds in parameters, gradients and optimizer state (tied counted once)."""
+def model_state_bytes(
+    model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None
+) -> dict[str, int]:
+    """Bytes this rank holds in parameters, gradients and the state of `optimizer` (one or
+    several), tied parameters counted once."""
     params = list({id(p): p for p in model.parameters()}.values())
-    held = {
+    return {
         "params": sum(p.numel() * p.element_size() for p in params),
         "grads": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
-        "optimizer": 0,
-    }
-    if optimizer is not None:
-        held["optimizer"] = sum(
+        "optimizer": sum(
             v.numel() * v.element_size()
-            for state in optimizer.state.values()
+            for one in optimizer_list(optimizer)
+            for state in one.state.values()
             for v in state.values()
             if isinstance(v, torch.Tensor) and v.dim() > 0
-        )
-    return held
+        ),
+    }
 
 
 def full_numel(model: nn.Module) -> int:

@@ -16,6 +16,10 @@ Differences measured across the window (2.11.0, 2.13.0, 2.15.0 on CPU; 2.11.0 on
   `view`); nothing in our passes depends on either.
 - 2.13's `SchedulerNode.snapshot_loop_state` does not exist in 2.11: the loop-split workaround
   uses only what every release has (the loop bodies' sizes and indexing).
+- `zerocompile.optim` calls Muon's private `_zeropower_via_newtonschulz` and `_adjust_lr`
+  (torch/optim/_muon.py), present with the same signatures throughout; 2.15 copies the input to
+  bfloat16 where earlier releases convert it (the same values), and adds `adjust_lr_fn=
+  "spectral_unclamped"`, which passes through. tests/test_muon.py holds Muon equal to torch's.
 """
 
 from __future__ import annotations
