@@ -4,7 +4,7 @@ ZeRO's promise is DDP-like speed at a fraction of the memory, and on a shared ma
 fair comparison is one run: this runs every mode in turn, each in --ranks freshly spawned ranks on
 127.0.0.1 (gloo; nccl where CUDA is available, as zc.init_distributed chooses), on the same GPT
 (same seed, same initial weights, the same global batches of random tokens, each rank its slice)
-with fp32 AdamW. Models, batches and losses live on --device (default: the process group's device,
+with fp32 AdamW (`--optimizer muon`: Muon for the blocks' matrices, AdamW for the rest). Models, batches and losses live on --device (default: the process group's device,
 cuda:LOCAL_RANK under NCCL, else cpu); the initial weights and the tokens are drawn on the CPU, so
 every device starts from the same ones.
 
@@ -160,6 +160,7 @@ from zerocompile.tools.train import add_device_argument, chosen_device
 
 MB = 1e6
 LEARNING_RATE = 3e-4
+MUON_LEARNING_RATE = 0.02  # modded-nanogpt's
 FP32_BYTES = 4
 PHASES = ("forward", "backward", "optimizer")
 # Columns of the compile-phase table: torch's `dynamo_timed` spans summed per column. A pass of ours
@@ -191,19 +192,64 @@ EXACT_RSS_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 @dataclasses.dataclass
 class Prepared:
-    """A mode made ready to train: what to call per step, its optimizer, what it holds."""
+    """A mode made ready to train: what to call per step, its optimizers, what it holds."""
 
     runner: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    optimizer: torch.optim.Optimizer
+    optimizers: list[torch.optim.Optimizer]
     state_bytes: Callable[[], dict[str, int]]
 
 
 @dataclasses.dataclass(frozen=True)
 class Mode:
-    """One way of training the model; `build` wraps a freshly seeded GPT (in place if it likes)."""
+    """One way of training the model; `build(model, optimizer)` wraps a freshly seeded GPT (in
+    place if it likes) and makes its optimizers of kind `optimizer` (see `_optimizers`)."""
 
     name: str
-    build: Callable[[GPT], Prepared]
+    build: Callable[[GPT, str], Prepared]
+
+
+OPTIMIZERS = ("adamw", "muon")
+
+
+def _is_hidden_matrix(name: str, param: torch.Tensor) -> bool:
+    """What Muon optimizes in modded-nanogpt's recipe: the blocks' 2-D weights."""
+    return name.startswith("blocks.") and len(zc.full_shape(param)) == 2
+
+
+def _optimizers(model: nn.Module, kind: str, muon: type[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+    """fp32 AdamW over every parameter; or ("muon") `muon` over the hidden matrices and AdamW over
+    the embeddings, norms and biases."""
+    if kind == "adamw":
+        return [torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)]
+    named = list(model.named_parameters())
+    return [
+        muon([p for n, p in named if _is_hidden_matrix(n, p)], lr=MUON_LEARNING_RATE),
+        torch.optim.AdamW([p for n, p in named if not _is_hidden_matrix(n, p)], lr=LEARNING_RATE),
+    ]
+
+
+class _FullTensorMuon(torch.optim.Muon):
+    """Muon on FSDP2's DTensor shards as users write it (torch has nothing built in): the
+    elementwise parts on the local shards, and each update's `full_tensor()` all-gathered and
+    orthogonalised on every rank, which keeps its own rows."""
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        from torch.distributed.tensor import distribute_tensor
+        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+        for group in self.param_groups:
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            buffers: list[torch.Tensor] = []
+            self._init_group(group, params, grads, buffers)
+            for param, grad, buffer in zip(params, grads, buffers):
+                buffer.lerp_(grad, 1 - group["momentum"])
+                update = grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
+                full = _zeropower_via_newtonschulz(update.full_tensor(), group["ns_coefficients"], group["ns_steps"], group["eps"])
+                mine = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+                param.mul_(1 - group["lr"] * group["weight_decay"])
+                param.add_(mine, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], param.shape))
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:
@@ -211,7 +257,7 @@ def _local_bytes(tensor: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def _held_bytes(model: nn.Module, optimizer_state: dict[Any, dict[str, Any]]) -> dict[str, int]:
+def _held_bytes(model: nn.Module, optimizer_states: list[dict[Any, dict[str, Any]]]) -> dict[str, int]:
     """Local parameter, gradient and optimizer-state bytes, counted as zc.model_state_bytes does."""
     params = list({id(p): p for p in model.parameters()}.values())
     return {
@@ -219,6 +265,7 @@ def _held_bytes(model: nn.Module, optimizer_state: dict[Any, dict[str, Any]]) ->
         "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
         "optimizer": sum(
             _local_bytes(value)
+            for optimizer_state in optimizer_states
             for state in optimizer_state.values()
             for value in state.values()
             if isinstance(value, torch.Tensor) and value.dim() > 0
@@ -226,22 +273,26 @@ def _held_bytes(model: nn.Module, optimizer_state: dict[Any, dict[str, Any]]) ->
     }
 
 
-def _ddp(compiled: bool) -> Callable[[GPT], Prepared]:
-    def build(model: GPT) -> Prepared:
+def _plainly_held(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> Callable[[], dict[str, int]]:
+    return lambda: _held_bytes(model, [optimizer.state for optimizer in optimizers])
+
+
+def _ddp(compiled: bool) -> Callable[[GPT, str], Prepared]:
+    def build(model: GPT, optimizer: str) -> Prepared:
         wrapped = DistributedDataParallel(model)
-        optimizer = torch.optim.AdamW(wrapped.parameters(), lr=LEARNING_RATE)
+        optimizers = _optimizers(model, optimizer, torch.optim.Muon)
         runner = torch.compile(wrapped) if compiled else wrapped
-        return Prepared(runner, optimizer, lambda: _held_bytes(model, optimizer.state))
+        return Prepared(runner, optimizers, _plainly_held(model, optimizers))
 
     return build
 
 
-def _plain_compile(backend: str, autocast_dtype: torch.dtype | None = None) -> Callable[[GPT], Prepared]:
-    def build(model: GPT) -> Prepared:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+def _plain_compile(backend: str, autocast_dtype: torch.dtype | None = None) -> Callable[[GPT, str], Prepared]:
+    def build(model: GPT, optimizer: str) -> Prepared:
+        optimizers = _optimizers(model, optimizer, torch.optim.Muon)
         compiled = torch.compile(model, backend=backend)
         runner = compiled if autocast_dtype is None else _under_autocast(compiled, autocast_dtype)
-        return Prepared(runner, optimizer, lambda: _held_bytes(model, optimizer.state))
+        return Prepared(runner, optimizers, _plainly_held(model, optimizers))
 
     return build
 
@@ -259,39 +310,41 @@ def _under_autocast(
     return run
 
 
-def _zero_redundancy(model: GPT) -> Prepared:
+def _zero_redundancy(model: GPT, optimizer: str) -> Prepared:
+    if optimizer != "adamw":
+        raise ValueError(f"zero-redundancy runs AdamW only (ZeroRedundancyOptimizer partitions whole parameters), not {optimizer}")
     wrapped = DistributedDataParallel(model)
-    optimizer = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.AdamW, lr=LEARNING_RATE)
-    # `optimizer.optim` is the local AdamW over this rank's partition: the state it really holds.
-    return Prepared(wrapped, optimizer, lambda: _held_bytes(model, optimizer.optim.state))
+    redundancy = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.AdamW, lr=LEARNING_RATE)
+    # `.optim` is the local AdamW over this rank's partition: the state it really holds.
+    return Prepared(wrapped, [redundancy], lambda: _held_bytes(model, [redundancy.optim.state]))
 
 
-def _fsdp2(compiled: bool, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()) -> Callable[[GPT], Prepared]:
-    def build(model: GPT) -> Prepared:
+def _fsdp2(compiled: bool, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()) -> Callable[[GPT, str], Prepared]:
+    def build(model: GPT, optimizer: str) -> Prepared:
         mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
         for block in model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=mp_policy)
         fully_shard(model, mesh=mesh, mp_policy=mp_policy)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+        optimizers = _optimizers(model, optimizer, _FullTensorMuon)
         runner = torch.compile(model) if compiled else model
-        return Prepared(runner, optimizer, lambda: _held_bytes(model, optimizer.state))
+        return Prepared(runner, optimizers, _plainly_held(model, optimizers))
 
     return build
 
 
-def _zero(stage: int, compiler: str = "inductor", **settings: Any) -> Callable[[GPT], Prepared]:
-    def build(model: GPT) -> Prepared:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+def _zero(stage: int, compiler: str = "inductor", **settings: Any) -> Callable[[GPT, str], Prepared]:
+    def build(model: GPT, optimizer: str) -> Prepared:
         zc.shard(model, stage=stage, **settings)
+        optimizers = _optimizers(model, optimizer, zc.optim.Muon)
         runner = torch.compile(model, backend="zero", options={"compiler": compiler})
-        return Prepared(runner, optimizer, lambda: zc.model_state_bytes(model, optimizer))
+        return Prepared(runner, optimizers, lambda: zc.model_state_bytes(model, optimizers))
 
     return build
 
 
-def _zero3_half_budget(model: GPT) -> Prepared:
+def _zero3_half_budget(model: GPT, optimizer: str) -> Prepared:
     """Stage 3 with `memory_budget` half the model's gathered (fp32) bytes."""
-    return _zero(3, memory_budget=sum(p.numel() * p.element_size() for p in model.parameters()) // 2)(model)
+    return _zero(3, memory_budget=sum(p.numel() * p.element_size() for p in model.parameters()) // 2)(model, optimizer)
 
 
 MODES: dict[str, Mode] = {
@@ -394,6 +447,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="modes timed again side by side, one step each per round, in one set of ranks "
         f"(default {','.join(DEFAULT_INTERLEAVE)}; --quick: none); 'none' to skip",
     )
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="adamw",
+        help="adamw (default); muon: Muon for the blocks' matrices (torch.optim.Muon under DDP, the "
+        "full_tensor() recipe under FSDP2, zc.optim.Muon for ours) and AdamW for the rest",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the tokens (default 0)")
     add_device_argument(parser, "every mode's model, batches and loss")
     parser.add_argument(
@@ -426,6 +486,7 @@ class Settings:
     cache_root: str
     device: torch.device | None  # None: each rank's process group device
     layers: int | None = None  # None: the size's own
+    optimizer: str = "adamw"  # OPTIMIZERS
     fake: bool = False  # one process, rank 0 of `ranks` on the fake backend (--fake-ranks)
 
     @property
@@ -466,7 +527,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     print(
         f"zerocompile bench on {machine['node']} ({machine['cpu_count']} CPUs, torch {machine['torch']}): "
         f"{ranks} {backend} ranks, GPT {_described(model_size, args.layers)} (Φ = {phi:,}), global batch {args.batch_size} x "
-        f"{config.block_size} tokens, fp32 AdamW, {args.warmup or warmup} warm-up + "
+        f"{config.block_size} tokens, {_optimizer_description(args.optimizer)}, {args.warmup or warmup} warm-up + "
         f"{args.steps or steps} timed steps per mode",
         flush=True,
     )
@@ -483,6 +544,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             interleave=_interleaved_modes(args),
             cache_root=tmp,
             device=args.device,
+            optimizer=args.optimizer,
             fake=fake,
         )
         measured = {}
@@ -506,7 +568,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "backend": backend,
             "phi": phi,
             "block_size": settings.config.block_size,
-            "optimizer": f"torch.optim.AdamW(lr={LEARNING_RATE}), fp32",
+            "optimizer": _optimizer_description(args.optimizer),
             "quick": args.quick,
             "malloc": " ".join(f"{k}={v}" for k, v in EXACT_RSS_ENVIRONMENT.items()) if args.exact_rss else preload or "default",
         },
@@ -545,6 +607,12 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     _plot(summary, args.out / "bench.png")
     print(f"\n{table}\nwrote {args.out}/bench.json, bench.md, bench.png", flush=True)
     return summary
+
+
+def _optimizer_description(kind: str) -> str:
+    if kind == "adamw":
+        return f"fp32 AdamW(lr={LEARNING_RATE})"
+    return f"fp32 Muon(lr={MUON_LEARNING_RATE}) for the blocks' matrices + AdamW(lr={LEARNING_RATE})"
 
 
 def _preload(args: argparse.Namespace) -> str | None:
@@ -597,7 +665,7 @@ def _interleaved_rank(rank: int, settings: Settings) -> dict[str, Any] | None:
         prepared = {}
         for name in settings.interleave:
             torch.manual_seed(settings.seed)
-            prepared[name] = MODES[name].build(_gpt_class_of_its_own(name)(settings.config).to(device))
+            prepared[name] = MODES[name].build(_gpt_class_of_its_own(name)(settings.config).to(device), settings.optimizer)
         batches = {name: _RandomBatches(settings.config, settings, rank, device) for name in settings.interleave}
         times: dict[str, list[float]] = {name: [] for name in settings.interleave}
         phases: dict[str, list[tuple[float, float, float]]] = {name: [] for name in settings.interleave}
@@ -693,7 +761,7 @@ def _run_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
 def _measure_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
     device = chosen_device(settings.device)
     torch.manual_seed(settings.seed)
-    prepared = mode.build(GPT(settings.config).to(device))
+    prepared = mode.build(GPT(settings.config).to(device), settings.optimizer)
     batches = _RandomBatches(settings.config, settings, rank, device)
     compile_timers.clear()  # a mode has processes of its own: what is timed from here on is its compile
     _reset_device_peak(device)
@@ -768,7 +836,8 @@ def _one_step(prepared: Prepared, batches: _RandomBatches) -> Step:
 
     Gradients are cleared at the start, not the end, so the last step's are there to be counted.
     """
-    prepared.optimizer.zero_grad(set_to_none=True)
+    for optimizer in prepared.optimizers:
+        optimizer.zero_grad(set_to_none=True)
     inputs, targets = batches.next()
     _finish_queued_work(inputs.device)
     dist.barrier()
@@ -781,7 +850,8 @@ def _one_step(prepared: Prepared, batches: _RandomBatches) -> Step:
     loss.backward()
     _finish_queued_work(inputs.device)
     backward_done = time.perf_counter()
-    prepared.optimizer.step()
+    for optimizer in prepared.optimizers:
+        optimizer.step()
     _finish_queued_work(inputs.device)
     end = time.perf_counter()
     phases = (forward_done - start, backward_done - forward_done, end - backward_done)
@@ -1107,7 +1177,7 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
     figure.suptitle(
         f"{machine['node']}, {machine['cpu_count']} CPUs, torch {machine['torch']}: "
         f"{settings['ranks']} {settings['backend']} ranks, "
-        f"GPT {_described(settings['model_size'], settings.get('layers'))} (Φ = {settings['phi']:,}), fp32 AdamW",
+        f"GPT {_described(settings['model_size'], settings.get('layers'))} (Φ = {settings['phi']:,}), {settings['optimizer']}",
         fontsize="medium",
     )
     figure.tight_layout()
