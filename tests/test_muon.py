@@ -135,11 +135,11 @@ def _largest_difference(ours: dict[str, torch.Tensor], reference: dict[str, torc
     return max((ours[name] - reference[name]).abs().max().item() for name in reference)
 
 
-# Each case costs a compile on every rank, so each world size runs a spread of them, not all: every
-# stage, both compilers, every variant at each N.
+# Each case costs a compile on every rank (4 ranks share 2 cores in CI), so each world size runs a
+# spread of them, not all: every stage and variant at N = 2, stage 3 with both compilers at N = 4.
 CASES = {
     2: [(1, "eager", "plain"), (2, "eager", "accumulate"), (3, "inductor", "plain"), (3, "eager", "clip"), (2, "eager", "taken_over")],
-    4: [(3, "eager", "plain"), (3, "inductor", "accumulate"), (1, "eager", "clip")],
+    4: [(3, "eager", "plain"), (3, "inductor", "accumulate")],
 }
 
 
