@@ -12,9 +12,7 @@ fail the same bound.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from unittest import mock
 
 import pytest
 import torch
@@ -24,17 +22,14 @@ from torch import nn
 
 import zerocompile as zc
 import zerocompile.optim
+from matrix_optimizers import STEPS, MuonGPT, case_id, largest_difference, parity_report, report_of, train_step
 from models import global_batch, local_batch
 from ranks import run_cases, run_on_ranks
 from test_stages import _wchar
 from zerocompile.matrix_owners import assign_owners
-from zerocompile.tools.gpt import GPT, SIZES
 
-STEPS = 5
-MICRO_STEPS = 4
 MUON_LR = 0.02
 ADAMW_LR = 1e-3
-MAX_NORM = 0.05  # below the gradients' norm (~0.4 here), so clipping scales every step
 # Both sides run torch's Newton-Schulz on averaged gradients that differ only in the order the ranks'
 # contributions were summed (DDP's all-reduce; our all-to-all and sum; stage 3 reduces a tied
 # embedding's two uses apart; Inductor fuses differently), and Newton-Schulz in bfloat16 amplifies
@@ -48,91 +43,25 @@ TOLERANCE = 4e-3
 EXACT_AT_2_RANKS = {(stage, "eager", variant) for stage in (1, 2) for variant in ("plain", "accumulate")}
 
 
-class MuonGPT(nn.Module):
-    """tests/models.py's TiedGPT plus two matrices Muon must handle as matrices: 7x13 (91
-    elements, so shards end mid-row at N = 2 and 4) and 1x3 (fewer elements than 4 ranks)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gpt = GPT(SIZES["tiny"])
-        self.mix = nn.Linear(13, 7, bias=False)
-        self.gate = nn.Linear(3, 1, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        features = idx[:, :13].float() / 256
-        side = self.gate(torch.tanh(self.mix(features))[:, :3]).square().mean()
-        return self.gpt(idx[:, :-1], idx[:, 1:]) + side
-
-
 def _is_hidden_matrix(name: str, shape: torch.Size) -> bool:
     return len(shape) == 2 and not name.startswith(("gpt.wte", "gpt.wpe"))
 
 
-def _optimizers(
-    model: nn.Module, muon_class: type[torch.optim.Optimizer], rest_class: type[torch.optim.Optimizer] = torch.optim.AdamW
+def _split(
+    model: nn.Module, muon_class: type[torch.optim.Optimizer], rest_class: type[torch.optim.Optimizer]
 ) -> list[torch.optim.Optimizer]:
     hidden = [p for n, p in model.named_parameters() if _is_hidden_matrix(n, zc.full_shape(p))]
     rest = [p for n, p in model.named_parameters() if not _is_hidden_matrix(n, zc.full_shape(p))]
     return [muon_class(hidden, lr=MUON_LR), rest_class(rest, lr=ADAMW_LR)]
 
 
-def _step(forward, model, optimizers, step: int, rank: int, world_size: int, variant: str, no_sync) -> None:
-    if variant == "accumulate":
-        for micro in range(MICRO_STEPS):
-            last = micro == MICRO_STEPS - 1
-            with contextlib.nullcontext() if last else no_sync():
-                batch = local_batch("tied_gpt", step * MICRO_STEPS + micro, rank, world_size)
-                (forward(batch) / MICRO_STEPS).backward()
-    else:
-        forward(local_batch("tied_gpt", step, rank, world_size)).backward()
-    if variant == "clip":
-        clip = zc.clip_grad_norm_ if hasattr(model, "_zero_config") else torch.nn.utils.clip_grad_norm_
-        clip(model if clip is zc.clip_grad_norm_ else model.parameters(), MAX_NORM)
-    for optimizer in optimizers:
-        optimizer.step()
-        optimizer.zero_grad()
+def _muon_and_adamw(model: nn.Module, ours: bool) -> list[torch.optim.Optimizer]:
+    return _split(model, zerocompile.optim.Muon if ours else torch.optim.Muon, torch.optim.AdamW)
 
 
-def _reference(variant: str, rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    model = MuonGPT()
-    ddp = nn.parallel.DistributedDataParallel(model)
-    optimizers = _optimizers(model, torch.optim.Muon)
-    for step in range(STEPS):
-        _step(ddp, model, optimizers, step, rank, world_size, variant, ddp.no_sync)
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def _sharded(stage: int, compiler: str, variant: str, rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    torch._dynamo.reset()  # each case a model of its own: no recompile limit reached across cases
-    torch.manual_seed(0)
-    model = MuonGPT()
-    first = 0
-    if variant == "taken_over":
-        # Built and stepped before shard(): one step on the whole global batch on every rank is
-        # DDP's first step (the mean of the ranks' means), up to summation order.
-        optimizers = _optimizers(model, torch.optim.Muon)
-        model(global_batch("tied_gpt", 0)).backward()
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
-        zc.shard(model, stage=stage, optimizer=optimizers)
-        assert type(optimizers[0]) is zerocompile.optim.Muon
-        first = 1
-    else:
-        zc.shard(model, stage=stage)
-        optimizers = _optimizers(model, zerocompile.optim.Muon)
-    compiled = torch.compile(model, backend="zero", options={"compiler": compiler})
-    for step in range(first, STEPS):
-        _step(compiled, model, optimizers, step, rank, world_size, variant, lambda: zc.no_sync(model))
+def _momentum_is_one_shard(optimizers: list[torch.optim.Optimizer]) -> None:
     for param, state in optimizers[0].state.items():  # Muon's state is 1/N: one shard's momentum
         assert state["momentum_buffer"].shape == (zc.sharding.shard_info(param).shard_numel,)
-    with zc.gathered(model):
-        return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def _largest_difference(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
-    return max((ours[name] - reference[name]).abs().max().item() for name in reference)
 
 
 # Each case costs a compile on every rank (4 ranks share 2 cores in CI), so each world size runs a
@@ -153,7 +82,7 @@ def _step_bytes(rank: int, world_size: int) -> dict[str, int]:
     prediction, and Φ of Muon's matrices."""
     torch.manual_seed(0)
     model = zc.shard(MuonGPT(), stage=3)
-    muon, _adamw = _optimizers(model, zerocompile.optim.Muon)
+    muon, _adamw = _muon_and_adamw(model, True)
     model(local_batch("tied_gpt", 0, rank, world_size)).backward()
     dist.barrier()
     before = _wchar()
@@ -164,55 +93,34 @@ def _step_bytes(rank: int, world_size: int) -> dict[str, int]:
 
 
 def muon_report(rank: int, world_size: int) -> dict:
-    references = {variant: _reference(variant, rank, world_size) for variant in ("plain", "accumulate", "clip")}
-    references["taken_over"] = references["plain"]
-
-    def difference(stage: int, compiler: str, variant: str) -> float:
-        return _largest_difference(_sharded(stage, compiler, variant, rank, world_size), references[variant])
-
-    report = run_cases((case, lambda case=case: difference(*case)) for case in CASES[world_size])
-
-    def per_shard() -> float:
-        with mock.patch.object(zerocompile.optim, "compute_on_owners", _newton_schulz_per_shard):
-            return difference(3, "eager", "plain")
-
+    wrong = {"per shard": ("compute_on_owners", _newton_schulz_per_shard)} if world_size == 2 else {}
+    report = parity_report(_muon_and_adamw, _momentum_is_one_shard, CASES[world_size], rank, world_size, wrong)
     report.update(run_cases([("bytes", lambda: _step_bytes(rank, world_size))]))
-    if world_size == 2:
-        report.update(run_cases([("per shard", per_shard)]))
     return report
 
 
 @pytest.fixture(scope="module")
 def reports() -> dict[int, dict]:
-    """muon_report of each world size, run when a test first asks for it."""
     return {}
 
 
-def _report(reports: dict[int, dict], world_size: int) -> dict:
-    if world_size not in reports:
-        reports[world_size] = run_on_ranks(world_size, muon_report, timeout=1200)[0]
-    return reports[world_size]
-
-
-@pytest.mark.parametrize(
-    "world_size,case", [(n, case) for n, cases in CASES.items() for case in cases], ids=lambda v: str(v) if isinstance(v, int) else "-".join(map(str, v))
-)
+@pytest.mark.parametrize("world_size,case", [(n, case) for n, cases in CASES.items() for case in cases], ids=case_id)
 def test_muon_equals_ddp(reports, world_size: int, case: tuple) -> None:
-    outcome = _report(reports, world_size)[case]
+    outcome = report_of(reports, world_size, muon_report)[case]
     assert not isinstance(outcome, str), outcome
     bound = 0.0 if world_size == 2 and case in EXACT_AT_2_RANKS else TOLERANCE
     assert outcome <= bound, f"parameters differ from DDP + torch.optim.Muon by {outcome:.3g}"
 
 
 def test_newton_schulz_per_shard_fails_the_bound(reports) -> None:
-    outcome = _report(reports, 2)["per shard"]
+    outcome = report_of(reports, 2, muon_report)["per shard"]
     assert not isinstance(outcome, str), outcome
     assert outcome > 5 * TOLERANCE, f"the wrong variant came within {outcome:.3g} of DDP"
 
 
 @pytest.mark.parametrize("world_size", CASES)
 def test_muon_step_sends_what_the_owners_need(reports, world_size: int) -> None:
-    outcome, ranks = _report(reports, world_size)["bytes"], world_size
+    outcome, ranks = report_of(reports, world_size, muon_report)["bytes"], world_size
     assert not isinstance(outcome, str), outcome
     # Within 2 exchanges of (N-1)/N^2 of each matrix in fp32 (+2 %); ours travel in bf16.
     assert outcome["sent"] <= 2 * outcome["phi"] * (ranks - 1) / ranks**2 * 4 * 1.02
@@ -286,16 +194,16 @@ def _checkpoint_run(rank: int, world_size: int, stage: int, root: str, role: str
     torch._dynamo.reset()
     torch.manual_seed(0 if role == "save" else 1)
     model = zc.shard(MuonGPT(), stage=stage)
-    optimizers = _optimizers(model, zerocompile.optim.Muon, zerocompile.optim.Adafactor)
+    optimizers = _split(model, zerocompile.optim.Muon, zerocompile.optim.Adafactor)
     compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
     if role == "save":
         for step in range(3):
-            _step(compiled, model, optimizers, step, rank, world_size, "plain", None)
+            train_step(compiled, model, optimizers, step, rank, world_size, "plain", None)
         zc.save(root, model, optimizers)
     else:
         zc.load(root, model, optimizers if role == "resume" else None)
     for step in range(3, STEPS):
-        _step(compiled, model, optimizers, step, rank, world_size, "plain", None)
+        train_step(compiled, model, optimizers, step, rank, world_size, "plain", None)
     with zc.gathered(model):
         return {name: p.detach().clone() for name, p in model.named_parameters()}
 
@@ -305,6 +213,6 @@ def test_saved_at_stage_3_on_2_ranks_resumes_at_stage_2_on_4(tmp_path) -> None:
     uninterrupted = run_on_ranks(2, _checkpoint_run, 3, root, "save")[0]
     resumed = run_on_ranks(4, _checkpoint_run, 2, root, "resume")[0]
     weights_only = run_on_ranks(4, _checkpoint_run, 2, root, "weights only")[0]
-    assert _largest_difference(resumed, uninterrupted) <= TOLERANCE
+    assert largest_difference(resumed, uninterrupted) <= TOLERANCE
     # The optimizers' state matters: without it the run goes elsewhere.
-    assert _largest_difference(weights_only, uninterrupted) > 5 * TOLERANCE
+    assert largest_difference(weights_only, uninterrupted) > 5 * TOLERANCE
