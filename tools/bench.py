@@ -228,28 +228,24 @@ def _optimizers(model: nn.Module, kind: str, muon: type[torch.optim.Optimizer]) 
     ]
 
 
-class _FullTensorMuon(torch.optim.Muon):
+class _FullTensorMuon(zc.optim.Muon):
     """Muon on FSDP2's DTensor shards as users write it (torch has nothing built in): the
-    elementwise parts on the local shards, and each update's `full_tensor()` all-gathered and
-    orthogonalised on every rank, which keeps its own rows."""
+    elementwise parts on the local shards, as `zc.optim.Muon` does, and each update's
+    `full_tensor()` all-gathered and orthogonalised on every rank, which keeps its own rows."""
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> None:
+    def _orthogonalise(self, updates: list[tuple[torch.Tensor, torch.Tensor, dict]]) -> list[torch.Tensor]:
         from torch.distributed.tensor import distribute_tensor
-        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+        from torch.optim._muon import _zeropower_via_newtonschulz
 
-        for group in self.param_groups:
-            params: list[torch.Tensor] = []
-            grads: list[torch.Tensor] = []
-            buffers: list[torch.Tensor] = []
-            self._init_group(group, params, grads, buffers)
-            for param, grad, buffer in zip(params, grads, buffers):
-                buffer.lerp_(grad, 1 - group["momentum"])
-                update = grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
-                full = _zeropower_via_newtonschulz(update.full_tensor(), group["ns_coefficients"], group["ns_steps"], group["eps"])
-                mine = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-                param.mul_(1 - group["lr"] * group["weight_decay"])
-                param.add_(mine, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], param.shape))
+        return [
+            distribute_tensor(
+                _zeropower_via_newtonschulz(update.full_tensor(), group["ns_coefficients"], group["ns_steps"], group["eps"]),
+                param.device_mesh,
+                param.placements,
+                src_data_rank=None,
+            )
+            for param, update, group in updates
+        ]
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:

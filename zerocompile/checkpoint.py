@@ -266,7 +266,9 @@ def _saved_optimizers(saved: dict[str, Any], count: int) -> list[dict[str, Any]]
     if count == 0:
         return []
     described = saved["optimizer"]
-    described = [] if described is None else [described] if isinstance(described, dict) else described
+    if described is None:
+        raise ValueError("the checkpoint holds no optimizer state: load without optimizer=, or save with it")
+    described = [described] if isinstance(described, dict) else described
     if len(described) != count:
         raise ValueError(
             f"the checkpoint holds the state of {len(described)} optimizer(s), and load was given {count}: "
@@ -492,7 +494,7 @@ def load(
     model = unwrap_model(model)
     rank, _world = _rank_and_world()
 
-    def plan() -> tuple[Path, dict, dict[str, torch.Tensor], dict, list, dict[str, Any]]:
+    def plan() -> tuple[Path, dict, dict[str, torch.Tensor], list, list, dict[str, Any]]:
         directory = files.resolve(path)
         saved = files.read_metadata(directory)
         files.check_files(directory, saved, _my_share())
@@ -503,23 +505,21 @@ def load(
         _check_matches(directory, saved, params, buffers)
         views = _model_state(params, buffers)
         padded = [(p, shard_info(p)) for p in params]
-        states: list[dict] = []
+        installs: list[tuple[torch.optim.Optimizer, dict, dict]] = []  # (optimizer, as saved, fresh state)
         optimizers = optimizer_list(optimizer)
-        if optimizers and saved["optimizer"] is None:
-            raise ValueError("the checkpoint holds no optimizer state: load without optimizer=, or save with it")
         for index, (one, described) in enumerate(zip(optimizers, _saved_optimizers(saved, len(optimizers)))):
             optim_views, state_of_one, like_param = _optimizer_destinations(one, described, params, _state_prefix(index))
             views.update(optim_views)
-            states.append(state_of_one)
+            installs.append((one, described, state_of_one))
             padded += like_param
         if ema is not None:
             if saved["ema"] is None:
                 raise ValueError("the checkpoint holds no EMA: load without ema=, or save with it")
             views.update(_ema_state(ema, model, params))
             padded += [(ema.shadow[p], shard_info(p)) for p in params]
-        return directory, saved, views, states, padded, extra
+        return directory, saved, views, installs, padded, extra
 
-    directory, saved, views, states, padded, extra = _checked(plan)
+    directory, saved, views, installs, padded, extra = _checked(plan)
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -531,8 +531,7 @@ def load(
             no_dist=not dist.is_initialized(),
         )
     _zero_padding(padded)
-    optimizers = optimizer_list(optimizer)
-    for one, described, state in zip(optimizers, _saved_optimizers(saved, len(optimizers)), states):
+    for one, described, state in installs:
         _install_optimizer_state(one, described, state)
     if ema is not None:
         ema.decay = saved["ema"]["decay"]

@@ -58,10 +58,7 @@ class Muon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _loss_of(closure)
         updates: list[tuple[torch.Tensor, torch.Tensor, dict]] = []
         for group in self.param_groups:
             params: list[torch.Tensor] = []
@@ -72,11 +69,23 @@ class Muon(torch.optim.Muon):
             for param, grad, buffer in zip(params, grads, buffers):
                 buffer.lerp_(grad, 1 - momentum)
                 updates.append((param, grad.lerp(buffer, momentum) if group["nesterov"] else buffer, group))
-        for (param, _update, group), orthogonal in zip(updates, _orthogonalise(updates)):
+        for (param, _update, group), orthogonal in zip(updates, self._orthogonalise(updates)):
             lr = _to_scalar(group["lr"])
             param.mul_(1 - lr * group["weight_decay"])
             param.add_(orthogonal, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], full_shape(param)))
         return loss
+
+    def _orthogonalise(self, updates: list[tuple[torch.Tensor, torch.Tensor, dict]]) -> list[torch.Tensor]:
+        """Newton-Schulz of each (param, update, group) update, in its order."""
+        return _orthogonalise_on_owners(updates)
+
+
+def _loss_of(closure: Callable[[], Any] | None) -> Any:
+    """A step's closure run with gradients on, as torch's optimizers do (None without one)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 class Adafactor(torch.optim.Adafactor):
@@ -89,10 +98,7 @@ class Adafactor(torch.optim.Adafactor):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _loss_of(closure)
         for group in self.param_groups:
             pieces = [_FactoredPiece(param, self.state[param], group) for param in group["params"] if param.grad is not None]
             _all_reduce_sums([piece.first_sums() for piece in pieces], pieces)
@@ -216,7 +222,7 @@ def exchange_bytes(optimizer: Muon) -> int:
     total = 0
     for group_name, matrices in numels.items():
         process_group = c10d._resolve_process_group(group_name)
-        owners = assign_owners([_cost(shape) for _numel, shape in matrices], process_group.size())
+        owners = _owners([shape for _numel, shape in matrices], process_group.size())
         total += bytes_sent(
             [numel for numel, _shape in matrices], owners, process_group.rank(), process_group.size(), _WIRE_DTYPE.itemsize
         )
@@ -257,13 +263,12 @@ def _newton_schulz(update: torch.Tensor, group: dict) -> torch.Tensor:
     return _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
 
 
-def _cost(shape: tuple[int, ...]) -> float:
-    """Newton-Schulz's multiply-adds on an (m, n) matrix, up to a constant factor."""
-    rows, columns = shape
-    return max(rows, columns) * min(rows, columns) ** 2
+def _owners(shapes: list[tuple[int, ...]], ranks: int) -> list[int]:
+    """Each matrix's owner: balanced on Newton-Schulz's multiply-adds, max(m, n) * min(m, n)^2."""
+    return assign_owners([max(shape) * min(shape) ** 2 for shape in shapes], ranks)
 
 
-def _orthogonalise(updates: list[tuple[torch.Tensor, torch.Tensor, dict]]) -> list[torch.Tensor]:
+def _orthogonalise_on_owners(updates: list[tuple[torch.Tensor, torch.Tensor, dict]]) -> list[torch.Tensor]:
     """Newton-Schulz of every update: sharded ones on their owners, one exchange per group of
     ranks; whole ones here, as torch does."""
     results: list[torch.Tensor | None] = [None] * len(updates)
@@ -280,7 +285,7 @@ def _orthogonalise(updates: list[tuple[torch.Tensor, torch.Tensor, dict]]) -> li
         orthogonal = compute_on_owners(
             [updates[i][1].to(_WIRE_DTYPE) for i in indices],
             shapes,
-            assign_owners([_cost(shape) for shape in shapes], process_group.size()),
+            _owners(shapes, process_group.size()),
             process_group,
             lambda k, matrix: _newton_schulz(matrix, updates[indices[k]][2]),
         )
