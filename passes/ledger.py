@@ -82,6 +82,27 @@ class GraphLedger:
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def of_optimizer_step(cls, entries: list[LedgerEntry]) -> "GraphLedger":
+        """The collectives an optimizer's `step()` issues outside the graphs (kind "optimizer"):
+        no nodes, nothing gathered or kept; what they send counts with the graphs' per step."""
+        return cls(
+            kind="optimizer",
+            world_size=max((entry.group_size for entry in entries), default=1),
+            node_count=0,
+            entries=entries,
+            gathered_bytes=0,
+            reduced_bytes=0,
+            sent_bytes=sum(entry.sent_bytes for entry in entries),
+            replica_sent_bytes=0,
+            peak_gathered_bytes=0,
+            peak_unreduced_grad_bytes=0,
+            gathered_intervals=[],
+            unreduced_grad_intervals=[],
+            kept_params=[],
+            kept_bytes=0,
+        )
+
 
 def _group_name(node: fx.Node) -> str:
     if node.target in (funcol.reduce_scatter_tensor.default, funcol.all_to_all_single.default):
@@ -108,7 +129,7 @@ def _group_stride(node: fx.Node) -> int:
     return node.meta.get("zero_groups", {}).get(_group_name(node), (0, 1))[1]
 
 
-def _sent_bytes(op: str, input_bytes: int, world_size: int) -> int:
+def predicted_sent_bytes(op: str, input_bytes: int, world_size: int) -> int:
     if op == "all_gather":
         return (world_size - 1) * input_bytes
     if op == "all_reduce":
@@ -173,7 +194,7 @@ def graph_ledger(graph: fx.Graph, kind: str) -> GraphLedger:
                 param_bytes=[held for _, held in node.meta.get("zero_params", [])],
                 dtype=str(collective.dtype).removeprefix("torch."),
                 input_bytes=collective.bytes,
-                sent_bytes=_sent_bytes(collective.op, collective.bytes, world_size),
+                sent_bytes=predicted_sent_bytes(collective.op, collective.bytes, world_size),
                 bucket=len(entries),
                 position=position[node],
                 wait_position=position[wait],

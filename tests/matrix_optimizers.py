@@ -135,11 +135,11 @@ def parity_report(
     return report
 
 
-def report_of(reports: dict[int, dict], world_size: int, report: Callable[[int, int], dict]) -> dict:
-    """`report` on `world_size` ranks, run when a test first asks for it and kept in `reports`
-    (a module-scoped fixture's dict)."""
+def report_of(reports: dict[int, dict], world_size: int, report: Callable[..., dict], *args: Any) -> dict:
+    """`report(rank, world_size, *args)` on `world_size` ranks, run when a test first asks for it
+    and kept in `reports` (a module-scoped fixture's dict)."""
     if world_size not in reports:
-        reports[world_size] = run_on_ranks(world_size, report, timeout=1200)[0]
+        reports[world_size] = run_on_ranks(world_size, report, *args, timeout=1200)[0]
     return reports[world_size]
 
 

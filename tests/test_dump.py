@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import zerocompile as zc
 from ranks import run_on_ranks
@@ -244,3 +246,34 @@ def test_artifacts_reach_torch_structured_trace(tmp_path) -> None:
     logged = "".join(path.read_text() for path in trace_dir.iterdir())
     for artifact in ("dynamo-after-merge_repeated_unshards", "forward-after-lower_markers", "backward-ledger"):
         assert f"zerocompile_0_0-{artifact}" in logged, artifact
+
+
+@pytest.mark.fast
+def test_dump_adds_the_optimizer_steps_collectives_to_the_graphs(tmp_path) -> None:
+    """A Muon step's exchange goes to the dump after the compiled graphs' ledgers, and counts in
+    the rank's bytes sent per step (on a fake group of 2 ranks: shapes and ledgers, no data)."""
+    if dist.is_initialized():
+        pytest.skip(f"a {dist.get_backend()} process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        torch._dynamo.reset()
+        model = zc.shard(nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 8)), stage=3, dump_dir=str(tmp_path))
+        muon = zc.optim.Muon([p for p in model.parameters() if len(zc.full_shape(p)) == 2])
+        torch.compile(model, backend="zero", options={"compiler": "eager"})(torch.randn(2, 8)).sum().backward()
+        muon.step()
+        torch._dynamo.reset()
+    finally:
+        dist.destroy_process_group()
+    graphs = dump.load(str(tmp_path))["rank0"]
+    assert [ledger["kind"] for ledger in graphs.values()] == ["forward", "backward", "optimizer"]
+    assert list(graphs)[-1] == "optimizer-muon@0.weight"
+    exchange = graphs["optimizer-muon@0.weight"]
+    assert [entry["op"] for entry in exchange["entries"]] == ["all_to_all", "all_to_all"]
+    # Both 128-element matrices cost the same: 0.weight is rank 0's and 1.weight rank 1's. Rank 0
+    # sends its 64-element bf16 slice of 1.weight, then rank 1's slice of 0.weight back.
+    assert [entry["sent_bytes"] for entry in exchange["entries"]] == [128, 128]
+    summary = dump.rank_summary(graphs)
+    assert summary["sent"] == sum(ledger["sent_bytes"] for ledger in graphs.values()) > exchange["sent_bytes"] == 256
+    report = dump.report({"rank0": graphs})
+    assert "optimizer-muon@0.weight  (N=2, the optimizer's step)" in report
+    assert "Muon: the orthogonalised slices back from their owners" in report

@@ -13,6 +13,7 @@ fail the same bound.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import pytest
 import torch
@@ -23,6 +24,8 @@ from torch import nn
 import zerocompile as zc
 import zerocompile.optim
 from matrix_optimizers import STEPS, MuonGPT, case_id, largest_difference, parity_report, report_of, train_step
+from zerocompile.tools import dump as dump_tool
+from zerocompile.tools import plan as plan_tool
 from models import global_batch, local_batch
 from ranks import run_cases, run_on_ranks
 from test_stages import _wchar
@@ -77,11 +80,11 @@ def _newton_schulz_per_shard(slices, shapes, owners, group, compute):
     return [compute(i, piece.view(1, -1)).reshape(-1) for i, piece in enumerate(slices)]
 
 
-def _step_bytes(rank: int, world_size: int) -> dict[str, int]:
-    """Bytes this rank sent during one Muon step (gloo's sockets: /proc/self/io wchar), the
-    prediction, and Φ of Muon's matrices."""
+def _step_bytes(rank: int, world_size: int, directory: str) -> dict:
+    """Bytes this rank sent during one Muon step (gloo's sockets: /proc/self/io wchar), Φ of Muon's
+    matrices, and every rank's prediction by the ledger `zerocompile dump` read from the dump."""
     torch.manual_seed(0)
-    model = zc.shard(MuonGPT(), stage=3)
+    model = zc.shard(MuonGPT(), stage=3, dump_dir=directory)
     muon, _adamw = _muon_and_adamw(model, True)
     model(local_batch("tied_gpt", 0, rank, world_size)).backward()
     dist.barrier()
@@ -89,44 +92,57 @@ def _step_bytes(rank: int, world_size: int) -> dict[str, int]:
     muon.step()
     sent = _wchar() - before
     phi = sum(math.prod(zc.full_shape(p)) for p in muon.param_groups[0]["params"])
-    return {"sent": sent, "predicted": zerocompile.optim.exchange_bytes(muon), "phi": phi}
+    dist.barrier()  # every rank's ledger written
+    dumped = [dump_tool.rank_summary(graphs)["sent"] for graphs in dump_tool.load(directory).values()]
+    return {"sent": sent, "predicted": zerocompile.optim.exchange_bytes(muon), "dumped": dumped, "phi": phi}
 
 
-def muon_report(rank: int, world_size: int) -> dict:
+def muon_report(rank: int, world_size: int, directory: str) -> dict:
     wrong = {"per shard": ("compute_on_owners", _newton_schulz_per_shard)} if world_size == 2 else {}
     report = parity_report(_muon_and_adamw, _momentum_is_one_shard, CASES[world_size], rank, world_size, wrong)
-    report.update(run_cases([("bytes", lambda: _step_bytes(rank, world_size))]))
+    report.update(run_cases([("bytes", lambda: _step_bytes(rank, world_size, directory))]))
     return report
 
 
 @pytest.fixture(scope="module")
-def reports() -> dict[int, dict]:
-    return {}
+def reports(tmp_path_factory) -> Callable[[int], dict]:
+    """The ranks' report at a world size, run when a test first asks for it."""
+    directory, runs = tmp_path_factory.mktemp("muon-dump"), {}
+    return lambda world_size: report_of(runs, world_size, muon_report, str(directory / str(world_size)))
 
 
 @pytest.mark.parametrize("world_size,case", [(n, case) for n, cases in CASES.items() for case in cases], ids=case_id)
 def test_muon_equals_ddp(reports, world_size: int, case: tuple) -> None:
-    outcome = report_of(reports, world_size, muon_report)[case]
+    outcome = reports(world_size)[case]
     assert not isinstance(outcome, str), outcome
     bound = 0.0 if world_size == 2 and case in EXACT_AT_2_RANKS else TOLERANCE
     assert outcome <= bound, f"parameters differ from DDP + torch.optim.Muon by {outcome:.3g}"
 
 
 def test_newton_schulz_per_shard_fails_the_bound(reports) -> None:
-    outcome = report_of(reports, 2, muon_report)["per shard"]
+    outcome = reports(2)["per shard"]
     assert not isinstance(outcome, str), outcome
     assert outcome > 5 * TOLERANCE, f"the wrong variant came within {outcome:.3g} of DDP"
 
 
 @pytest.mark.parametrize("world_size", CASES)
 def test_muon_step_sends_what_the_owners_need(reports, world_size: int) -> None:
-    outcome, ranks = report_of(reports, world_size, muon_report)["bytes"], world_size
+    outcome, ranks = reports(world_size)["bytes"], world_size
     assert not isinstance(outcome, str), outcome
     # Within 2 exchanges of (N-1)/N^2 of each matrix in fp32 (+2 %); ours travel in bf16.
     assert outcome["sent"] <= 2 * outcome["phi"] * (ranks - 1) / ranks**2 * 4 * 1.02
     # What the owners need, plus gloo's framing of each of the 2 (N - 1) messages (measured
     # 2026-11-28: 144 bytes a message at N = 4, 19,552 predicted and 20,416 sent).
     assert outcome["predicted"] <= outcome["sent"] <= outcome["predicted"] + 2 * (ranks - 1) * 256
+    # The dump holds only the Muon step's ledger here (nothing was compiled): `zerocompile dump`
+    # counts what the rank's ledger predicts, and `zerocompile plan --muon` the busiest rank's.
+    assert outcome["dumped"][0] == outcome["predicted"]
+    with torch.device("meta"):
+        counted = plan_tool.count_model(MuonGPT(), "MuonGPT")
+    muon = plan_tool.muon_matrices(counted, r"^(gpt\.blocks|mix|gate)\.")
+    hidden = [name for name, param in MuonGPT().named_parameters() if _is_hidden_matrix(name, param.shape)]
+    assert [param.fqn for param in muon] == hidden
+    assert max(plan_tool.muon_exchange(muon, ranks)) == max(outcome["dumped"])
 
 
 @pytest.mark.fast

@@ -80,6 +80,22 @@ def tied_frozen_uneven() -> TiedFrozenUneven:
     return TiedFrozenUneven()
 
 
+class TwoMatrices(nn.Module):
+    """16x8 and 8x8, no bias: at N = 2 each shard is 64 and 32 elements."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16, bias=False)
+        self.down = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.up(x)[:, :8]).square().mean()
+
+
+def two_matrices() -> TwoMatrices:
+    return TwoMatrices()
+
+
 def needs_a_config(config: GPTConfig) -> GPT:
     return GPT(config)
 
@@ -217,6 +233,53 @@ def test_model_state_equals_what_shard_holds(fake_world: int, factory, example, 
         held = held_after_one_step(factory, planned["stage"], example, targets)
         expected = {key: planned["model_state_bytes"][key] for key in held}
         assert held == expected, f"stage {planned['stage']} at N={fake_world}"
+
+
+def held_after_one_muon_step(factory, stage: int, pattern: str, example: torch.Tensor) -> tuple[dict[str, int], int]:
+    """zc.model_state_bytes after shard() and one uncompiled step of zc.optim.Muon (the 2-D
+    parameters matching `pattern`) and AdamW (the rest) on the current group, and the bytes the
+    Muon step's ledger says this rank sends."""
+    model = zc.shard(factory(), stage=stage)
+    muon, rest = [], []
+    for name, param in model.named_parameters():
+        (muon if re.search(pattern, name) and len(zc.full_shape(param)) == 2 else rest).append(param)
+    optimizers = [zc.optim.Muon(muon), torch.optim.AdamW(rest)]
+    model(example, example).backward()
+    for optimizer in optimizers:
+        optimizer.step()
+    return zc.model_state_bytes(model, optimizers), zc.optim.exchange_bytes(optimizers[0])
+
+
+@pytest.mark.fast
+def test_muon_state_and_exchange_are_what_shard_holds_and_sends(fake_world: int, capsys) -> None:
+    """Muon's matrices hold one momentum, the rest AdamW's two moments; stages 1-3 add the busiest
+    rank's exchange to the bytes sent (this rank is rank 0 of the fake group: the ledger's figure
+    is one of the plan's per-rank figures)."""
+    plain_argv = ["--model", "test_plan:gpt_tiny", "--ranks", str(fake_world), "--param-dtype", "fp32"]
+    report, plain = plan_json([*plain_argv, "--muon", r"^blocks\."], capsys), plan_json(plain_argv, capsys)
+    exchange = report["muon"]["exchange_bytes_per_rank"]
+    assert len(report["muon"]["params"]) == 4 * SIZES["tiny"].n_layer and len(exchange) == fake_world
+    for planned, adamw_only in zip(report["stages"], plain["stages"]):
+        stage = planned["stage"]
+        held, sent = held_after_one_muon_step(gpt_tiny, stage, r"^blocks\.", torch.randint(0, 256, (2, 16)))
+        assert held == {key: planned["model_state_bytes"][key] for key in held}, f"stage {stage} at N={fake_world}"
+        assert sent == (exchange[0] if stage else 0)
+        assert planned["optimizer_sent_bytes_per_step"] == (max(exchange) if stage else 0)
+        assert planned["sent_bytes_per_step"] == adamw_only["sent_bytes_per_step"] + (max(exchange) if stage else 0)
+
+
+@pytest.mark.fast
+def test_muon_exchange_by_hand(capsys) -> None:
+    """16x8 (shards of 64) owned by rank 0, the cheaper 8x8 (shards of 32) by rank 1. Rank 0 sends
+    its 32-element slice of 8x8 to rank 1 and rank 1's 64-element slice of 16x8 back; rank 1 its
+    64-element slice of 16x8, and rank 0's 32-element slice of 8x8 back: 96 bf16 values each."""
+    report = plan_json(["--model", "test_plan:two_matrices", "--ranks", "2", "--muon", "."], capsys)
+    muon = {"params": ["up.weight", "down.weight"], "numel": 192, "exchange_bytes_per_rank": [192, 192]}
+    assert report["muon"] == muon
+    stage = {s["stage"]: s for s in report["stages"]}
+    assert stage[3]["model_state_bytes"] == {"params": 384, "grads": 384, "optimizer": 384, "total": 1152}
+    assert stage[3]["sent_bytes_per_step"] == (2 * 192 + 192) * 4 / 2 + 192
+    assert stage[0]["model_state_bytes"]["optimizer"] == 768 and stage[0]["optimizer_sent_bytes_per_step"] == 0
 
 
 @pytest.mark.fast
@@ -422,6 +485,9 @@ def test_traced_graphs_meet_the_plan_and_its_bounds(
         (["--params", "1e9", "--ranks", "8", "--optimizer-bytes", "-4"], "cannot be negative, got -4"),
         (["--params", "1e9", "--ranks", "8", "--reduce-dtype", "fp32"], "--reduce-dtype is zerocompile's.*--model"),
         (["--params", "1e9", "--ranks", "8", "--gather-quant", "int8"], "--gather-quant is zerocompile's.*--model"),
+        (["--params", "1e9", "--ranks", "8", "--muon", "."], "--muon picks matrices by name and shape.*--model"),
+        (["--model", "test_plan:gpt_tiny", "--ranks", "2", "--muon", "ln"], "no trainable 2-D .*blocks.0.attn.qkv.weight"),
+        (["--model", "test_plan:gpt_tiny", "--ranks", "2", "--muon", "("], r"--muon '\(' is not a regular expression"),
         (["--model", "test_plan:gpt_tiny", "--ranks", "2", "--quant-block", "0"], "--quant-block must be at least 1"),
         (["--ranks", "8"], "one of the arguments --params --model is required"),
         (["--params", "1e9", "--ranks", "12", "--ranks-per-node", "8"], "--ranks-per-node 8 does not divide --ranks 12"),
@@ -440,6 +506,9 @@ def test_traced_graphs_meet_the_plan_and_its_bounds(
         "negative-optimizer-bytes",
         "reduce-dtype-of-the-paper",
         "quantisation-of-the-paper",
+        "muon-of-the-paper",
+        "muon-matching-no-matrix",
+        "muon-not-a-pattern",
         "zero-block",
         "no-source",
         "node-not-dividing-the-ranks",

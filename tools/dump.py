@@ -9,9 +9,10 @@
 Per graph (Dynamo fragment x forward/backward, per rank): each collective with the parameter FQNs
 it serves, bytes in and predicted bytes sent, dtype, bucket, the compute it overlaps and the node
 after which a gathered buffer is freed; and the gathered parameters kept from the forward for the
-backward (stages 1-2: all the backward reads; stage 3: those its memory_budget keeps). Per rank:
-bytes gathered, reduced and sent per step, the peak of gathered buffers (kept ones included), the
-bytes kept and the model state the collectives imply.
+backward (stages 1-2: all the backward reads; stage 3: those its memory_budget keeps). Then the
+optimizer's step where it sends (zc.optim.Muon's exchange with each matrix's owner, Adafactor's
+sums). Per rank: bytes gathered, reduced and sent per step (the optimizer's included), the peak
+of gathered buffers (kept ones included), the bytes kept and the model state the collectives imply.
 
 A collective's parameters are summarised on one line (see `collapse_fqns`): names differing only
 in a numeric index share braces, blocks.{0,1}.attn.qkv.weight, with runs written a..b,
@@ -88,8 +89,12 @@ def load(directory: str) -> dict[str, dict[str, dict]]:
 
 
 def _graph_sort_key(name: str, order: dict[str, int]) -> tuple:
+    """Compiles in order, each forward before its backward; then what is not a compile (an optimizer's step)."""
     compile_id, kind, _ = name.rsplit("-", 2)
-    return tuple(int(part) if part.isdigit() else part for part in compile_id.split("_")), order.get(kind, 3)
+    parts = compile_id.split("_")
+    if not all(part.isdigit() for part in parts):
+        return (1, compile_id, kind)
+    return (0, tuple(map(int, parts)), order.get(kind, 3))
 
 
 def _mb(n: float) -> str:
@@ -212,7 +217,8 @@ def rank_parameters(graphs: dict[str, dict]) -> list[str]:
 
 def graph_lines(name: str, ledger: dict, all_fqns: Collection[str], verbose: bool = False) -> list[str]:
     """One line per collective, then its parameters on the next: summarised, or all with `verbose`."""
-    lines = [f"  {name}  (N={ledger['world_size']}, {ledger['node_count']} nodes)"]
+    where = "the optimizer's step" if ledger["kind"] == "optimizer" else f"{ledger['node_count']} nodes"
+    lines = [f"  {name}  (N={ledger['world_size']}, {where})"]
     lines.append(
         f"    {'pos':>4} {'op':<14} {'bkt':>3} {'group':>5} {'in':>10} {'sent':>10} {'dtype':<9} freed after / overlaps"
     )

@@ -55,13 +55,15 @@ import importlib
 import inspect
 import json
 import os
+import re
 import sys
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
 from zerocompile.config import ZeroConfig
+from zerocompile.optim import muon_exchange_bytes
 from zerocompile.passes.stages import padded_numel, shard_numel
 
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -97,6 +99,7 @@ class CountedParameter:
     numel: int
     trainable: bool
     dtype: torch.dtype  # its shard's, gradient's and (by default) optimizer state's, at any setting
+    shape: tuple[int, ...] = ()
 
     @property
     def element_bytes(self) -> int:
@@ -165,6 +168,7 @@ class StagePlan:
     full_grads_is_lower_bound: bool = False
     sent_is_upper_bound: bool = False
     memory_budget: int | None = None  # stage 3 with ZeroConfig.memory_budget (--memory-budget)
+    optimizer_sent: float = 0.0  # of sent_per_step, what the optimizer's step sends (Muon's exchange, --muon)
 
     @property
     def total(self) -> float:
@@ -186,6 +190,7 @@ class StagePlan:
             },
             "sent_bytes_per_step": self.sent_per_step,
             "sent_is_upper_bound": self.sent_is_upper_bound,
+            "optimizer_sent_bytes_per_step": self.optimizer_sent,
         }
         if self.formula:
             record["formula"] = self.formula
@@ -261,6 +266,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="M",
         help="with --params, also plan stage 3 across nodes of M ranks: plain, hybrid sharding (shard_size=M) "
         "and hpZ (secondary_shard_size=M), with the bytes each rank sends to other nodes",
+    )
+    parser.add_argument(
+        "--muon",
+        metavar="REGEX",
+        help="with --model, the parameters zc.optim.Muon steps: the trainable 2-D ones whose FQN matches REGEX "
+        "(re.search), e.g. '^blocks\\.' for the hidden matrices; they hold one momentum instead of K and, at "
+        "stages 1-3, each step sends their updates to an owner rank and back. The others: --optimizer-bytes "
+        "(AdamW by default)",
     )
     parser.add_argument("--json", action="store_true", help="print exact byte counts as JSON instead of a table")
 
@@ -517,12 +530,15 @@ def count_model(model: nn.Module, spec: str) -> CountedModel:
     if not names:
         raise PlanError(f"--model {spec} built a {type(model).__name__} without parameters: nothing to shard")
     parameters = [
-        CountedParameter(fqns[0], tuple(fqns), p.numel(), p.requires_grad, p.dtype) for p, fqns in names.items()
+        CountedParameter(fqns[0], tuple(fqns), p.numel(), p.requires_grad, p.dtype, tuple(p.shape))
+        for p, fqns in names.items()
     ]
     return CountedModel(spec, parameters, sum(b.numel() * b.element_size() for b in model.buffers()))
 
 
-def model_plan(counted: CountedModel, ranks: int, precision: ZeroPrecision) -> list[StagePlan]:
+def model_plan(
+    counted: CountedModel, ranks: int, precision: ZeroPrecision, muon: Sequence[CountedParameter] = ()
+) -> list[StagePlan]:
     """What zerocompile does with the model's parameters on N ranks, stage by stage.
 
     Held (between steps, as zc.model_state_bytes reports after optimizer.step()): stage 0 keeps
@@ -539,12 +555,19 @@ def model_plan(counted: CountedModel, ranks: int, precision: ZeroPrecision) -> l
     (a bucket's reduction quantises its shards as one row: the same bytes when the block divides
     the 16-aligned shards, a few scales fewer otherwise), and stage 0's all-reduce is a quantised
     reduce-scatter plus an all-gather of the quantised means, (N-1)/N of the rows each.
+    `muon`'s matrices hold Muon's one momentum instead, and at stages 1-3 each step adds Muon's
+    exchange, the busiest rank's (`muon_exchange`).
     """
     n = ranks
     spread = (n - 1) / n
     parameters, trainable = counted.parameters, counted.trainable
     padded = {param.fqn: padded_numel(param.numel, n) for param in parameters}
-    compute, reduce, state = precision.compute_bytes, precision.reduce_bytes, precision.state_bytes
+    compute, reduce = precision.compute_bytes, precision.reduce_bytes
+    muon_names = {param.fqn for param in muon}
+    exchange = max(muon_exchange(muon, n), default=0)
+
+    def state(param: CountedParameter) -> float:
+        return param.element_bytes if param.fqn in muon_names else precision.state_bytes(param)
 
     plans = [
         StagePlan(
@@ -574,7 +597,9 @@ def model_plan(counted: CountedModel, ranks: int, precision: ZeroPrecision) -> l
                 * (
                     gathers * sum(precision.gathered_wire_bytes(param, n) for param in parameters)
                     + sum(precision.reduced_wire_bytes(param, n) for param in trainable)
-                ),
+                )
+                + exchange,
+                optimizer_sent=exchange,
                 gathered_in_step=max(gathered) if stage == 3 else sum(gathered),
                 full_grads_in_step=sum(full_grads) if stage == 1 else max(full_grads, default=0),
                 gathered_is_lower_bound=stage == 3,
@@ -583,6 +608,35 @@ def model_plan(counted: CountedModel, ranks: int, precision: ZeroPrecision) -> l
             )
         )
     return plans
+
+
+def muon_matrices(counted: CountedModel, pattern: str) -> list[CountedParameter]:
+    """Muon's parameters: the trainable 2-D ones whose FQN (any of a tied one's) matches `pattern`,
+    as nanoGPT-style code picks the hidden matrices by name and `ndim == 2`."""
+    try:
+        regex = re.compile(pattern)
+    except re.error as error:
+        raise PlanError(f"--muon {pattern!r} is not a regular expression: {error}") from None
+    chosen = [
+        param
+        for param in counted.trainable
+        if len(param.shape) == 2 and any(regex.search(name) for name in param.names)
+    ]
+    if not chosen:
+        matrices = ", ".join([param.fqn for param in counted.trainable if len(param.shape) == 2][:6])
+        raise PlanError(
+            f"--muon {pattern!r} matches no trainable 2-D parameter of {counted.spec}; its matrices begin: "
+            f"{matrices or 'none (nothing for Muon)'}"
+        )
+    return chosen
+
+
+def muon_exchange(muon: Sequence[CountedParameter], ranks: int) -> list[int]:
+    """Each rank's bytes sent by one `zc.optim.Muon` step at stages 1-3 (updates to each matrix's
+    owner in bfloat16 and back; owners balanced on Newton-Schulz's cost, as the optimizer does)."""
+    if not muon or ranks == 1:
+        return []
+    return muon_exchange_bytes([param.shape for param in muon], ranks)
 
 
 def budget_plan(
@@ -672,15 +726,19 @@ def paper_report(phi: int, ranks: int, precision: Precision, plans: list[StagePl
     )
 
 
-def _zero_precision_lines(counted: CountedModel, precision: ZeroPrecision) -> list[str]:
+def _zero_precision_lines(
+    counted: CountedModel, precision: ZeroPrecision, muon: Sequence[CountedParameter] = ()
+) -> list[str]:
     """What the precision settings mean for this model: what is held (not theirs to change) and what moves."""
     own = _dtype_names(param.dtype for param in counted.parameters)
+    others = " outside Muon" if muon else ""
     if precision.optimizer_bytes is not None:
-        optimizer = f"K = {precision.optimizer_bytes:g} B per trainable parameter (--optimizer-bytes)"
+        optimizer = f"K = {precision.optimizer_bytes:g} B per trainable parameter{others} (--optimizer-bytes)"
     else:
-        per_element = sorted({precision.state_bytes(param) for param in counted.trainable})
+        muon_names = {param.fqn for param in muon}
+        per_element = sorted({precision.state_bytes(param) for param in counted.trainable if param.fqn not in muon_names})
         k = "/".join(f"{each:g}" for each in per_element) or "0"
-        optimizer = f"K = {k} B per trainable parameter (Adam's two moments in {own})"
+        optimizer = f"K = {k} B per trainable parameter{others} (Adam's two moments in {own})"
     compute = precision.param_dtype or own
     reduce = precision.reduce_dtype or compute
     if precision.gather_quant_block:
@@ -699,6 +757,22 @@ def _zero_precision_lines(counted: CountedModel, precision: ZeroPrecision) -> li
     ]
 
 
+def _muon_lines(muon: Sequence[CountedParameter], ranks: int) -> list[str]:
+    """What --muon adds: its matrices, their state, and the exchange each step at stages 1-3."""
+    if not muon:
+        return []
+    exchange = muon_exchange(muon, ranks)
+    numel = sum(param.numel for param in muon)
+    return [
+        f"Muon (zc.optim.Muon) steps {len(muon)} matrices, {numel:,} elements: their state is one momentum in the "
+        "parameter's dtype. At stages 1-3 each step sends each matrix's update slices (bfloat16) to one owner "
+        "rank, which runs Newton-Schulz on the whole matrix, and the results back: "
+        f"{format_bytes(max(exchange, default=0))} from the busiest rank (least {format_bytes(min(exchange, default=0))}), "
+        "in sent/step; owners balanced on Newton-Schulz's cost, max(m, n)·min(m, n)². Stage 0 computes every "
+        "matrix on every rank and sends nothing more."
+    ]
+
+
 def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
     names = dict.fromkeys(DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch.")) for dtype in dtypes)
     return "/".join(names)
@@ -709,7 +783,13 @@ def _setting(dtype_name: str | None) -> str:
     return next((str(dtype) for dtype, name in DTYPE_NAMES.items() if name == dtype_name), "None")
 
 
-def model_report(counted: CountedModel, ranks: int, precision: ZeroPrecision, plans: list[StagePlan]) -> str:
+def model_report(
+    counted: CountedModel,
+    ranks: int,
+    precision: ZeroPrecision,
+    plans: list[StagePlan],
+    muon: Sequence[CountedParameter] = (),
+) -> str:
     """The --model table and what each column assumes: which numbers are exact and which are bounds."""
     trainable_numel = sum(param.numel for param in counted.trainable)
     largest, largest_grad = counted.largest, max(counted.trainable, key=lambda param: param.numel, default=None)
@@ -735,7 +815,8 @@ def model_report(counted: CountedModel, ranks: int, precision: ZeroPrecision, pl
     if counted.tied:
         lines.append("tied, counted once: " + "; ".join(" = ".join(names) for names in counted.tied))
     lines += [
-        *_zero_precision_lines(counted, precision),
+        *_zero_precision_lines(counted, precision, muon),
+        *_muon_lines(muon, ranks),
         f"buffers: {format_bytes(counted.buffer_bytes)}, replicated on every rank (not model state)",
         "",
         _table(header, rows),
@@ -780,7 +861,13 @@ def model_report(counted: CountedModel, ranks: int, precision: ZeroPrecision, pl
     return "\n".join(lines)
 
 
-def model_json(counted: CountedModel, ranks: int, precision: ZeroPrecision, plans: list[StagePlan]) -> dict[str, Any]:
+def model_json(
+    counted: CountedModel,
+    ranks: int,
+    precision: ZeroPrecision,
+    plans: list[StagePlan],
+    muon: Sequence[CountedParameter] = (),
+) -> dict[str, Any]:
     """The --model plan as exact bytes, with the counts (tied, frozen, largest) it rests on."""
     largest = counted.largest
     return {
@@ -797,6 +884,11 @@ def model_json(counted: CountedModel, ranks: int, precision: ZeroPrecision, plan
             "padded_numel": padded_numel(largest.numel, ranks),
         },
         "buffer_bytes": counted.buffer_bytes,
+        "muon": {
+            "params": [param.fqn for param in muon],
+            "numel": sum(param.numel for param in muon),
+            "exchange_bytes_per_rank": muon_exchange(muon, ranks),
+        },
         "stages": [plan.as_json() for plan in plans],
     }
 
@@ -826,6 +918,11 @@ def plan(args: argparse.Namespace) -> str:
             raise PlanError(
                 "--reduce-dtype is zerocompile's setting, and the paper's accounting (--params) has one dtype "
                 "for parameters and gradients: plan a model with --model to see it"
+            )
+        if args.muon is not None:
+            raise PlanError(
+                "--muon picks matrices by name and shape, which the paper's accounting (--params) does not have: "
+                "plan a model with --model to see it"
             )
         for flag, value in (("--gather-quant", args.gather_quant), ("--reduce-quant", args.reduce_quant)):
             if value is not None:
@@ -864,9 +961,10 @@ def plan(args: argparse.Namespace) -> str:
         gather_quant_block=args.quant_block if args.gather_quant else 0,
         reduce_quant_block=args.quant_block if args.reduce_quant else 0,
     )
-    plans = model_plan(counted, args.ranks, precision)
+    muon = muon_matrices(counted, args.muon) if args.muon is not None else []
+    plans = model_plan(counted, args.ranks, precision, muon)
     if args.memory_budget is not None:
         plans.append(budget_plan(counted, args.ranks, precision, plans[2], plans[3], args.memory_budget))
     if args.json:
-        return json.dumps(model_json(counted, args.ranks, precision, plans), indent=2)
-    return model_report(counted, args.ranks, precision, plans)
+        return json.dumps(model_json(counted, args.ranks, precision, plans, muon), indent=2)
+    return model_report(counted, args.ranks, precision, plans, muon)

@@ -3,7 +3,9 @@
 On when `ZeroConfig(dump_dir=...)`, `options={"dump_dir": ...}` or `ZEROCOMPILE_DUMP=DIR` is set.
 Files go to DIR/rank{R}/{compile id}-{piece}-{before|after}-{pass}.py and
 DIR/rank{R}/{compile id}-{piece}-ledger.json, where a compile id is Dynamo's "frame/attempt" (one
-per graph-break fragment) and a piece is dynamo, joint, forward, backward or inference. The same
+per graph-break fragment) and a piece is dynamo, joint, forward, backward or inference; and an
+optimizer's step (zerocompile.optim's, which exchanges slices of whole matrices) as
+DIR/rank{R}/optimizer-{class}@{its first parameter's FQN}-ledger.json. The same
 artifacts always go to torch's structured trace (TORCH_TRACE / tlparse), beside Dynamo's own.
 `zerocompile dump DIR` reads them.
 """
@@ -41,10 +43,13 @@ def graph_text(graph: fx.Graph) -> str:
     return code
 
 
-def emit(directory: str | None, piece: str, label: str, text: Callable[[], str], suffix: str = "py") -> None:
+def emit(
+    directory: str | None, piece: str, label: str, text: Callable[[], str], suffix: str = "py", origin: str | None = None
+) -> None:
     """One artifact to the structured trace and, if dumping, to DIR/rank{R}/; `text` is called
-    only if one of them wants it (rendering a graph takes a while)."""
-    name = f"{compile_id()}-{piece}-{label}"
+    only if one of them wants it (rendering a graph takes a while). `origin` names what made it
+    where that is not a compile (an optimizer's step)."""
+    name = f"{origin or compile_id()}-{piece}-{label}"
     trace_structured_artifact(f"zerocompile_{name}", "string", payload_fn=text)
     if directory is None:
         return
@@ -58,5 +63,5 @@ def emit_graph(directory: str | None, piece: str, when: str, pass_name: str, gra
     emit(directory, piece, f"{when}-{pass_name}", lambda: graph_text(graph))
 
 
-def emit_ledger(directory: str | None, piece: str, ledger: Callable[[], dict]) -> None:
-    emit(directory, piece, "ledger", lambda: json.dumps(ledger(), indent=1), suffix="json")
+def emit_ledger(directory: str | None, piece: str, ledger: Callable[[], dict], origin: str | None = None) -> None:
+    emit(directory, piece, "ledger", lambda: json.dumps(ledger(), indent=1), suffix="json", origin=origin)

@@ -33,13 +33,15 @@ def assign_owners(costs: Sequence[float], ranks: int) -> list[int]:
     return owners
 
 
-def bytes_sent(numels: Sequence[int], owners: Sequence[int], rank: int, ranks: int, itemsize: int) -> int:
-    """The bytes `rank` sends to other ranks in one `compute_on_owners` of slices of `numels`
-    elements and `itemsize` bytes: its slice of each matrix another rank owns, and the other
-    ranks' slices of each matrix it owns."""
+def bytes_sent_each_way(
+    numels: Sequence[int], owners: Sequence[int], rank: int, ranks: int, itemsize: int
+) -> tuple[int, int]:
+    """The bytes `rank` sends to other ranks in the two all-to-alls of one `compute_on_owners` of
+    slices of `numels` elements and `itemsize` bytes: to the owners, its slice of each matrix
+    another rank owns; back, the other ranks' slices of each matrix it owns."""
     others = sum(numel for numel, owner in zip(numels, owners) if owner != rank)
     owned = sum(numel for numel, owner in zip(numels, owners) if owner == rank)
-    return (others + (ranks - 1) * owned) * itemsize
+    return others * itemsize, (ranks - 1) * owned * itemsize
 
 
 def compute_on_owners(

@@ -33,7 +33,10 @@ from torch.distributed import distributed_c10d as c10d
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from torch.optim.optimizer import ParamsT, _to_scalar
 
-from zerocompile.matrix_owners import assign_owners, bytes_sent, compute_on_owners
+from zerocompile import dump
+from zerocompile.matrix_owners import assign_owners, bytes_sent_each_way, compute_on_owners
+from zerocompile.passes.ledger import GraphLedger, LedgerEntry, predicted_sent_bytes
+from zerocompile.passes.stages import shard_numel
 from zerocompile.sharding import ShardInfo, full_shape, shard_info
 
 # Newton-Schulz rounds its input to bfloat16 first and returns bfloat16 (torch 2.11-2.15), so the
@@ -73,6 +76,7 @@ class Muon(torch.optim.Muon):
             lr = _to_scalar(group["lr"])
             param.mul_(1 - lr * group["weight_decay"])
             param.add_(orthogonal, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], full_shape(param)))
+        _emit_step_ledger(self)
         return loss
 
     def _orthogonalise(self, updates: list[tuple[torch.Tensor, torch.Tensor, dict]]) -> list[torch.Tensor]:
@@ -106,6 +110,7 @@ class Adafactor(torch.optim.Adafactor):
             _all_reduce_sums([update.square().sum().view(1) for update in updates], pieces)
             for piece, update in zip(pieces, updates):
                 piece.apply(update)
+        _emit_step_ledger(self)
         return loss
 
 
@@ -210,23 +215,117 @@ def _all_reduce_sums(partial: list[torch.Tensor], pieces: list[_FactoredPiece]) 
             pieces[i].sums = summed.to(partial[i].dtype)
 
 
-def exchange_bytes(optimizer: Muon) -> int:
-    """The bytes this rank sends per `step()` to hand updates to their owners and back (0 where
-    nothing is sharded): `matrix_owners.bytes_sent` for each group of ranks."""
-    numels: dict[str, list[tuple[int, tuple[int, ...]]]] = {}
+def step_ledger(optimizer: Muon | Adafactor) -> GraphLedger:
+    """What one `step()` of `optimizer` sends from this rank, as a ledger (kind "optimizer"):
+    Muon's two all-to-alls per group of ranks sharing sharded matrices (each update's slices to
+    its owner, the results back), Adafactor's two all-reduces of partial sums; no entry where
+    nothing is sharded. `zerocompile dump` lists it beside the graphs and counts its bytes in the
+    step's."""
+    entries: list[LedgerEntry] = []
+    for group_name, members in _sharded_by_group(optimizer).items():
+        process_group = c10d._resolve_process_group(group_name)
+        entries_of = _muon_entries if isinstance(optimizer, Muon) else _adafactor_entries
+        entries += entries_of(members, process_group.rank(), process_group.size(), len(entries))
+    return GraphLedger.of_optimizer_step(entries)
+
+
+def exchange_bytes(optimizer: Muon | Adafactor) -> int:
+    """The bytes this rank sends per `step()` of `optimizer` (its `step_ledger`'s)."""
+    return step_ledger(optimizer).sent_bytes
+
+
+def muon_exchange_bytes(shapes: list[tuple[int, int]], ranks: int) -> list[int]:
+    """Each rank's bytes sent per `Muon.step()` over `ranks` ranks for matrices of these full
+    shapes, sharded as `shard()` pads them (what `zerocompile plan --muon` counts)."""
+    numels = [shard_numel(math.prod(shape), ranks) for shape in shapes]
+    owners = _owners(shapes, ranks)
+    return [sum(bytes_sent_each_way(numels, owners, rank, ranks, _WIRE_DTYPE.itemsize)) for rank in range(ranks)]
+
+
+_Members = list[tuple[torch.Tensor, ShardInfo]]
+
+
+def _sharded_by_group(optimizer: torch.optim.Optimizer) -> dict[str, _Members]:
+    """The optimizer's sharded trainable parameters by the group of ranks sharing them."""
+    groups: dict[str, _Members] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
             info = shard_info(param)
             if _is_sharded(info) and param.requires_grad:
-                numels.setdefault(info.group_name, []).append((info.shard_numel, info.shape))
-    total = 0
-    for group_name, matrices in numels.items():
-        process_group = c10d._resolve_process_group(group_name)
-        owners = _owners([shape for _numel, shape in matrices], process_group.size())
-        total += bytes_sent(
-            [numel for numel, _shape in matrices], owners, process_group.rank(), process_group.size(), _WIRE_DTYPE.itemsize
+                groups.setdefault(info.group_name, []).append((param, info))
+    return groups
+
+
+def _entry(members: _Members, ranks: int, position: int, **fields: Any) -> LedgerEntry:
+    return LedgerEntry(
+        params=[info.fqn for _param, info in members],
+        param_bytes=[param.numel() * param.element_size() for param, _info in members],
+        bucket=position,
+        position=position,
+        wait_position=position,  # blocking: done before the step goes on
+        overlaps=[],
+        freed_after=None,
+        freed_position=None,
+        group_size=ranks,
+        **fields,
+    )
+
+
+def _muon_entries(members: _Members, rank: int, ranks: int, first: int) -> list[LedgerEntry]:
+    numels = [info.shard_numel for _param, info in members]
+    owners = _owners([info.shape for _param, info in members], ranks)
+    to_owners, back = bytes_sent_each_way(numels, owners, rank, ranks, _WIRE_DTYPE.itemsize)
+    owned = sum(numel for numel, owner in zip(numels, owners) if owner == rank)
+    wire = str(_WIRE_DTYPE).removeprefix("torch.")
+    return [
+        _entry(
+            members, ranks, first, op="all_to_all", dtype=wire, input_bytes=sum(numels) * _WIRE_DTYPE.itemsize,
+            sent_bytes=to_owners, detail="Muon: each matrix's update slices to its owner, for Newton-Schulz",
+        ),
+        _entry(
+            members, ranks, first + 1, op="all_to_all", dtype=wire, input_bytes=ranks * owned * _WIRE_DTYPE.itemsize,
+            sent_bytes=back, detail="Muon: the orthogonalised slices back from their owners",
+        ),
+    ]  # fmt: skip
+
+
+def _adafactor_entries(members: _Members, rank: int, ranks: int, first: int) -> list[LedgerEntry]:
+    def sums(shape: tuple[int, ...]) -> int:  # the norm, and each row's and column's sum if factored
+        numel = math.prod(shape)
+        return 1 + (numel // shape[-1] + numel // shape[-2] if len(shape) >= 2 else 0)
+
+    first_bytes = 4 * sum(sums(info.shape) for _param, info in members)  # summed in float32
+    return [
+        _entry(
+            members, ranks, first + i, op="all_reduce", dtype="float32", input_bytes=size,
+            sent_bytes=predicted_sent_bytes("all_reduce", size, ranks), detail=detail,
         )
-    return total
+        for i, (size, detail) in enumerate(
+            [
+                (first_bytes, "Adafactor: the parameters' squared norms and the squared gradients' row and column sums"),
+                (4 * len(members), "Adafactor: the updates' squared norms"),
+            ]
+        )
+    ]  # fmt: skip
+
+
+def _emit_step_ledger(optimizer: Muon | Adafactor) -> None:
+    """The step's ledger to torch's structured trace and the dump directory of the models its
+    parameters came from: on the first step, and again only when its sharded parameters change."""
+    members = _sharded_by_group(optimizer)
+    if not members:
+        return
+    key = tuple((name, tuple(info.fqn for _param, info in group)) for name, group in members.items())
+    if getattr(optimizer, "_zerocompile_dumped", None) == key:
+        return
+    optimizer._zerocompile_dumped = key
+    info = next(iter(members.values()))[0][1]
+    dump.emit_ledger(
+        dump.dump_dir(info.config.dump_dir),
+        f"{type(optimizer).__name__.lower()}@{info.fqn}",
+        lambda: step_ledger(optimizer).to_json(),
+        origin="optimizer",
+    )
 
 
 # torch's optimizers these step on shards in their place, with the same settings and state.
