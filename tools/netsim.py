@@ -1,0 +1,249 @@
+"""Simulated networks for benchmarks: one slow link, or two nodes joined by one, made of Linux
+network namespaces that this process creates and removes.
+
+On one machine the ranks of a job talk over loopback, where a byte costs one memcpy on the cores
+that compute. Real jobs are bandwidth-bound between nodes. `SimulatedNetwork` builds, with `ip`
+and `tc` (iproute2; CAP_NET_ADMIN, e.g. root):
+
+- `nodes=1`: one namespace whose loopback is shaped by a token bucket (`tc qdisc ... tbf`) to
+  `rate`: every byte between ranks crosses one slow link.
+- `nodes=2`: two namespaces joined by a veth pair, shaped to `rate` at both ends, with the
+  addresses 127.77.0.1 and 127.77.0.2 (loopback-range, so nothing outside the machine is ever
+  addressed; `route_localnet` lets them leave a loopback interface). Ranks of one node talk over
+  its own loopback, unlimited; ranks of different nodes cross the link.
+
+Nothing outside the namespaces changes. They are removed on leaving the `with` block, also when
+the body raised, and names carry this process's id, so a run that was killed leaves names that
+the next run recognises as stale and removes (`remove_stale`). `probe` measures what a link
+really carries, so the rate asked for and the rate got are reported side by side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from types import TracebackType
+
+PREFIX = "zcnet"  # namespaces are PREFIX{pid}n{node}
+NODE_ADDRESSES = ("127.77.0.1", "127.77.0.2")
+_RATE = re.compile(r"(\d+(?:\.\d+)?)(k|m|g)bit")
+_SCALE = {"k": 1e3, "m": 1e6, "g": 1e9}
+# Probe: a sender writes this many bytes of zeros in chunks as fast as the link takes them.
+PROBE_CHUNK = 1 << 20
+
+
+class NetworkError(RuntimeError):
+    """The simulated network cannot be built here; the message names the fix."""
+
+
+def parse_rate(text: str) -> float:
+    """'1gbit', '2.5gbit', '100mbit' -> bits per second."""
+    match = _RATE.fullmatch(text.strip().lower())
+    if match is None:
+        raise NetworkError(f"a link rate is a number and a unit, e.g. 1gbit, 2.5gbit or 100mbit; got {text!r}")
+    bits = float(match.group(1)) * _SCALE[match.group(2)]
+    if bits <= 0:
+        raise NetworkError(f"a link rate must be positive, got {text!r}")
+    return bits
+
+
+def check_can_simulate() -> None:
+    """Raise `NetworkError` naming the fix unless `ip`, `tc` and CAP_NET_ADMIN are here."""
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise NetworkError(
+            f"simulating a network needs {' and '.join(missing)} (iproute2): install it, e.g. apt-get install iproute2"
+        )
+    if not _has_net_admin():
+        raise NetworkError(
+            "simulating a network needs CAP_NET_ADMIN to create network namespaces: run as root (e.g. sudo), "
+            "or drop --link to bench over plain loopback"
+        )
+
+
+def _has_net_admin() -> bool:
+    try:
+        status = open("/proc/self/status").read()
+    except OSError:
+        return os.geteuid() == 0
+    effective = re.search(r"^CapEff:\s*([0-9a-f]+)$", status, re.MULTILINE)
+    return effective is not None and bool(int(effective.group(1), 16) >> 12 & 1)  # CAP_NET_ADMIN is bit 12
+
+
+def _run(argv: Sequence[str]) -> None:
+    done = subprocess.run(list(argv), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise NetworkError(f"`{' '.join(argv)}` failed: {done.stderr.strip() or done.stdout.strip()}")
+
+
+def namespaces() -> list[str]:
+    """The network namespaces `ip netns` knows, by name."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[0] for line in listed.splitlines() if line.strip()]
+
+
+def remove_stale() -> list[str]:
+    """Remove the namespaces of runs whose process is gone (killed before it could clean up)."""
+    removed = []
+    for name in namespaces():
+        match = re.fullmatch(rf"{PREFIX}(\d+)n\d+", name)
+        if match and not os.path.exists(f"/proc/{match.group(1)}"):
+            _run(["ip", "netns", "delete", name])
+            removed.append(name)
+    return removed
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """One simulated node: its namespace, the address its ranks' rendezvous and gloo use, and the
+    interface gloo binds (GLOO_SOCKET_IFNAME)."""
+
+    namespace: str
+    address: str
+    interface: str
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """`argv` run inside this node's namespace."""
+        return ["ip", "netns", "exec", self.namespace, *argv]
+
+
+class SimulatedNetwork:
+    """`with SimulatedNetwork(nodes, rate) as network:` the namespaces exist; `network.nodes`."""
+
+    def __init__(self, nodes: int, rate: str, latency_ms: int = 200) -> None:
+        if nodes not in (1, 2):
+            raise NetworkError(f"a simulated network has 1 node (one slow link) or 2 (two nodes), not {nodes}")
+        self.rate = rate
+        self.bits_per_second = parse_rate(rate)
+        self.latency_ms = latency_ms
+        self.nodes: list[Node] = []
+        self._made: list[str] = []
+        self._count = nodes
+
+    def __enter__(self) -> SimulatedNetwork:
+        check_can_simulate()
+        remove_stale()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove every namespace made (the veth pair goes with them)."""
+        for name in reversed(self._made):
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+        self._made.clear()
+
+    def _namespace(self, node: int) -> str:
+        name = f"{PREFIX}{os.getpid()}n{node}"
+        _run(["ip", "netns", "add", name])
+        self._made.append(name)
+        _run(["ip", "-n", name, "link", "set", "lo", "up"])
+        return name
+
+    def _shape(self, namespace: str, interface: str) -> None:
+        # A bucket of at least 1 MB, and of 10 ms at the rate, so the shaper can reach its rate
+        # with the kernel's timer granularity; packets wait at most latency_ms, then drop.
+        burst = max(1 << 20, int(self.bits_per_second / 8 / 100))
+        _run(
+            ["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", interface, "root", "tbf",
+             "rate", f"{int(self.bits_per_second)}bit", "burst", str(burst), "latency", f"{self.latency_ms}ms"]
+        )  # fmt: skip
+
+    def _build(self) -> None:
+        if self._count == 1:
+            name = self._namespace(0)
+            self._shape(name, "lo")
+            self.nodes = [Node(name, "127.0.0.1", "lo")]
+            return
+        names = [self._namespace(node) for node in range(2)]
+        veths = [f"zcv{os.getpid() % 100000}{node}" for node in range(2)]  # interface names: 15 characters at most
+        _run(["ip", "link", "add", veths[0], "netns", names[0], "type", "veth", "peer", "name", veths[1], "netns", names[1]])
+        for node, (name, veth, address) in enumerate(zip(names, veths, NODE_ADDRESSES)):
+            peer = NODE_ADDRESSES[1 - node]
+            inside = ["ip", "netns", "exec", name]
+            for scope in ("all", veth):
+                _run([*inside, "sysctl", "-q", "-w", f"net.ipv4.conf.{scope}.route_localnet=1"])
+            _run(["ip", "-n", name, "link", "set", veth, "mtu", "65535", "up"])
+            _run(["ip", "-n", name, "addr", "add", f"{address}/32", "dev", veth])
+            # Longer than loopback's local 127.0.0.0/8, so the peer's address leaves through the
+            # veth (a new namespace has no policy rules: the local and main tables are one lookup).
+            _run(["ip", "-n", name, "route", "add", f"{peer}/32", "dev", veth, "src", address])
+            self._shape(name, veth)
+            self.nodes.append(Node(name, address, veth))
+
+    def probe(self, seconds: float = 1.0) -> float:
+        """Bits per second one TCP stream carries across the link (node 0 to the last node)."""
+        return probe(self.nodes[0], self.nodes[-1], seconds)
+
+
+def probe(sender: Node, receiver: Node, seconds: float = 1.0) -> float:
+    """Bits per second one TCP stream carries from `sender` to `receiver`'s address, measured where
+    it arrives over the last three quarters of about `seconds` (the first quarter lets a token
+    bucket's initial burst through)."""
+    listening = subprocess.Popen(
+        receiver.command([sys.executable, "-c", _RECEIVER, receiver.address, str(seconds / 4)]),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        port = int(listening.stdout.readline())
+        sent = subprocess.run(
+            sender.command([sys.executable, "-c", _SENDER, receiver.address, str(port), str(seconds)]),
+            capture_output=True,
+            text=True,
+            timeout=seconds * 10 + 30,
+        )
+        if sent.returncode != 0:
+            raise NetworkError(f"the link probe's sender failed: {sent.stderr.strip()}")
+        return float(listening.communicate(timeout=seconds * 10 + 30)[0])
+    finally:
+        listening.kill()
+        listening.wait()
+
+
+# The probe's two ends, run with `python -c` inside the namespaces: the receiver prints its port,
+# then, once the sender has closed, the rate at which bytes arrived after the first `skip` seconds.
+_RECEIVER = """
+import socket, sys, time
+server = socket.socket()
+server.bind((sys.argv[1], 0))
+server.listen(1)
+print(server.getsockname()[1], flush=True)
+connection, _ = server.accept()
+first = time.perf_counter()
+skip = float(sys.argv[2])
+counted, start, end = 0, None, None
+while True:
+    got = len(connection.recv(1 << 20))
+    now = time.perf_counter()
+    if not got:
+        break
+    if start is None and now - first >= skip:
+        start = now
+    elif start is not None:
+        counted, end = counted + got, now
+print(counted * 8 / (end - start))
+"""
+
+_SENDER = f"""
+import socket, sys, time
+chunk = bytes({PROBE_CHUNK})
+link = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+end = time.perf_counter() + float(sys.argv[3])
+while time.perf_counter() < end:
+    link.sendall(chunk)
+link.close()
+"""
