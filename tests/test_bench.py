@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -256,12 +257,12 @@ FAKE_RANKS = 8
 
 @pytest.fixture(scope="module")
 def fake_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The three mixed-precision modes as rank 0 of 8 on a fake group, as on one GPU but on the CPU.
-    Each compiles with Inductor (a fresh cache per mode): ~35 s of CPU per mode here."""
+    """The three mixed-precision modes as rank 0 of 8 on a fake group, as on one GPU but on the CPU,
+    on a one-block tiny GPT. Each compiles with Inductor (a fresh cache per mode): ~25 s of CPU per mode here."""
     out = tmp_path_factory.mktemp("fake-bench")
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    argv = ["--quick", "--fake-ranks", str(FAKE_RANKS), "--batch-size", str(FAKE_RANKS), "--device", "cpu"]
+    argv = ["--quick", "--fake-ranks", str(FAKE_RANKS), "--batch-size", str(FAKE_RANKS), "--device", "cpu", "--layers", "1"]
     args = parser.parse_args([*argv, "--modes", ",".join(FAKE_MODES), "--out", str(out)])
     assert bench.run(args) == 0
     return json.loads((out / "bench.json").read_text()) | {"table": (out / "bench.md").read_text()}
@@ -290,7 +291,7 @@ def test_fake_ranks_hold_one_ranks_model_state(fake_run: dict) -> None:
     A group that ran as world size 1 would show 8x these (checked by breaking it)."""
     modes = {mode["mode"]: mode["model_state_bytes"] for mode in fake_run["modes"]}
     with torch.device("meta"):
-        model = GPT(SIZES["tiny"])
+        model = GPT(dataclasses.replace(SIZES["tiny"], n_layer=1))
     shard_elements = sum(shard_numel(p.numel(), FAKE_RANKS) for p in {id(p): p for p in model.parameters()}.values())
     assert modes["zero3-bf16"] == {"params": 4 * shard_elements, "grads": 4 * shard_elements, "optimizer": 8 * shard_elements}
     phi = fake_run["settings"]["phi"]

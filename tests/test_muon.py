@@ -75,9 +75,9 @@ CASES = {
         (1, "inductor", "clip"),
         (2, "eager", "accumulate"),
         (2, "inductor", "taken_over"),
-        (3, "inductor", "plain"),
+        (3, "eager", "plain"),
     ],
-    4: [(1, "eager", "accumulate"), (2, "eager", "plain"), (3, "eager", "plain"), (3, "inductor", "accumulate")],
+    4: [(1, "eager", "accumulate"), (2, "eager", "plain"), (3, "inductor", "accumulate")],
 }
 
 
