@@ -4,13 +4,16 @@ that failed or was killed. Needs iproute2 and CAP_NET_ADMIN (CI runs as root).""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import os
 import subprocess
 
 import pytest
 
-from zerocompile.tools import netsim
+from zerocompile.tools import bench, netsim
+from zerocompile.tools.spawn import RanksFailed
 
 try:
     netsim.check_can_simulate()
@@ -116,3 +119,84 @@ def test_without_iproute2_or_the_capability_the_error_names_the_fix(monkeypatch:
     monkeypatch.setattr(netsim, "_has_net_admin", lambda: False)
     with pytest.raises(netsim.NetworkError, match="CAP_NET_ADMIN.*run as root"):
         netsim.SimulatedNetwork(2, "1gbit").__enter__()
+
+
+def _all_reduce_across(rank: int, fail_on: int | None = None) -> dict:
+    """A rank of `run_ranks`: joins the group torchrun set up and all-reduces 8 MB."""
+    import torch
+    import torch.distributed as dist
+
+    if rank == fail_on:
+        raise ValueError(f"rank {rank} was told to fail")
+    dist.init_process_group("gloo")
+    tensor = torch.full((2 << 20,), float(rank + 1))
+    dist.all_reduce(tensor)
+    return {"world": dist.get_world_size(), "sum": tensor[0].item(), "interface": os.environ["GLOO_SOCKET_IFNAME"]}
+
+
+@needs_namespaces
+def test_torchrun_starts_the_ranks_of_each_node_inside_it() -> None:
+    with netsim.SimulatedNetwork(2, "1gbit") as network:
+        results = network.run_ranks(_all_reduce_across, 2, timeout=240)
+        interfaces = [node.interface for node in network.nodes]
+    assert [result["world"] for result in results] == [4] * 4
+    assert [result["sum"] for result in results] == [10.0] * 4
+    assert [result["interface"] for result in results] == [interfaces[0]] * 2 + [interfaces[1]] * 2
+
+
+@needs_namespaces
+def test_a_failing_rank_reports_its_traceback() -> None:
+    with netsim.SimulatedNetwork(1, "1gbit") as network:
+        with pytest.raises(RanksFailed, match="rank 1 was told to fail") as failed:
+            network.run_ranks(_all_reduce_across, 2, (1,), timeout=240)
+    assert 1 in failed.value.failures
+    assert _ours() == []
+
+
+@needs_namespaces
+@pytest.mark.parametrize("shape", [["--ranks", "2"], ["--nodes", "2", "--ranks", "1"]], ids=["one-link", "two-nodes"])
+def test_bench_runs_its_ranks_through_the_link_and_reports_it(shape: list[str], tmp_path) -> None:
+    """A 2-step bench (DDP: no compile, the plumbing is what is tested) in each network shape."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    argv = ["--quick", "--modes", "ddp", "--batch-size", "2", "--link", RATE, *shape, "--out", str(tmp_path)]
+    assert bench.run(parser.parse_args(argv)) == 0
+    summary = json.loads((tmp_path / "bench.json").read_text())
+    link = summary["settings"]["link"]
+    assert (link["rate"], link["nodes"], summary["settings"]["ranks"]) == (RATE, 1 if "--nodes" not in shape else 2, 2)
+    assert abs(link["probe_bits_per_second"] / BITS - 1) <= 0.10, link
+    assert summary["modes"][0]["status"] == "ok" and summary["modes"][0]["sent_bytes_per_step"] > 0
+    assert f"of {RATE} (" in (tmp_path / "bench.md").read_text()
+    assert _ours() == [] and _our_interfaces() == []
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nodes", "2"], "--nodes simulates nodes joined by a link: give its rate, e.g. --link 1gbit"),
+        (["--link", "1gbit", "--fake-ranks", "4"], "--fake-ranks sends nothing: leave one out"),
+    ],
+)
+def test_bench_refuses_a_network_it_cannot_simulate(argv: list[str], message: str, tmp_path) -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    with pytest.raises(SystemExit, match=message):
+        bench.bench(parser.parse_args(["--quick", *argv, "--out", str(tmp_path)]))
+    assert not (tmp_path / "bench.json").exists()
+
+
+def _sleep(rank: int) -> None:
+    import time
+
+    time.sleep(600)
+
+
+@needs_namespaces
+def test_a_timeout_kills_every_rank_of_every_node() -> None:
+    with netsim.SimulatedNetwork(2, RATE) as network:
+        with pytest.raises(TimeoutError, match="still running after 20 s"):
+            network.run_ranks(_sleep, 1, timeout=20)
+    left = subprocess.run(["pgrep", "-f", "zerocompile-netsim-"], capture_output=True, text=True).stdout.split()
+    assert left == [], f"processes left running: {left}"
+    assert _ours() == []

@@ -108,6 +108,14 @@ another. Memory is not measured there (the modes share processes). Each mode the
 from its own copy of the model code (see `_gpt_class_of_its_own`), so what Dynamo decides for one
 mode's frames cannot change another's.
 
+Slow links: on one machine ranks talk over loopback, where a byte costs a memcpy on the cores that
+compute. `--link RATE` runs every mode's ranks inside a network namespace whose loopback a token
+bucket shapes to RATE (one link between all ranks); `--nodes 2 --link RATE` on two simulated nodes
+of --ranks ranks each, joined by a veth pair shaped to RATE, each node's ranks started by torchrun
+inside its namespace (zerocompile.tools.netsim; needs iproute2 and CAP_NET_ADMIN). A probe's
+measured rate is printed and recorded beside the rate asked for; the namespaces are removed after
+the run, also when it fails.
+
 Writes bench.json (everything, per rank too), bench.md (the table) and bench.png (step time and
 bytes sent per mode) to --out. A mode that fails on every rank is reported as failed with its
 error and the others still run. --quick is a smoke run for CI (tiny model, 1 warm-up and 2 timed
@@ -153,7 +161,7 @@ import zerocompile as zc
 from zerocompile import torch_support
 from zerocompile.distributed import default_backend
 from zerocompile.tools import gpt as gpt_module
-from zerocompile.tools import spawn
+from zerocompile.tools import netsim, spawn
 from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
 from zerocompile.tools.rss import reset_peak_rss, status_bytes
 from zerocompile.tools.train import add_device_argument, chosen_device
@@ -383,6 +391,14 @@ def _mode_list(text: str) -> list[str]:
     return names
 
 
+def _link_rate(text: str) -> str:
+    try:
+        netsim.parse_rate(text)
+    except netsim.NetworkError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 def _interleave_list(text: str) -> list[str]:
     if text.strip() == "none":
         return []
@@ -463,6 +479,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ranks unmap freed tensors at once (MALLOC_MMAP_THRESHOLD_=65536, glibc's malloc: no "
         "allocator preloaded): RSS follows live tensors, steps run 30-45%% slower; a separate run for memory",
     )
+    parser.add_argument(
+        "--link",
+        type=_link_rate,
+        default=None,
+        metavar="RATE",
+        help="the ranks talk through one link of RATE (e.g. 1gbit, 2.5gbit): a network namespace whose loopback "
+        "is shaped by tc (needs iproute2 and root); a probe's measured rate is printed beside it",
+    )
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="with --link: 2 simulated nodes of --ranks ranks each, joined by the link (ranks of one node talk "
+        "unshaped), every rank started by torchrun inside its node (default 1)",
+    )
     spawn.add_allocator_argument(parser)
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default ./bench-out)")
 
@@ -511,10 +543,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     size, steps, warmup = QUICK if args.quick else DEFAULTS
     model_size = args.model_size or size
     fake = args.fake_ranks is not None
-    ranks = args.fake_ranks if fake else args.ranks or DEFAULT_RANKS
+    ranks = args.fake_ranks if fake else (args.ranks or DEFAULT_RANKS) * args.nodes
     if args.batch_size % ranks:
         raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the {ranks} ranks")
     backend = "fake" if fake else default_backend(args.device)
+    _check_link(args, backend)
     preload = _preload(args)
     config = _gpt_config(model_size, args.layers)
     phi = _count_parameters(config)
@@ -527,7 +560,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         f"{args.steps or steps} timed steps per mode",
         flush=True,
     )
-    with tempfile.TemporaryDirectory(prefix="zerocompile-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="zerocompile-bench-") as tmp, _network(args) as network:
+        link = _link_line(args, network)
         settings = Settings(
             ranks=ranks,
             model_size=model_size,
@@ -545,13 +579,17 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         )
         measured = {}
         environment = EXACT_RSS_ENVIRONMENT if args.exact_rss else {}
+
+        def launch(fn: Callable[..., Any], fn_args: tuple) -> Any:
+            """Rank 0's result of `fn(rank, *fn_args)` on every rank."""
+            if network is None:
+                return spawn.spawn_ranks(fn, settings.processes, fn_args, env=environment, preload=preload)[0]
+            return network.run_ranks(fn, ranks // args.nodes, fn_args, env=spawn.child_environment(environment, preload))[0]
+
         for name in settings.modes:
-            ranks_spawned = spawn.spawn_ranks(
-                _spawned_rank, settings.processes, (name, settings), env=environment, preload=preload
-            )
-            measured[name] = ranks_spawned[0]
+            measured[name] = launch(_spawned_rank, (name, settings))
             print(_progress_line(measured[name]), flush=True)
-        interleaved = _run_interleaved(settings, environment, preload) if settings.interleave else None
+        interleaved = _run_interleaved(settings, launch) if settings.interleave else None
     summary = {
         "machine": machine,
         "settings": {
@@ -567,6 +605,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "optimizer": _optimizer_description(args.optimizer),
             "quick": args.quick,
             "malloc": " ".join(f"{k}={v}" for k, v in EXACT_RSS_ENVIRONMENT.items()) if args.exact_rss else preload or "default",
+            "link": link,
         },
         "method": {
             "step_time": "median over timed steps of the slowest rank's step; each step starts after a barrier",
@@ -603,6 +642,37 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     _plot(summary, args.out / "bench.png")
     print(f"\n{table}\nwrote {args.out}/bench.json, bench.md, bench.png", flush=True)
     return summary
+
+
+def _check_link(args: argparse.Namespace, backend: str) -> None:
+    """--link and --nodes make sense together, on real gloo ranks; refused before anything starts."""
+    if args.nodes > 1 and args.link is None:
+        raise SystemExit("--nodes simulates nodes joined by a link: give its rate, e.g. --link 1gbit")
+    if args.link is None:
+        return
+    if args.fake_ranks is not None:
+        raise SystemExit("--link shapes the traffic between real ranks, and --fake-ranks sends nothing: leave one out")
+    if backend != "gloo":
+        raise SystemExit(f"--link shapes gloo's TCP traffic, and these ranks would use {backend}: add --device cpu")
+    try:
+        netsim.check_can_simulate()
+    except netsim.NetworkError as error:
+        raise SystemExit(f"zerocompile bench --link: {error}") from None
+
+
+def _network(args: argparse.Namespace) -> contextlib.AbstractContextManager[netsim.SimulatedNetwork | None]:
+    """The simulated network --link asks for (removed afterwards, also on failure), or none."""
+    return netsim.SimulatedNetwork(args.nodes, args.link) if args.link else contextlib.nullcontext()
+
+
+def _link_line(args: argparse.Namespace, network: netsim.SimulatedNetwork | None) -> dict[str, Any] | None:
+    """Print and return what the link is: the rate asked for and the rate a probe measured."""
+    if network is None:
+        return None
+    measured = network.probe()
+    shape = "one link between all ranks" if args.nodes == 1 else f"{args.nodes} nodes of {args.ranks or DEFAULT_RANKS} ranks"
+    print(f"link             {args.link} asked, {measured / 1e9:.3f} Gbit/s measured by a probe; {shape}", flush=True)
+    return {"rate": args.link, "nodes": args.nodes, "probe_bits_per_second": measured}
 
 
 def _optimizer_description(kind: str) -> str:
@@ -732,9 +802,9 @@ def _gathered(measured: dict[str, Any], summarise: Callable[[list[dict]], dict])
     return summarise(per_rank) if dist.get_rank() == 0 else None
 
 
-def _run_interleaved(settings: Settings, environment: dict[str, str], preload: str | None) -> dict[str, Any]:
+def _run_interleaved(settings: Settings, launch: Callable[[Callable[..., Any], tuple], Any]) -> dict[str, Any]:
     print(f"interleaved      {', '.join(settings.interleave)}: {settings.steps} rounds", flush=True)
-    interleaved = spawn.spawn_ranks(_interleaved_rank, settings.ranks, (settings,), env=environment, preload=preload)[0]
+    interleaved = launch(_interleaved_rank, (settings,))
     first = settings.interleave[0]
     print(
         "interleaved      "
@@ -1010,6 +1080,11 @@ def _described(model_size: str, layers: int | None) -> str:
     return model_size if layers is None else f"{model_size} with {layers} layers"
 
 
+def _link_text(link: dict[str, Any]) -> str:
+    shape = "through one link" if link["nodes"] == 1 else f"on {link['nodes']} simulated nodes joined by a link"
+    return f", {shape} of {link['rate']} ({link['probe_bits_per_second'] / 1e9:.3f} Gbit/s measured)"
+
+
 def markdown_table(summary: dict[str, Any]) -> str:
     """bench.md: the machine, the settings, one row per mode, the theory and how it was measured."""
     machine, settings, theory = summary["machine"], summary["settings"], summary["theory"]
@@ -1029,6 +1104,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
         f"global batch {settings['batch_size']} x {settings['block_size']} tokens, {settings['optimizer']}, "
         f"{settings['warmup']} warm-up + {settings['steps']} timed steps per mode, malloc {settings['malloc']}"
         + (f", on {', '.join(devices)}" if devices else "")
+        + (_link_text(settings["link"]) if settings.get("link") else "")
         + (" (--quick: times mean nothing)" if settings["quick"] else "")
         + ".",
         *(

@@ -22,12 +22,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from types import TracebackType
+from typing import Any
+
+from zerocompile.tools.spawn import GRACE_AFTER_A_FAILURE, RanksFailed, die_with_the_parent, leave_rank
 
 PREFIX = "zcnet"  # namespaces are PREFIX{pid}n{node}
 NODE_ADDRESSES = ("127.77.0.1", "127.77.0.2")
@@ -188,6 +196,100 @@ class SimulatedNetwork:
         """Bits per second one TCP stream carries across the link (node 0 to the last node)."""
         return probe(self.nodes[0], self.nodes[-1], seconds)
 
+    def run_ranks(
+        self,
+        fn: Callable[..., Any],
+        ranks_per_node: int,
+        args: Sequence[Any] = (),
+        *,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """`fn(rank, *args)` on `ranks_per_node` ranks in each node, started by torchrun inside the
+        node's namespace (`--nnodes`, `--node-rank`, the first node's address as the master's);
+        gloo binds each node's interface. Every rank's return value, by rank; `RanksFailed` if a
+        node's torchrun failed, with what its ranks said."""
+        world_size = ranks_per_node * len(self.nodes)
+        with tempfile.TemporaryDirectory(prefix="zerocompile-netsim-") as folder:
+            job = Path(folder, "job.pickle")
+            # The search path first: unpickling `fn` imports its module (a test's, a script's).
+            job.write_bytes(pickle.dumps(sys.path) + pickle.dumps((fn, tuple(args))))
+            port = _free_port_in(self.nodes[0])
+            launched = []
+            for index, node in enumerate(self.nodes):
+                torchrun = [
+                    sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(self.nodes)}",
+                    f"--node-rank={index}", f"--nproc-per-node={ranks_per_node}", f"--master-addr={self.nodes[0].address}",
+                    f"--master-port={port}", "-m", "zerocompile.tools.netsim", str(job), folder,
+                ]  # fmt: skip
+                environment = {**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": node.interface}
+                with open(Path(folder, f"node{index}.log"), "w") as log:
+                    launched.append(subprocess.Popen(node.command(torchrun), env=environment, stdout=log, stderr=log))
+            codes = _wait_for_nodes(launched, timeout)
+            results: dict[int, tuple[str, Any]] = {}
+            for rank in range(world_size):
+                path = Path(folder, f"rank{rank}.pickle")
+                if path.exists():
+                    results[rank] = pickle.loads(path.read_bytes())
+            failures = {rank: text for rank, (kind, text) in results.items() if kind != "returned"}
+            failures.update(
+                {
+                    rank: f"no result (its node's torchrun exited with {codes[rank // ranks_per_node]}):\n"
+                    + Path(folder, f"node{rank // ranks_per_node}.log").read_text()[-4000:]
+                    for rank in range(world_size)
+                    if rank not in results
+                }
+            )
+            if failures:
+                raise RanksFailed(failures)  # those that raised first: the cause, then its casualties
+            return [results[rank][1] for rank in range(world_size)]
+
+
+def _wait_for_nodes(launched: list[subprocess.Popen], timeout: float | None) -> list[int]:
+    """Each node's torchrun exit code. Once one has failed, the others get GRACE_AFTER_A_FAILURE
+    seconds (their ranks may be stuck in a collective with the failed ones) and are then killed;
+    after `timeout` seconds all are killed and TimeoutError raised (their workers die with them:
+    `_run_job`)."""
+    deadline = time.monotonic() + (timeout if timeout is not None else float("inf"))
+    give_up = float("inf")
+    try:
+        while any(process.poll() is None for process in launched):
+            now = time.monotonic()
+            if now >= deadline:
+                raise TimeoutError(f"ranks still running after {timeout:.0f} s")
+            if now >= give_up:
+                break
+            if any(process.returncode for process in launched if process.returncode is not None):
+                give_up = min(give_up, now + GRACE_AFTER_A_FAILURE)
+            time.sleep(0.2)
+    finally:  # none outlives the call: not on a timeout, a failure, or an interrupt
+        for process in launched:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return [process.returncode for process in launched]
+
+
+def _free_port_in(node: Node) -> int:
+    """A TCP port free on the node's address now (inside its namespace), for torchrun's store."""
+    script = f"import socket; s = socket.socket(); s.bind(({node.address!r}, 0)); print(s.getsockname()[1])"
+    return int(subprocess.run(node.command([sys.executable, "-c", script]), capture_output=True, text=True, check=True).stdout)
+
+
+def _run_job(job: Path, folder: Path) -> None:
+    """A torchrun worker of `run_ranks`: `fn(rank, *args)`, its outcome to folder/rank{RANK}.pickle."""
+    die_with_the_parent()  # a killed torchrun takes its workers along
+    rank = int(os.environ["RANK"])
+    try:
+        with open(job, "rb") as pickled:
+            sys.path[:] = pickle.load(pickled)
+            fn, args = pickle.load(pickled)
+        outcome = ("returned", fn(rank, *args))
+    except BaseException:
+        outcome = ("raised", traceback.format_exc())
+    Path(folder, f"rank{rank}.pickle").write_bytes(pickle.dumps(outcome))
+    leave_rank(failed=outcome[0] != "returned")
+
 
 def probe(sender: Node, receiver: Node, seconds: float = 1.0) -> float:
     """Bits per second one TCP stream carries from `sender` to `receiver`'s address, measured where
@@ -247,3 +349,7 @@ while time.perf_counter() < end:
     link.sendall(chunk)
 link.close()
 """
+
+
+if __name__ == "__main__":
+    _run_job(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -306,7 +306,7 @@ def exit_spawned_rank() -> NoReturn:
     os._exit(0)
 
 
-def _leave(failed: bool) -> NoReturn:
+def leave_rank(failed: bool) -> NoReturn:
     """After the last job: a rank whose jobs all succeeded waits for its peers (see
     `exit_spawned_rank`); one that failed leaves at once, its peers are about to be killed."""
     dist = sys.modules.get("torch.distributed")
@@ -330,7 +330,7 @@ def _serve(jobs: Connection, outcomes: Connection) -> NoReturn:
         except EOFError:
             job = _STOP  # the parent died: nobody is left to run jobs for
         if job == _STOP:
-            _leave(failed)
+            leave_rank(failed)
         try:
             fn, args = pickle.loads(job)
             outcome = (RETURNED, fn(*args))
@@ -345,7 +345,7 @@ def _serve(jobs: Connection, outcomes: Connection) -> NoReturn:
         outcomes.send_bytes(data)
 
 
-def _die_with_the_parent() -> None:
+def die_with_the_parent() -> None:
     """Linux: the kernel kills this rank when the process that started it dies (killed, crashed),
     rather than leaving it to run its job to the end as an orphan."""
     if sys.platform.startswith("linux"):
@@ -363,5 +363,5 @@ if __name__ == "__main__":
     # thread's Python stack to the stderr it shares with its parent: without it the parent can say
     # only "exited with status -11". This process is ours, so the handler is ours to install.
     faulthandler.enable()
-    _die_with_the_parent()
+    die_with_the_parent()
     _serve(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False))
