@@ -77,7 +77,7 @@ CASES = {
         (2, "inductor", "taken_over"),
         (3, "eager", "plain"),
     ],
-    4: [(1, "eager", "accumulate"), (2, "eager", "plain"), (3, "inductor", "accumulate")],
+    4: [(1, "eager", "plain"), (2, "eager", "plain"), (3, "inductor", "accumulate")],
 }
 
 
