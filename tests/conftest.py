@@ -56,6 +56,20 @@ def group_name():
 
 
 @pytest.fixture
+def fake_two_ranks():
+    """Rank 0 of a fake process group of 2 in this process (shapes only, nothing sent), destroyed
+    after the test. A group left by an earlier test is that test's bug: asserted, not skipped."""
+    assert not dist.is_initialized(), f"a {dist.get_backend()} process group was left initialised by an earlier test"
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    torch._dynamo.reset()
+    try:
+        yield
+    finally:
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+
+
+@pytest.fixture
 def single_rank():
     """A one-rank gloo group in this process, as `init_distributed()` starts it without a launcher."""
     assert not dist.is_initialized()

@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import zerocompile as zc
 from ranks import run_on_ranks
@@ -249,21 +248,13 @@ def test_artifacts_reach_torch_structured_trace(tmp_path) -> None:
 
 
 @pytest.mark.fast
-def test_dump_adds_the_optimizer_steps_collectives_to_the_graphs(tmp_path) -> None:
+def test_dump_adds_the_optimizer_steps_collectives_to_the_graphs(fake_two_ranks, tmp_path) -> None:
     """A Muon step's exchange goes to the dump after the compiled graphs' ledgers, and counts in
     the rank's bytes sent per step (on a fake group of 2 ranks: shapes and ledgers, no data)."""
-    if dist.is_initialized():
-        pytest.skip(f"a {dist.get_backend()} process group is already initialised in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        torch._dynamo.reset()
-        model = zc.shard(nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 8)), stage=3, dump_dir=str(tmp_path))
-        muon = zc.optim.Muon([p for p in model.parameters() if len(zc.full_shape(p)) == 2])
-        torch.compile(model, backend="zero", options={"compiler": "eager"})(torch.randn(2, 8)).sum().backward()
-        muon.step()
-        torch._dynamo.reset()
-    finally:
-        dist.destroy_process_group()
+    model = zc.shard(nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 8)), stage=3, dump_dir=str(tmp_path))
+    muon = zc.optim.Muon([p for p in model.parameters() if len(zc.full_shape(p)) == 2])
+    torch.compile(model, backend="zero", options={"compiler": "eager"})(torch.randn(2, 8)).sum().backward()
+    muon.step()
     graphs = dump.load(str(tmp_path))["rank0"]
     assert [ledger["kind"] for ledger in graphs.values()] == ["forward", "backward", "optimizer"]
     assert list(graphs)[-1] == "optimizer-muon@0.weight"

@@ -14,10 +14,8 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch._inductor.utils import run_and_get_code
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import zerocompile as zc
 
@@ -52,16 +50,6 @@ class Layers(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x).square().mean()
-
-
-@pytest.fixture
-def fake_two_ranks():
-    assert not dist.is_initialized()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("stage, prefetch", [(2, 1), (3, 1), (3, 2)])

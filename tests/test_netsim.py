@@ -31,6 +31,9 @@ def _unavailable() -> str:
         return str(error)
 
 
+# Skipped, not failed, where the machine cannot build a namespace (no root, a container that
+# refuses them): that is the machine's limit, not zerocompile's. CI runs as root and installs
+# iproute2 (.ci/run), so there these tests run.
 UNAVAILABLE = _unavailable()
 needs_namespaces = pytest.mark.skipif(bool(UNAVAILABLE), reason=UNAVAILABLE)
 
