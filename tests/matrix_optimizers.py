@@ -26,7 +26,6 @@ from zerocompile.tools.gpt import GPT, SIZES
 STEPS = 5
 MICRO_STEPS = 4
 MAX_NORM = 0.05  # below the gradients' norm (~0.4 here), so clipping scales every step
-VARIANTS = ("plain", "accumulate", "clip", "taken_over")
 
 Factory = Callable[[nn.Module, bool], list[torch.optim.Optimizer]]
 

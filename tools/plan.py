@@ -634,9 +634,7 @@ def muon_matrices(counted: CountedModel, pattern: str) -> list[CountedParameter]
 def muon_exchange(muon: Sequence[CountedParameter], ranks: int) -> list[int]:
     """Each rank's bytes sent by one `zc.optim.Muon` step at stages 1-3 (updates to each matrix's
     owner in bfloat16 and back; owners balanced on Newton-Schulz's cost, as the optimizer does)."""
-    if not muon or ranks == 1:
-        return []
-    return muon_exchange_bytes([param.shape for param in muon], ranks)
+    return muon_exchange_bytes([param.shape for param in muon], ranks) if muon else []
 
 
 def budget_plan(
