@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from zerocompile.tools import gpu_visit
 
@@ -51,3 +55,42 @@ def test_a_parameter_off_ddp_is_a_mismatch_in_the_summary(tmp_path: Path) -> Non
     lines = visit.details({"name": "check", "returncode": 1, "output": ""})
     assert any("| gloo x2 cpu | 3 | eager | 0.00e+00 | 2.00e-03" in line and "MISMATCH" in line for line in lines), lines
     assert any("stage 3, eager (gloo x2 cpu): max |Δ param| 2.00e-03 against DDP at blocks.0.fc.weight" in line for line in lines), lines
+
+
+def test_profile_step_times_phases_and_writes_its_table(tmp_path: Path) -> None:
+    # The visit's profile step, as a smoke run on the CPU (the eager compiler keeps it cheap): on a
+    # GPU its kernel families are what explain a mode's step; here only the host side is profiled.
+    command = [sys.executable, "-m", "zerocompile.tools.gpu_visit", "profile", "--device", "cpu", "--mode", "zero3-eager",
+               "--model-size", "tiny", "--batch-size", "8", "--warmup", "1", "--steps", "2", "--out", str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "profile-zero3-eager.json").read_text())
+    assert (report["group"], report["ranks"], report["batch_size"]) == ("fake", 8, 8)
+    assert report["step_s"] == pytest.approx(report["forward_s"] + report["backward_s"] + report["optimizer_s"], abs=2e-4)
+    assert report["kernels_per_step"] == 0 and report["families"] == {}  # no device kernels on the CPU
+    table = (tmp_path / "profile-zero3-eager.txt").read_text()
+    assert "zerocompile::unshard" in table or "_c10d_functional::all_gather_into_tensor_coalesced" in table, table
+    assert (tmp_path / "chrome-trace-profile-zero3-eager.json").stat().st_size > 0
+
+
+@pytest.mark.fast
+def test_kernel_families_and_the_side_by_side_table() -> None:
+    assert gpu_visit.kernel_family("nvjet_sm90_tst_128x256_64x4_4x2_h_bz_coopA_NTN") == "matmul"
+    assert gpu_visit.kernel_family("triton_poi_fused__to_copy_8") == "triton (Inductor)"
+    assert gpu_visit.kernel_family("Memcpy DtoD (Device -> Device)") == "copy / fill"
+    assert gpu_visit.kernel_family("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "collective"
+    assert gpu_visit.kernel_family("void at::native::vectorized_elementwise_kernel<8>") == "other"
+    reports = [
+        {"mode": mode, "group": "fake", "ranks": 8, "step_s": step, "forward_s": 0.0, "backward_s": 0.0,
+         "optimizer_s": 0.0, "kernels_per_step": 3.0, "device_ms_per_step": 1.5, "families": families}
+        for mode, step, families in [
+            ("compile-bf16", 0.03, {"matmul": {"kernels": 2.0, "device_ms": 1.0}}),
+            ("zero3-bf16", 0.09, {"copy / fill": {"kernels": 3.0, "device_ms": 0.5}}),
+        ]
+    ]
+    lines = gpu_visit.profile_details(reports)
+    assert lines[0] == "| per step | compile-bf16 (fake x8) | zero3-bf16 (fake x8) |"
+    assert "| step_s | 0.03 | 0.09 |" in lines
+    # A family one mode never launched shows as zero kernels there, not as a missing cell.
+    assert "| matmul: ms (kernels) | 1.0 (2) | 0 (0) |" in lines
+    assert "| copy / fill: ms (kernels) | 0 (0) | 0.5 (3) |" in lines

@@ -10,16 +10,19 @@ that fails or hangs is reported with its output and the next one runs. What each
            eager compiler and Inductor, gradients, parameters, model-state bytes, bytes sent and
            step time against DDP's (see zerocompile/tools/check.py for what runs on one GPU, on
            several, and on the CPU)
-  bench    `zerocompile bench --fake-ranks 8`, bf16: stage 3 against plain torch.compile and
-           FSDP2+compile on torch's "fake" process group (real kernels, real all-gather and
-           reduce-scatter shapes, communication free) on a 400M GPT, then on a 1.3B one
+  profile  each of --profile-modes (plain compile and stage 3, bf16) on the same fake group and GPT as
+           the bench below: forward / backward / optimizer seconds, then torch.profiler over a few steps
   trace    a stage-3 compile of a small GPT on the fake group under TORCH_TRACE (for tlparse), and
            the code Inductor generated for its forward and backward
+  bench    `zerocompile bench --fake-ranks 8`, bf16: stage 3 against plain torch.compile and
+           FSDP2+compile on torch's "fake" process group (real kernels, real all-gather and
+           reduce-scatter shapes, communication free) on a 400M GPT, then (--large) on a 1.3B one
 
 What comes back ($OUT): summary.md (every figure, every failure with its output), visit.log,
 forward.py / backward.py (Inductor's code), trace.log.gz, results.tar.gz (the JSON and tables).
 `--device cpu` runs the same visit on gloo CPU ranks with C++ kernels, so it can be tried anywhere;
-`--quick` shrinks every step to a smoke run.
+`--quick` shrinks every step to a smoke run; `--budget S` fits the whole visit into S seconds (a
+device lease's call has a hard limit). The profiles' Chrome traces are in results.tar.gz.
 """
 
 from __future__ import annotations
@@ -72,7 +75,133 @@ def run_trace(args: argparse.Namespace) -> int:
     return 0 if len(codes) >= 2 else 1
 
 
+# --------------------------------------------------------------------------------------- profile
+
+# Kernel families by name, first match wins: where a step's device time goes.
+KERNEL_FAMILIES = (
+    ("matmul", ("gemm", "cutlass", "nvjet", "sm90_", "sm80_", "cublas", "matmul", "mm_")),
+    ("triton (Inductor)", ("triton_",)),
+    ("copy / fill", ("memcpy", "memset", "copy", "fill", "cat")),
+    ("collective", ("nccl",)),
+)
+
+
+def kernel_family(name: str) -> str:
+    lowered = name.lower()
+    return next((family for family, marks in KERNEL_FAMILIES if any(mark in lowered for mark in marks)), "other")
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    """One bench mode on a fake group, timed by phase and then under torch.profiler: where its
+    step's time goes, kernel by kernel. Writes profile-<mode>.json and .txt to --out."""
+    import torch.distributed as dist
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from zerocompile.distributed import default_backend
+    from zerocompile.tools import bench
+    from zerocompile.tools.gpt import SIZES, GPT
+    from zerocompile.tools.spawn import free_loopback_port
+
+    device = torch.device(args.device)
+    if args.real_group:
+        # One real rank: the device's own backend, whose collectives at N = 1 are a copy at most.
+        # The fake backend instead copies every gathered input into each of its N chunks, one
+        # copy per parameter and rank: kernels of its own that a real group does not launch.
+        dist.init_process_group(default_backend(device), init_method=f"tcp://127.0.0.1:{free_loopback_port()}",
+                                rank=0, world_size=1)
+    else:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.ranks)
+    torch.manual_seed(0)
+    config = SIZES[args.model_size]
+    prepared = bench.MODES[args.mode].build(GPT(config).to(device), "adamw")
+    rows = args.batch_size // (1 if args.real_group else args.ranks)
+    tokens = torch.randint(config.vocab_size, (rows, config.block_size + 1), device=device)
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def finish() -> None:
+        if device.type != "cpu":
+            torch.accelerator.synchronize(device)
+
+    def step() -> list[float]:
+        marks = [time.perf_counter()]
+        for optimizer in prepared.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        loss = prepared.runner(inputs, targets)
+        finish()
+        marks.append(time.perf_counter())
+        loss.backward()
+        finish()
+        marks.append(time.perf_counter())
+        for optimizer in prepared.optimizers:
+            optimizer.step()
+        finish()
+        marks.append(time.perf_counter())
+        return [later - earlier for earlier, later in zip(marks, marks[1:])]
+
+    for _ in range(args.warmup):
+        step()
+    phases = [step() for _ in range(args.steps)]
+    on_device = device.type != "cpu"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])]
+    with profile(activities=activities) as profiler:
+        for _ in range(args.steps):
+            step()
+    kernels = [event for event in profiler.events() if event.device_type != DeviceType.CPU] if on_device else []
+    families: dict[str, list[float]] = {}
+    for kernel in kernels:
+        count_and_time = families.setdefault(kernel_family(kernel.name), [0, 0.0])
+        count_and_time[0] += 1
+        count_and_time[1] += kernel.device_time_total
+    per_step = {family: {"kernels": count / args.steps, "device_ms": round(us / args.steps / 1000, 3)}
+                for family, (count, us) in sorted(families.items(), key=lambda item: -item[1][1])}
+    median = sorted(phases, key=sum)[len(phases) // 2]
+    report = {
+        "mode": args.mode, "model_size": args.model_size, "group": dist.get_backend(),
+        "ranks": dist.get_world_size(), "batch_size": rows * dist.get_world_size(),
+        "step_s": round(sum(median), 4), "forward_s": round(median[0], 4), "backward_s": round(median[1], 4),
+        "optimizer_s": round(median[2], 4), "kernels_per_step": len(kernels) / args.steps,
+        "device_ms_per_step": round(sum(k.device_time_total for k in kernels) / args.steps / 1000, 3),
+        "families": per_step,
+    }
+    out = Path(args.out)
+    name = profile_name(args.mode, args.real_group)
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1))
+    sort_by = "self_device_time_total" if on_device else "self_cpu_time_total"
+    table = profiler.key_averages().table(sort_by=sort_by, row_limit=args.rows, max_name_column_width=70)
+    (out / f"{name}.txt").write_text(table)
+    profiler.export_chrome_trace(str(out / f"chrome-trace-{name}.json"))
+    print(json.dumps(report), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+def profile_name(mode: str, real_group: bool) -> str:
+    """The step's and its files' name: a real one-rank group's profile beside the fake group's."""
+    return f"profile-{mode}" + ("-one-real-rank" if real_group else "")
+
+
+def profile_details(reports: list[dict[str, Any]]) -> list[str]:
+    """The profiled modes side by side: phases, then device time and kernels per family."""
+    if not reports:
+        return []
+    names = [f"{report['mode']} ({report['group']} x{report['ranks']})" for report in reports]
+    lines = ["| per step | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for key in ("step_s", "forward_s", "backward_s", "optimizer_s", "kernels_per_step", "device_ms_per_step"):
+        lines.append(f"| {key} | " + " | ".join(str(report[key]) for report in reports) + " |")
+    families = sorted({family for report in reports for family in report["families"]})
+    for family in families:
+        cells = [report["families"].get(family, {"kernels": 0, "device_ms": 0}) for report in reports]
+        lines.append(f"| {family}: ms (kernels) | "
+                     + " | ".join(f"{cell['device_ms']} ({cell['kernels']:g})" for cell in cells) + " |")
+    return [*lines, ""]
+
+
 # ----------------------------------------------------------------------------------------- visit
+
+
+MIN_STEP_SECONDS = 20  # less is not worth starting a step: compiling alone takes longer
 
 
 class Visit:
@@ -86,12 +215,22 @@ class Visit:
         self.steps: list[dict[str, Any]] = []
         self.started = datetime.datetime.now(datetime.timezone.utc)
         self.facts = environment(args.device)  # once: it runs the C++ compiler to read its version
+        self.deadline = time.perf_counter() + getattr(args, "budget", float("inf"))
 
     def step(self, name: str, command: list[str], timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
         """Run `command` (a Python module's arguments) in a process of its own, output to the log."""
-        print(f"== {name}: {' '.join(command)} (limit {timeout:.0f} s)", flush=True)
         begin = time.perf_counter()
         record: dict[str, Any] = {"name": name, "command": " ".join(command)}
+        # The lease ends the whole call at its limit: a step cut short by the visit's own budget
+        # still leaves the summary and the results archive written.
+        timeout = min(timeout, self.deadline - begin)
+        if timeout < MIN_STEP_SECONDS:
+            print(f"== {name}: skipped, {self.deadline - begin:.0f} s of the visit's budget left", flush=True)
+            record.update(returncode="skipped (budget)", output="", seconds=0.0)
+            self.steps.append(record)
+            self.write_summary()
+            return record
+        print(f"== {name}: {' '.join(command)} (limit {timeout:.0f} s)", flush=True)
         try:
             result = subprocess.run(
                 [sys.executable, "-m", *command],
@@ -122,6 +261,10 @@ class Visit:
             *(f"- {key}: {value}" for key, value in self.facts.items()),
             "",
         ]
+        profiled = sorted((self.work / "profile").glob("profile-*.json")) if (self.work / "profile").exists() else []
+        if profiled:
+            lines += ["## Profiled modes side by side", ""]
+            lines += profile_details([json.loads(path.read_text()) for path in profiled])
         for record in self.steps:
             lines += [f"## {record['name']}: exit {record['returncode']}, {record['seconds']} s", ""]
             lines += self.details(record)
@@ -134,6 +277,10 @@ class Visit:
             lines += check_details(json.loads((self.work / "check.json").read_text()))
         if name.startswith("bench") and (self.work / name / "bench.md").exists():
             lines += [(self.work / name / "bench.md").read_text(), ""]
+        if name.startswith("profile-") and (self.work / "profile" / f"{name}.txt").exists():
+            report = json.loads((self.work / "profile" / f"{name}.json").read_text())
+            table = (self.work / "profile" / f"{name}.txt").read_text()
+            lines += [*profile_details([report]), "```", table.strip(), "```", ""]
         if record["returncode"] != 0:
             lines += ["Output (last 6000 characters):", "```", record["output"][-6000:].strip(), "```", ""]
         return lines
@@ -187,18 +334,29 @@ def run_visit(args: argparse.Namespace) -> int:
             timeout=240 if gpu else 900,
         )
         size, batch = sizes[0]
-        visit.step(
-            f"bench-{size}",
-            ["zerocompile.tools.cli", "bench", "--fake-ranks", "8", "--device", args.device, "--model-size", size,
-             "--modes", bench_modes, "--batch-size", batch, *bench_steps, "--out", str(work / f"bench-{size}")],
-            timeout=180 if gpu else 900,
-        )
+        (work / "profile").mkdir()
+        for real_group in {"fake": [False], "real": [True], "both": [False, True]}[args.profile_group]:
+            for mode in args.profile_modes.split(","):
+                visit.step(
+                    profile_name(mode, real_group),
+                    [me, "profile", "--device", args.device, "--mode", mode, "--model-size", size,
+                     "--batch-size", str(int(batch) // 8) if real_group else batch,
+                     *(["--real-group"] if real_group else []),
+                     *(["--warmup", "1", "--steps", "1"] if quick else []), "--out", str(work / "profile")],
+                    timeout=150 if gpu else 600,
+                )
         (work / "trace").mkdir()
         visit.step(
             "trace",
             [me, "trace", "--device", args.device, "--out", str(visit.out)],
             timeout=40 if gpu else 300,
             env={"TORCH_TRACE": str(work / "trace")},
+        )
+        visit.step(
+            f"bench-{size}",
+            ["zerocompile.tools.cli", "bench", "--fake-ranks", "8", "--device", args.device, "--model-size", size,
+             "--modes", bench_modes, "--batch-size", batch, *bench_steps, "--out", str(work / f"bench-{size}")],
+            timeout=180 if gpu else 900,
         )
         for size, batch in sizes[1:]:
             visit.step(
@@ -221,16 +379,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default="gpu-visit")
     parser.add_argument("--quick", action="store_true", help="every step as a smoke run")
     parser.add_argument("--large", action="store_true", help="also the 1.3B GPT (about 3 more minutes on an H200)")
+    parser.add_argument("--budget", type=float, default=float("inf"),
+                        help="seconds for the whole visit: steps are cut to fit, later ones skipped")
+    parser.add_argument("--profile-modes", default="compile-bf16,zero3-bf16",
+                        help="bench modes to profile kernel by kernel (comma-separated)")
+    parser.add_argument("--profile-group", choices=("fake", "real", "both"), default="fake",
+                        help="profile on the fake group of 8 (as the bench), on one real rank with one rank's "
+                        "batch (collectives at N = 1: what the passes cost without the fake group's copies), or both")
     steps = parser.add_subparsers(dest="step")
     trace = steps.add_parser("trace", help="the traced stage-3 compile (a step of the visit)")
     trace.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     trace.add_argument("--out", required=True)
+    profiled = steps.add_parser("profile", help="one bench mode timed by phase and profiled (a step of the visit)")
+    profiled.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    profiled.add_argument("--mode", required=True)
+    profiled.add_argument("--model-size", default="400m")
+    profiled.add_argument("--batch-size", type=int, default=64, help="global: each of the ranks runs 1/ranks of it")
+    profiled.add_argument("--ranks", type=int, default=8, help="size of the fake group")
+    profiled.add_argument("--real-group", action="store_true",
+                          help="instead, a real group of one rank (nccl on CUDA, gloo on the CPU): the whole "
+                          "--batch-size on it, collectives at N = 1")
+    profiled.add_argument("--warmup", type=int, default=2)
+    profiled.add_argument("--steps", type=int, default=3)
+    profiled.add_argument("--rows", type=int, default=25, help="rows of the kernel table")
+    profiled.add_argument("--out", required=True)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return {"trace": run_trace}.get(args.step, run_visit)(args)
+    return {"trace": run_trace, "profile": run_profile}.get(args.step, run_visit)(args)
 
 
 if __name__ == "__main__":
