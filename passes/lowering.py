@@ -193,7 +193,8 @@ def reduce_scatter_bucket(
     rank receives its shard of each, averaged over the group (padding zeros); the shards come back
     in `grad_dtype` (the master parameters'). With `quant_block`: int8 rows, summed in fp32
     (`reduce_dtype` and the flavour do not apply). With `replicas` > 1 (hybrid sharding) the
-    reduced shards are then averaged across `replica_group` too, exactly, in one all-reduce."""
+    reduced shards are then averaged across `replica_group` too: in one all-reduce, or with
+    `quant_block` in int8 as well (`_replica_mean_int8`)."""
     shard_numel = sum(shard_numels)
     flat = _packed(grads, world_size, shard_numels, None if quant_block else reduce_dtype)
     if quant_block:
@@ -205,7 +206,11 @@ def reduce_scatter_bucket(
         received = funcol.wait_tensor(funcol.all_to_all_single(flat, splits, splits, group_name))
         reduced = average_rows(received.view(world_size, shard_numel), world_size)
     if replicas > 1:
-        reduced = _all_reduce_mean(reduced, replica_group, replicas)
+        reduced = (
+            _replica_mean_int8(reduced, replica_group, replicas, quant_block)
+            if quant_block
+            else _all_reduce_mean(reduced, replica_group, replicas)
+        )
     shards = reduced.split(shard_numels) if len(grads) > 1 else [reduced]
     return [shard.to(grad_dtype) for shard in shards] if grad_dtype is not None else shards
 
@@ -239,17 +244,32 @@ def _all_reduce_int8(
     grads: list[torch.Tensor], group_name: str, world_size: int, block: int, replica_group: str, replicas: int
 ) -> list[torch.Tensor]:
     """Stage 0's quantised all-reduce: each gradient laid out in N aligned shards as stages 1-3
-    shard it, reduce-scattered, (averaged across replicas, exactly,) and the means gathered back."""
+    shard it, reduce-scattered, (averaged across replicas, in int8 too,) and the means gathered back."""
     shard_numels = [shard_numel(grad.numel(), world_size) for grad in grads]
     rows = _packed(grads, world_size, shard_numels, None).view(world_size, -1)
     mean = _reduce_scatter_int8(rows, group_name, world_size, block)
     if replicas > 1:
-        mean = _all_reduce_mean(mean, replica_group, replicas)
+        mean = _replica_mean_int8(mean, replica_group, replicas, block)
     (full,) = _gather_bucket_int8([mean], [list(rows.shape)], group_name, world_size, torch.float32, block)
     return [
         column.reshape(-1)[: grad.numel()].view(grad.shape)
         for column, grad in zip(full.split(shard_numels, dim=1), grads)
     ]
+
+
+def _replica_mean_int8(reduced: torch.Tensor, replica_group: str, replicas: int, block: int) -> torch.Tensor:
+    """A reduced shard's mean across the replicas, sent as int8 (ZeRO++'s hierarchical qgZ): with
+    hybrid sharding the replica group is what crosses nodes, so an fp32 all-reduce there would
+    leave the slow link's bytes unquantised. The shard is cut into one aligned row per replica,
+    reduce-scattered as int8 rows and the means gathered as int8 rows: 2(R-1)/R of its int8 bytes
+    sent instead of 2(R-1)/R of its fp32 ones. Every replica dequantises every row, its own
+    too, so all of them step with the same values."""
+    numel = reduced.numel()
+    row = shard_numel(numel, replicas)
+    rows = torch.nn.functional.pad(reduced.float(), [0, replicas * row - numel]).view(replicas, row)
+    mean = _reduce_scatter_int8(rows, replica_group, replicas, block)
+    (full,) = _gather_bucket_int8([mean], [[replicas * row]], replica_group, replicas, torch.float32, block)
+    return full[:numel].to(reduced.dtype)
 
 
 def _all_reduce_mean(

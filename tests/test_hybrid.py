@@ -223,12 +223,14 @@ def test_a_rank_holds_16_phi_over_k(reports, stage: int) -> None:
 def bytes_report(rank: int, world_size: int, dump_root: str) -> dict[str, dict]:
     """Per layout, one eager stage-3 step of test_stages' 1.1M-parameter MLP after two warm-up
     steps: bytes the rank wrote (wchar), the ledger's total and its part across nodes of 2. The
-    graphs are dumped under dump_root/layout for `zerocompile dump`."""
+    graphs are dumped under dump_root/layout for `zerocompile dump`. "K-int8" is "K" with int8
+    reductions."""
     report = {}
-    for layout in ("K", "hpz"):
+    for layout in ("K", "hpz", "K-int8"):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = zc.shard(DeepMLP(), stage=3, **_layout(layout))
+        settings = {**_layout("K"), "reduce_quant": "int8"} if layout == "K-int8" else _layout(layout)
+        model = zc.shard(DeepMLP(), stage=3, **settings)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         options = {"compiler": "eager", "bucket_bytes": 2**20, "dump_dir": str(Path(dump_root, layout))}
         compiled = torch.compile(model, backend="zero", options=options)
@@ -283,9 +285,21 @@ def test_bytes_across_nodes_follow_the_formulas_and_the_ledger_what_was_written(
     assert facts["written"] == pytest.approx(facts["ledger"], rel=0.003)
 
 
+def test_int8_reductions_quantise_the_bytes_between_nodes_too(bytes_sent) -> None:
+    """With hybrid sharding the replicas' mean of each reduced shard is what crosses nodes: with
+    reduce_quant="int8" it travels as int8 rows too (ZeRO++'s hierarchical qgZ), a reduce-scatter
+    and a gather of the means among the 2 replicas. Per element 1 byte of code and 4/256 of a
+    scale against fp32's 4 bytes: 0.254 of the bytes, a little more where a bucket's shard is
+    padded to whole blocks of 2 rows. An fp32 mean across replicas sends 1.0 of them."""
+    fp32, int8 = bytes_sent["K"], bytes_sent["K-int8"]
+    assert 0.25 < int8["across_nodes"] / fp32["across_nodes"] <= 0.26
+    # What the rank wrote: the ledger plus gloo's framing and the step's small collectives.
+    assert int8["written"] == pytest.approx(int8["ledger"], rel=0.003)
+
+
 @pytest.mark.parametrize("case", [("uneven_mlp", "sgd", 3), ("tied_gpt", "sgd", 0)])
 def test_int8_collectives_compose_with_hybrid_sharding(int8_hybrid_report, case: tuple) -> None:
-    """int8 gathers and reductions inside the shard group, the replicas' average exact: within
+    """int8 gathers and reductions inside the shard group and between the replicas: within
     test_quantised_collectives' bounds of fp32 DDP (stage 0: its quantised all-reduce)."""
     _assert_close_to_ddp(int8_hybrid_report[case], case[1])
 
