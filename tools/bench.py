@@ -114,7 +114,10 @@ bucket shapes to RATE (one link between all ranks); `--nodes 2 --link RATE` on t
 of --ranks ranks each, joined by a veth pair shaped to RATE, each node's ranks started by torchrun
 inside its namespace (zerocompile.tools.netsim; needs iproute2 and CAP_NET_ADMIN). A probe's
 measured rate is printed and recorded beside the rate asked for; the namespaces are removed after
-the run, also when it fails.
+the run, also when it fails. Over a link each mode (and each interleaved mode) also gets how long
+its ranks waited, the bytes that crossed the link per node beside zerocompile's ledgers'
+prediction, and its floor, max(its step on an unlimited link from `--floor-from BENCH_JSON`, the
+link bytes at the probe's rate) (zerocompile.tools.link_budget).
 
 Writes bench.json (everything, per rank too), bench.md (the table) and bench.png (step time and
 bytes sent per mode) to --out. A mode that fails on every rank is reported as failed with its
@@ -161,7 +164,7 @@ import zerocompile as zc
 from zerocompile import torch_support
 from zerocompile.distributed import default_backend
 from zerocompile.tools import gpt as gpt_module
-from zerocompile.tools import netsim, spawn
+from zerocompile.tools import link_budget, netsim, spawn
 from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
 from zerocompile.tools.rss import reset_peak_rss, status_bytes
 from zerocompile.tools.train import add_device_argument, chosen_device
@@ -193,6 +196,17 @@ FAKE_METHOD = {
     "sent": "not measured (null): the fake backend sends nothing",
     "final_loss": "meaningless: computed from uninitialised collective outputs",
     "loss_vs_ddp": "not compared (n/a)",
+}
+# What the figures of a run over a simulated link mean (tools/link_budget.py).
+LINK_METHOD = {
+    "waiting": "median over timed steps of the longest any rank's main thread was blocked during the step "
+    "(neither on a core nor waiting for one: waiting for collectives)",
+    "link_bytes": "median over timed steps of the bytes the shaped interface transmitted, headers included, "
+    "per node (one link: loopback, every rank's traffic; two nodes: each node's veth, what leaves it)",
+    "predicted": "zerocompile's ledgers for the graphs and optimizer step of one step: one link carries every "
+    "byte every rank sends; two nodes, each node's ranks' bytes to the other node; n/a for modes without a ledger",
+    "floor": "max(the mode's step on an unlimited link from --floor-from, the busier node's link bytes / the "
+    "probe's rate); without --floor-from, the link's part alone",
 }
 # glibc unmaps every freed allocation over 64 kB at once instead of keeping it for reuse.
 EXACT_RSS_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -488,6 +502,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "is shaped by tc (needs iproute2 and root); a probe's measured rate is printed beside it",
     )
     parser.add_argument(
+        "--floor-from",
+        type=Path,
+        default=None,
+        metavar="BENCH_JSON",
+        help="with --link: the bench.json of the same modes on an unlimited link; each mode's floor is then "
+        "max(that step, its link bytes / the probe's rate), else the link's part alone",
+    )
+    parser.add_argument(
         "--nodes",
         type=int,
         choices=(1, 2),
@@ -516,6 +538,8 @@ class Settings:
     layers: int | None = None  # None: the size's own
     optimizer: str = "adamw"  # OPTIMIZERS
     fake: bool = False  # one process, rank 0 of `ranks` on the fake backend (--fake-ranks)
+    nodes: int = 1  # simulated nodes (--nodes), ranks numbered node by node
+    link: bool = False  # the ranks talk over a simulated link (--link): count its bytes per step
 
     @property
     def processes(self) -> int:
@@ -576,6 +600,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             device=args.device,
             optimizer=args.optimizer,
             fake=fake,
+            nodes=args.nodes,
+            link=args.link is not None,
         )
         measured = {}
         environment = EXACT_RSS_ENVIRONMENT if args.exact_rss else {}
@@ -590,6 +616,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             measured[name] = launch(_spawned_rank, (name, settings))
             print(_progress_line(measured[name]), flush=True)
         interleaved = _run_interleaved(settings, launch) if settings.interleave else None
+    if link is not None:
+        _add_floors(measured, interleaved, link["probe_bits_per_second"], _unlimited_steps(args.floor_from))
     summary = {
         "machine": machine,
         "settings": {
@@ -630,6 +658,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "warm-up; median over rounds of the slowest rank's step, and of that rank's forward, backward and "
             "optimizer step (medians of their own)",
             **(FAKE_METHOD if fake else {}),
+            **(LINK_METHOD if link is not None else {}),
         },
         "theory": _theory(phi, ranks),
         "modes": [measured[name] for name in args.modes],
@@ -649,7 +678,11 @@ def _check_link(args: argparse.Namespace, backend: str) -> None:
     if args.nodes > 1 and args.link is None:
         raise SystemExit("--nodes simulates nodes joined by a link: give its rate, e.g. --link 1gbit")
     if args.link is None:
+        if args.floor_from is not None:
+            raise SystemExit("--floor-from gives the floors of a run over a simulated link: add --link RATE")
         return
+    if args.floor_from is not None and not args.floor_from.is_file():
+        raise SystemExit(f"--floor-from {args.floor_from}: no such file (a bench.json of a run without --link)")
     if args.fake_ranks is not None:
         raise SystemExit("--link shapes the traffic between real ranks, and --fake-ranks sends nothing: leave one out")
     if backend != "gloo":
@@ -663,6 +696,33 @@ def _check_link(args: argparse.Namespace, backend: str) -> None:
 def _network(args: argparse.Namespace) -> contextlib.AbstractContextManager[netsim.SimulatedNetwork | None]:
     """The simulated network --link asks for (removed afterwards, also on failure), or none."""
     return netsim.SimulatedNetwork(args.nodes, args.link) if args.link else contextlib.nullcontext()
+
+
+def _unlimited_steps(path: Path | None) -> dict[str, float]:
+    """Each mode's step on an unlimited link, from a bench.json (--floor-from): interleaved
+    modes' medians where it has them (their ratios are the ones to quote), else the modes' own."""
+    if path is None:
+        return {}
+    unlimited = json.loads(Path(path).read_text())
+    steps = {mode["mode"]: mode["step_time_s"] for mode in unlimited["modes"] if mode["status"] == "ok"}
+    return {**steps, **((unlimited.get("interleaved") or {}).get("step_time_s") or {})}
+
+
+def _add_floors(
+    measured: dict[str, dict[str, Any]], interleaved: dict[str, Any] | None, bits_per_second: float,
+    unlimited: dict[str, float],
+) -> None:  # fmt: skip
+    """Each mode's floor (tools/link_budget.py) and its step over it, beside its link figures."""
+
+    def floor(figures: dict[str, Any], name: str, step: float) -> dict[str, Any]:
+        seconds = link_budget.floor_seconds(unlimited.get(name), figures["link_bytes_per_step"] or [], bits_per_second)
+        return {"floor_s": seconds, "unlimited_step_s": unlimited.get(name), "step_over_floor": step / seconds if seconds else None}
+
+    for name, mode in measured.items():
+        if mode["status"] == "ok":
+            mode.update(floor(mode, name, mode["step_time_s"]))
+    for name, figures in (interleaved or {}).get("link", {}).items():
+        figures.update(floor(figures, name, interleaved["step_time_s"][name]))
 
 
 def _link_line(args: argparse.Namespace, network: netsim.SimulatedNetwork | None) -> dict[str, Any] | None:
@@ -721,7 +781,7 @@ def _spawned_rank(rank: int, name: str, settings: Settings) -> dict[str, Any] | 
     """Run mode `name` on this rank; every rank's summarised figures on rank 0."""
     with _rank_session(rank, settings, name):
         measured = _run_mode(MODES[name], settings, rank)
-    return _gathered(measured, lambda per_rank: _summarise(name, per_rank))
+    return _gathered(measured, lambda per_rank: _summarise(name, per_rank, settings.nodes))
 
 
 def _interleaved_rank(rank: int, settings: Settings) -> dict[str, Any] | None:
@@ -733,16 +793,21 @@ def _interleaved_rank(rank: int, settings: Settings) -> dict[str, Any] | None:
             torch.manual_seed(settings.seed)
             prepared[name] = MODES[name].build(_gpt_class_of_its_own(name)(settings.config).to(device), settings.optimizer)
         batches = {name: _RandomBatches(settings.config, settings, rank, device) for name in settings.interleave}
-        times: dict[str, list[float]] = {name: [] for name in settings.interleave}
-        phases: dict[str, list[tuple[float, float, float]]] = {name: [] for name in settings.interleave}
+        interface = link_budget.link_interface() if settings.link else None
+        steps: dict[str, list[Step]] = {name: [] for name in settings.interleave}
         for round_ in range(settings.warmup + settings.steps):
             for name in settings.interleave:
-                step = _one_step(prepared[name], batches[name])
+                step = _one_step(prepared[name], batches[name], interface)
                 if round_ >= settings.warmup:
-                    times[name].append(step.seconds)
-                    phases[name].append(step.phases)
-        measured = {"step_times": times, "phases": phases, "load": os.getloadavg()[0]}
-    return _gathered(measured, _summarise_interleaved)
+                    steps[name].append(step)
+        measured = {
+            "step_times": {name: [step.seconds for step in taken] for name, taken in steps.items()},
+            "phases": {name: [step.phases for step in taken] for name, taken in steps.items()},
+            "waiting": {name: [step.waiting for step in taken] for name, taken in steps.items()},
+            "link_sent": {name: [step.link_sent for step in taken] for name, taken in steps.items()},
+            "load": os.getloadavg()[0],
+        }
+    return _gathered(measured, lambda per_rank: _summarise_interleaved(per_rank, settings.nodes))
 
 
 def _gpt_class_of_its_own(name: str) -> type[GPT]:
@@ -829,16 +894,18 @@ def _measure_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
     torch.manual_seed(settings.seed)
     prepared = mode.build(GPT(settings.config).to(device), settings.optimizer)
     batches = _RandomBatches(settings.config, settings, rank, device)
+    interface = link_budget.link_interface() if settings.link else None
     compile_timers.clear()  # a mode has processes of its own: what is timed from here on is its compile
     _reset_device_peak(device)
-    warmup = [_one_step(prepared, batches) for _ in range(settings.warmup)]
+    with zc.record_graphs() as graphs:
+        warmup = [_one_step(prepared, batches, interface) for _ in range(settings.warmup)]
     compiled = {name: [len(spans), sum(spans)] for name, spans in compile_timers.items()}
     warmup_device_peak = _device_peak(device)
     _reset_device_peak(device)
     rss_source = "VmHWM" if reset_peak_rss() else "ru_maxrss"
     rss_before = status_bytes("VmRSS")
     load = os.getloadavg()[0]
-    timed = [_one_step(prepared, batches) for _ in range(settings.steps)]
+    timed = [_one_step(prepared, batches, interface) for _ in range(settings.steps)]
     steps_device_peak = _device_peak(device)
     held = prepared.state_bytes()  # the last step's gradients are still there
     if rss_source == "VmHWM":
@@ -852,6 +919,9 @@ def _measure_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
         "compile_timers": compiled,
         "inductor_cache": cache_dir(),
         "sent": [step.sent for step in timed] if _communicates() else None,
+        "waiting": [step.waiting for step in timed],
+        "link_sent": [step.link_sent for step in timed],
+        "predicted": _predicted_bytes(graphs, prepared.optimizers, settings),
         "losses": [step.loss.item() for step in warmup + timed],
         "held": held,
         "peak_rss": peak,
@@ -862,6 +932,23 @@ def _measure_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
         "load": load,
         "device": str(device),
         "world_size": dist.get_world_size(),
+    }
+
+
+def _predicted_bytes(
+    graphs: list[Any], optimizers: list[torch.optim.Optimizer], settings: Settings
+) -> dict[str, int] | None:
+    """What zerocompile's ledgers say this rank sends per step, in all and to other nodes: the
+    graphs compiled in the warm-up (each runs once a step) and the optimizers' steps. None for
+    modes that are not zerocompile's (no ledger)."""
+    ledgers = [graph.ledger for graph in graphs]
+    ledgers += [zc.optim.step_ledger(o) for o in optimizers if isinstance(o, (zc.optim.Muon, zc.optim.Adafactor))]
+    if not graphs:
+        return None
+    per_node = settings.ranks // settings.nodes
+    return {
+        "sent": sum(ledger.sent_bytes for ledger in ledgers),
+        "across_nodes": sum(ledger.sent_across_nodes(per_node) for ledger in ledgers),
     }
 
 
@@ -895,10 +982,13 @@ class Step(NamedTuple):
     phases: tuple[float, float, float]  # seconds in the forward, the backward, the optimizer step
     sent: int  # bytes written (wchar)
     loss: torch.Tensor
+    waiting: float  # seconds the rank was blocked, not computing (link_budget.blocked_seconds)
+    link_sent: int | None  # bytes the simulated link's interface transmitted (None without --link)
 
 
-def _one_step(prepared: Prepared, batches: _RandomBatches) -> Step:
-    """One training step; every rank starts it after a barrier.
+def _one_step(prepared: Prepared, batches: _RandomBatches, interface: str | None = None) -> Step:
+    """One training step; every rank starts it after a barrier. With `interface`, the bytes it
+    transmitted during the step are counted too.
 
     Gradients are cleared at the start, not the end, so the last step's are there to be counted.
     """
@@ -907,8 +997,10 @@ def _one_step(prepared: Prepared, batches: _RandomBatches) -> Step:
     inputs, targets = batches.next()
     _finish_queued_work(inputs.device)
     dist.barrier()
+    link_before = None if interface is None else link_budget.transmitted_bytes(interface)
     written = _wchar()
     cpu_start = _cpu_seconds()
+    clock_start = link_budget.thread_clock()
     start = time.perf_counter()
     loss = prepared.runner(inputs, targets)
     _finish_queued_work(inputs.device)
@@ -920,8 +1012,10 @@ def _one_step(prepared: Prepared, batches: _RandomBatches) -> Step:
         optimizer.step()
     _finish_queued_work(inputs.device)
     end = time.perf_counter()
+    waiting = link_budget.blocked_seconds(end - start, clock_start, link_budget.thread_clock())
     phases = (forward_done - start, backward_done - forward_done, end - backward_done)
-    return Step(end - start, _cpu_seconds() - cpu_start, phases, _wchar() - written, loss.detach())
+    link_sent = None if interface is None else link_budget.transmitted_bytes(interface) - link_before
+    return Step(end - start, _cpu_seconds() - cpu_start, phases, _wchar() - written, loss.detach(), waiting, link_sent)
 
 
 def _cpu_seconds() -> float:
@@ -962,7 +1056,7 @@ def _wchar() -> int:
     return int(match.group(1))
 
 
-def _summarise(name: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+def _summarise(name: str, per_rank: list[dict[str, Any]], nodes: int = 1) -> dict[str, Any]:
     """One mode's figures from every rank's measurements (see the module docstring)."""
     errors = [f"rank {rank}: {m['error']}" for rank, m in enumerate(per_rank) if "error" in m]
     if errors:
@@ -988,6 +1082,14 @@ def _summarise(name: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "device_peak_steps_bytes": _largest(m["device_peak_steps"] for m in per_rank),
         "load_avg_1min": per_rank[0]["load"],
         "sent_bytes_per_step": _largest(None if m["sent"] is None else statistics.median(m["sent"]) for m in per_rank),
+        **_link_figures([m["waiting"] for m in per_rank], [m["link_sent"] for m in per_rank], nodes),
+        "link_bytes_predicted": (
+            None
+            if any(m["predicted"] is None for m in per_rank)
+            else link_budget.predicted_link_bytes(
+                [m["predicted"]["sent"] for m in per_rank], [m["predicted"]["across_nodes"] for m in per_rank], nodes
+            )
+        ),
         "model_state_bytes": largest_held,
         "final_loss": statistics.fmean(m["losses"][-1] for m in per_rank),
         "losses": [statistics.fmean(step) for step in zip(*(m["losses"] for m in per_rank))],
@@ -1018,7 +1120,19 @@ def _compile_phases(per_rank: list[dict[str, Any]]) -> dict[str, float]:
     return {column: max(rank[column] for rank in each) for column in each[0]}
 
 
-def _summarise_interleaved(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+def _link_figures(waiting: list[list[float]], link_sent: list[list[int | None]], nodes: int) -> dict[str, Any]:
+    """From every rank's steps: the median over steps of the longest any rank waited
+    (`waiting_s`), and of the bytes each node sent over the link, as its first rank read them
+    (`link_bytes_per_step`, one per node; None without a link)."""
+    per_node = len(waiting) // nodes
+    readings = [link_sent[node * per_node] for node in range(nodes)]
+    return {
+        "waiting_s": statistics.median(max(step) for step in zip(*waiting)),
+        "link_bytes_per_step": None if readings[0][0] is None else [statistics.median(r) for r in readings],
+    }
+
+
+def _summarise_interleaved(per_rank: list[dict[str, Any]], nodes: int = 1) -> dict[str, Any]:
     """Median over rounds of the slowest rank's step, per interleaved mode; and of that rank's
     forward, backward and optimizer step, each phase's median on its own (so they need not add up
     to the step's median exactly)."""
@@ -1034,6 +1148,10 @@ def _summarise_interleaved(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "paired_ratio": {name: {other: _paired_ratio(slowest[name], slowest[other]) for other in names} for name in names},
         "phase_s": {
             name: dict(zip(PHASES, (statistics.median(phase) for phase in zip(*phases[name])))) for name in names
+        },
+        "link": {
+            name: _link_figures([m["waiting"][name] for m in per_rank], [m["link_sent"][name] for m in per_rank], nodes)
+            for name in names
         },
         "load_avg_1min": per_rank[0]["load"],
     }
@@ -1140,6 +1258,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
         )
     method = summary["method"]
     lines += _compile_phase_table(summary["modes"])
+    lines += _link_table(summary)
     lines += [
         "",
         (
@@ -1155,6 +1274,38 @@ def markdown_table(summary: dict[str, Any]) -> str:
         *_interleaved_table(summary["interleaved"]),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _link_table(summary: dict[str, Any]) -> list[str]:
+    """Over a simulated link: each mode's waiting, bytes over the link (and the ledgers' prediction),
+    floor and step over it; the interleaved modes' too."""
+    if not summary["settings"].get("link"):
+        return []
+
+    def megabytes(per_node: list[float] | None) -> str:
+        return "n/a" if per_node is None else " / ".join(f"{value / MB:.2f}" for value in per_node)
+
+    def row(name: str, step: float, figures: dict[str, Any], predicted: list[int] | None) -> str:
+        floor, over = figures.get("floor_s"), figures.get("step_over_floor")
+        return (
+            f"| {name} | {step:.3f} | {figures['waiting_s']:.3f} | {megabytes(figures['link_bytes_per_step'])} | "
+            f"{megabytes(predicted)} | {'n/a' if floor is None else f'{floor:.3f}'} | "
+            f"{'n/a' if over is None else f'{over:.2f}'} |"
+        )
+
+    header = ["| mode | step s | waiting s | link MB/step (per node) | ledger's prediction MB | floor s | step / floor |",
+              "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["", "Over the link (see waiting, link bytes, predicted and floor below):", "", *header]
+    lines += [
+        row(mode["mode"], mode["step_time_s"], mode, mode["link_bytes_predicted"])
+        for mode in summary["modes"]
+        if mode["status"] == "ok"
+    ]
+    interleaved = summary.get("interleaved")
+    if interleaved and "link" in interleaved:
+        lines += ["", "Interleaved, over the link:", "", *header]
+        lines += [row(name, interleaved["step_time_s"][name], figures, None) for name, figures in interleaved["link"].items()]
+    return lines
 
 
 def _compile_phase_table(modes: list[dict[str, Any]]) -> list[str]:
