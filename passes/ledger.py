@@ -24,6 +24,10 @@ from . import analysis
 funcol = torch.ops._c10d_functional
 
 
+RING = "ring"  # each rank sends to its next neighbour in the group
+PAIRWISE = "pairwise"  # each rank sends to every peer directly
+
+
 @dataclasses.dataclass(frozen=True)
 class LedgerEntry:
     op: str  # what the collective does for ZeRO: all_gather, reduce_scatter or all_reduce
@@ -43,15 +47,25 @@ class LedgerEntry:
     across_replicas: bool = False  # hybrid sharding: it runs on the replica group (across nodes)
     group_size: int = 1  # ranks of the group it runs on
     group_stride: int = 1  # its ranks are every group_stride-th (replica groups), else consecutive
+    pattern: str = RING  # how its bytes travel between the group's ranks: RING or PAIRWISE
 
     def sent_across_nodes(self, ranks_per_node: int) -> int:
-        """The part of `sent_bytes` that goes to ranks on other nodes, nodes being blocks of
-        `ranks_per_node` consecutive ranks: every collective here sends the same bytes to each
-        peer (the ring all-reduce's two passes too), so it is the share of peers elsewhere."""
+        """This rank's share of the bytes the collective sends between nodes, nodes being blocks of
+        `ranks_per_node` consecutive ranks (a node's ranks together send the sum of their shares).
+
+        A PAIRWISE collective (an all-to-all) sends the same bytes to each peer: the share of peers
+        elsewhere. A RING one (all-gather, all-reduce, reduce-scatter: gloo's and NCCL's
+        algorithms) sends everything to one neighbour, and a ring over a group spanning B nodes
+        crosses between nodes on B of its G edges: B/G of what a rank sends (measured over two
+        simulated nodes: a ring all-gather over 4 ranks in nodes of 2 moved 3 shards out of each
+        node, not the 4 that "each peer gets its share" would)."""
         if self.group_size <= 1:
             return 0
         same_node = min(self.group_size, max(1, ranks_per_node // self.group_stride))
-        return self.sent_bytes * (self.group_size - same_node) // (self.group_size - 1)
+        if self.pattern == PAIRWISE:
+            return self.sent_bytes * (self.group_size - same_node) // (self.group_size - 1)
+        nodes = -(-self.group_size // same_node)
+        return 0 if nodes == 1 else self.sent_bytes * nodes // self.group_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +204,7 @@ def graph_ledger(graph: fx.Graph, kind: str) -> GraphLedger:
                 across_replicas=across_replicas,
                 group_size=world_size,
                 group_stride=stride,
+                pattern=PAIRWISE if collective.op in ("all_to_all", "broadcast") else RING,
                 params=[name for name, _ in node.meta.get("zero_params", [])],
                 param_bytes=[held for _, held in node.meta.get("zero_params", [])],
                 dtype=str(collective.dtype).removeprefix("torch."),

@@ -272,14 +272,16 @@ def test_dump_shows_each_collectives_group_and_the_bytes_to_other_nodes(bytes_se
 
 @pytest.mark.parametrize("layout", ["K", "hpz"])
 def test_bytes_across_nodes_follow_the_formulas_and_the_ledger_what_was_written(bytes_sent, layout: str) -> None:
-    """docs/launchers.md's formulas, nodes of M = 2 among N = 4, fp32 (p = 4): hybrid sends 2pΦ(N-M)/(N·M)
-    to other nodes (the replicas' all-reduce of the reduced shards), hpZ 2pΦ(N-M)/N (the
-    forward's gather and the reduce-scatter over all ranks; its backward gathers stay inside).
-    This MLP's shards need no padding, so the ledger meets the formulas exactly; what the rank wrote
-    is the ledger's total plus gloo's message headers and the step's small collectives."""
+    """docs/launchers.md's formulas, nodes of M = 2 among N = 4, fp32 (p = 4), gloo: hybrid sends
+    2pΦ(N-M)/(N·M) to other nodes (the replicas' ring all-reduce of the reduced shards), hpZ
+    pΦ(N-1)/(N·M) for the forward's ring all-gather over all ranks plus pΦ(N-M)/N for the
+    reduce-scatter, an all-to-all on gloo (its backward gathers stay inside the node). This MLP's
+    shards need no padding, so the ledger meets the formulas exactly; what the rank wrote is the
+    ledger's total plus gloo's message headers and the step's small collectives."""
     facts = bytes_sent[layout]
     phi, n, m, p = facts["phi"], WORLD, SHARD_SIZE, 4
-    formula = 2 * p * phi * (n - m) / (n * m) if layout == "K" else 2 * p * phi * (n - m) / n
+    hpz = p * phi * (n - 1) / (n * m) + p * phi * (n - m) / n
+    formula = 2 * p * phi * (n - m) / (n * m) if layout == "K" else hpz
     assert facts["across_nodes"] == formula
     # wchar: the ledger's payload plus gloo's framing and small collectives, measured +0.09 to +0.11 %.
     assert facts["written"] == pytest.approx(facts["ledger"], rel=0.003)
@@ -447,8 +449,9 @@ def test_the_ledger_splits_bytes_inside_the_group_and_across_replicas(group_name
     assert [e.across_replicas for e in hybrid.entries] == [False, False, True]
     # Shard groups of 4 as nodes (8 ranks): only the replicas' all-reduce leaves the node.
     assert hybrid.sent_across_nodes(ranks_per_node=WORLD) == across
-    # Nodes of 2: half of each shard group's 3 peers are elsewhere too (2 of 3).
-    assert hybrid.sent_across_nodes(ranks_per_node=2) == 2 * (gathered + reduced) // 3 + across
+    # Nodes of 2: each shard group's ring of 4 crosses between nodes on 2 of its 4 edges, so half
+    # of what a rank sends in the gather and the (native, ring) reduce-scatter leaves its node.
+    assert hybrid.sent_across_nodes(ranks_per_node=2) == gathered * 2 // 4 + reduced * 2 // 4 + across
     plain = ledger_module.graph_ledger(_lowered(group_name, 3, 1), "backward")
     assert plain.replica_sent_bytes == 0 and plain.sent_bytes == gathered + reduced
 

@@ -154,20 +154,25 @@ def test_figure_1_of_the_zero_paper_exactly(capsys) -> None:
 @pytest.mark.fast
 def test_1024_ranks_in_nodes_of_8_reproduce_the_readme_formulas(capsys) -> None:
     """docs/launchers.md's table of stage 3 across nodes, written out here from its formulas: N = 1024,
-    M = 8, Φ = 7.5e9, p = 2 bytes (bf16), K = 12 (the paper's mixed-precision Adam)."""
+    M = 8, Φ = 7.5e9, p = 2 bytes (bf16), K = 12 (the paper's mixed-precision Adam). A ring over all
+    N ranks sends 1/M of a rank's bytes out of its node; the replicas' ring, all of them."""
     phi, n, m, p, k = 7.5e9, 1024, 8, 2, 12
     report = plan_json(["--params", "7.5e9", "--ranks", "1024", "--ranks-per-node", "8"], capsys)
     assert report["ranks_per_node"] == m
     layouts = {layout["layout"]: layout for layout in report["node_layouts"]}
     expected = {
         # model state, sent per step, sent to other nodes per step
-        "plain": ((2 * p + k) * phi / n, 3 * p * phi * (n - 1) / n, 3 * p * phi * (n - m) / n),
+        "plain": ((2 * p + k) * phi / n, 3 * p * phi * (n - 1) / n, 3 * p * phi * (n - 1) / (n * m)),
         "hybrid": (
             (2 * p + k) * phi / m,
             3 * p * phi * (m - 1) / m + 2 * p * phi * (n - m) / (n * m),
             2 * p * phi * (n - m) / (n * m),
         ),
-        "hpZ": ((2 * p + k) * phi / n, 2 * p * phi * (n - 1) / n + p * phi * (m - 1) / m, 2 * p * phi * (n - m) / n),
+        "hpZ": (
+            (2 * p + k) * phi / n,
+            2 * p * phi * (n - 1) / n + p * phi * (m - 1) / m,
+            2 * p * phi * (n - 1) / (n * m),
+        ),
     }
     for name, (state, sent, inter) in expected.items():
         got = layouts[name]

@@ -374,13 +374,16 @@ class NodeLayoutPlan:
 def node_layout_plan(phi: int, ranks: int, per_node: int, precision: Precision) -> list[NodeLayoutPlan]:
     """Plain stage 3, hybrid sharding and hpZ on N ranks in nodes of M, p bytes per element.
 
-    Bytes are counted as zerocompile's collectives send them (the ledger's accounting): an
-    all-gather or reduce-scatter over G ranks sends each of the G-1 peers one shard, a ring
-    all-reduce twice; the peers on other nodes receive their share. Over all N ranks, N-M of the
-    N-1 peers are elsewhere; a hybrid shard group (or hpZ's secondary group) is one node; a replica
-    group has one rank per node. Plain: forward gather, backward gather, reduce-scatter over N.
-    Hybrid: those three inside the node over M, then the reduced shard (pΦ/M) all-reduced over N/M
-    replicas. hpZ: forward gather and reduce-scatter over N, the backward's gather inside the node.
+    Bytes are counted as the ledger counts them for NCCL's ring collectives: an all-gather or
+    reduce-scatter over G ranks sends (G-1)/G of the full tensor, an all-reduce twice that, each
+    rank to one neighbour, so a ring over all N ranks crosses between nodes on N/M of its N edges:
+    1/M of what a rank sends leaves its node (a node sends one rank's worth). A hybrid shard group
+    (or hpZ's secondary group) is one node; a replica group has one rank per node, so all of its
+    ring crosses. Plain: forward gather, backward gather, reduce-scatter over N. Hybrid: those three
+    inside the node over M, then the reduced shard (pΦ/M) all-reduced over N/M replicas. hpZ:
+    forward gather and reduce-scatter over N, the backward's gather inside the node. (On gloo
+    zerocompile reduce-scatters by all-to-all, which sends each peer its part directly: pΦ(N-M)/N
+    of a reduce-scatter leaves the node; the ledger counts that.)
     """
     p, k, n, per = precision.element_bytes, precision.optimizer_bytes, ranks, per_node
     state = (2 * p + k) * phi
@@ -388,11 +391,11 @@ def node_layout_plan(phi: int, ranks: int, per_node: int, precision: Precision) 
     one_over_k = p * phi * (per - 1) / per  # one inside a node
     replicas = n // per
     across_replicas = 2 * (replicas - 1) / replicas * p * phi / per  # the ring all-reduce of a 1/K shard
-    remote_share = (n - per) / (n - 1) if n > 1 else 0.0
+    remote_share = 1 / per if n > per else 0.0  # of a ring over all N ranks
     return [
         NodeLayoutPlan(
             "plain", "stage=3", state / n, 3 * one_over_n, 3 * one_over_n * remote_share,
-            f"(2·{p}+K)Φ/N", f"3·{p}Φ(N-M)/N",
+            f"(2·{p}+K)Φ/N", f"3·{p}Φ(N-1)/(N·M)",
         ),
         NodeLayoutPlan(
             "hybrid", f"stage=3, shard_size={per}", state / per, 3 * one_over_k + across_replicas, across_replicas,
@@ -400,7 +403,7 @@ def node_layout_plan(phi: int, ranks: int, per_node: int, precision: Precision) 
         ),
         NodeLayoutPlan(
             "hpZ", f"stage=3, secondary_shard_size={per}", state / n, 2 * one_over_n + one_over_k,
-            2 * one_over_n * remote_share, f"(2·{p}+K)Φ/N", f"2·{p}Φ(N-M)/N",
+            2 * one_over_n * remote_share, f"(2·{p}+K)Φ/N", f"2·{p}Φ(N-1)/(N·M)",
         ),
     ]
 
@@ -418,9 +421,10 @@ def node_layout_report(plans: list[NodeLayoutPlan], ranks: int, per_node: int) -
             "",
             _table(header, rows),
             "",
-            "to other nodes: bytes a rank sends to ranks on other nodes per step, each collective sending every "
-            "peer its share (zerocompile's ledger counts the same). hpZ also holds a 1/M slice of each parameter "
-            "from its forward use to its backward, pΦ/M at most.",
+            "to other nodes: a rank's share of the bytes its node sends to other nodes per step, for ring "
+            "collectives (NCCL's; a ring over all N ranks leaves each node once, so 1/M of a rank's bytes; "
+            "zerocompile's ledger counts the same). hpZ also holds a 1/M slice of each parameter from its forward "
+            "use to its backward, pΦ/M at most.",
         ]
     )
 

@@ -35,7 +35,7 @@ from torch.optim.optimizer import ParamsT, _to_scalar
 
 from zerocompile import dump
 from zerocompile.matrix_owners import assign_owners, bytes_sent_each_way, compute_on_owners
-from zerocompile.passes.ledger import GraphLedger, LedgerEntry, predicted_sent_bytes
+from zerocompile.passes.ledger import PAIRWISE, GraphLedger, LedgerEntry, predicted_sent_bytes
 from zerocompile.passes.stages import shard_numel
 from zerocompile.sharding import ShardInfo, full_shape, shard_info
 
@@ -281,10 +281,11 @@ def _muon_entries(members: _Members, rank: int, ranks: int, first: int) -> list[
         _entry(
             members, ranks, first, op="all_to_all", dtype=wire, input_bytes=sum(numels) * _WIRE_DTYPE.itemsize,
             sent_bytes=to_owners, detail="Muon: each matrix's update slices to its owner, for Newton-Schulz",
+            pattern=PAIRWISE,
         ),
         _entry(
             members, ranks, first + 1, op="all_to_all", dtype=wire, input_bytes=ranks * owned * _WIRE_DTYPE.itemsize,
-            sent_bytes=back, detail="Muon: the orthogonalised slices back from their owners",
+            sent_bytes=back, detail="Muon: the orthogonalised slices back from their owners", pattern=PAIRWISE,
         ),
     ]  # fmt: skip
 
