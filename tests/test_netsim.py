@@ -119,6 +119,19 @@ def test_a_rate_that_is_not_one_names_the_form(text: str, message: str) -> None:
 @pytest.mark.fast
 def test_rates_in_bits_per_second() -> None:
     assert [netsim.parse_rate(text) for text in ("1gbit", "2.5gbit", "100mbit", "10kbit")] == [1e9, 2.5e9, 1e8, 1e4]
+    assert netsim.parse_rate("unlimited") == float("inf")
+
+
+@needs_namespaces
+@pytest.mark.parametrize("rate, shaped", [("unlimited", False), (RATE, True)])
+def test_an_unlimited_network_is_the_same_network_unshaped(rate: str, shaped: bool) -> None:
+    # The floor of a mode over a link starts from its step on the same two nodes without a shaper.
+    with netsim.SimulatedNetwork(2, rate) as network:
+        for node in network.nodes:
+            qdiscs = subprocess.run(
+                node.command(["tc", "qdisc", "show", "dev", node.interface]), capture_output=True, text=True, check=True
+            ).stdout
+            assert ("tbf" in qdiscs) == shaped, qdiscs
 
 
 @pytest.mark.fast
@@ -198,6 +211,8 @@ def test_bench_runs_its_ranks_through_the_link_and_reports_it(shape: list[str], 
     [
         (["--nodes", "2"], "--nodes simulates nodes joined by a link: give its rate, e.g. --link 1gbit"),
         (["--link", "1gbit", "--fake-ranks", "4"], "--fake-ranks sends nothing: leave one out"),
+        (["--modes", "none", "--interleave", "none"], "--modes none leaves nothing to run"),
+        (["--floor-from", "bench.json"], "--floor-from gives the floors of a run over a simulated link: add --link"),
     ],
 )
 def test_bench_refuses_a_network_it_cannot_simulate(argv: list[str], message: str, tmp_path) -> None:

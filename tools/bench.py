@@ -20,6 +20,12 @@ every device starts from the same ones.
   zero3-bf16       wire and in compute)
   zero3-int8       stage 3 with gather_quant="int8" and reduce_quant="int8" (ZeRO++'s qwZ + qgZ:
                    int8 blocks of 256 on the wire, fp32 master shards and compute)
+  fsdp2-hsdp-compile  FSDP2 with a 2-D mesh (replicate across nodes, shard inside one: HSDP) +
+                   torch.compile; nodes as the launcher counts them (--nodes), one node otherwise
+  zero3-hybrid     stage 3 with shard_size="node": sharded inside a node, replicas across nodes
+  zero3-hpz        stage 3 with secondary_shard_size="node" (hpZ): the backward gathers inside a node
+  zero3-hybrid-int8, zero3-hpz-int8  the same with int8 gathers and reductions (as zero3-int8;
+                   hybrid's mean across nodes in int8 too)
   zero3-budget     stage 3 with memory_budget = half the model's fp32 parameter bytes: the
                    parameters used last in the forward stay gathered for the backward, the others
                    are gathered again (between zero2's and zero3's traffic)
@@ -163,6 +169,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import zerocompile as zc
 from zerocompile import torch_support
 from zerocompile.distributed import default_backend
+from zerocompile.hybrid import ranks_per_node
 from zerocompile.tools import gpt as gpt_module
 from zerocompile.tools import link_budget, netsim, spawn
 from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
@@ -337,9 +344,20 @@ def _zero_redundancy(model: GPT, optimizer: str) -> Prepared:
     return Prepared(wrapped, [redundancy], lambda: _held_bytes(model, [redundancy.optim.state]))
 
 
-def _fsdp2(compiled: bool, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()) -> Callable[[GPT, str], Prepared]:
+def _fsdp2(
+    compiled: bool, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), hybrid: bool = False
+) -> Callable[[GPT, str], Prepared]:
+    """FSDP2 over every rank; `hybrid`: HSDP, sharded inside each node and replicated across nodes
+    (a 2-D mesh of the launcher's ranks per node), as zerocompile's shard_size="node"."""
+
     def build(model: GPT, optimizer: str) -> Prepared:
-        mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
+        device_type = next(model.parameters()).device.type
+        if hybrid:
+            per_node = ranks_per_node()
+            shape = (dist.get_world_size() // per_node, per_node)
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh(device_type, (dist.get_world_size(),))
         for block in model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=mp_policy)
         fully_shard(model, mesh=mesh, mp_policy=mp_policy)
@@ -377,6 +395,11 @@ MODES: dict[str, Mode] = {
         *(Mode(f"zero{stage}", _zero(stage)) for stage in range(4)),
         *(Mode(f"zero{stage}-bf16", _zero(stage, param_dtype=torch.bfloat16)) for stage in range(4)),
         Mode("zero3-int8", _zero(3, gather_quant="int8", reduce_quant="int8")),
+        Mode("fsdp2-hsdp-compile", _fsdp2(compiled=True, hybrid=True)),
+        Mode("zero3-hybrid", _zero(3, shard_size="node")),
+        Mode("zero3-hybrid-int8", _zero(3, shard_size="node", gather_quant="int8", reduce_quant="int8")),
+        Mode("zero3-hpz", _zero(3, secondary_shard_size="node")),
+        Mode("zero3-hpz-int8", _zero(3, secondary_shard_size="node", gather_quant="int8", reduce_quant="int8")),
         Mode("zero3-budget", _zero3_half_budget),
         Mode("compile-aot-eager", _plain_compile("aot_eager")),
         Mode("zero3-eager", _zero(3, compiler="eager")),
@@ -464,7 +487,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="sequences of the model's block size per global batch, split over the ranks (default 4)",
     )
     parser.add_argument(
-        "--modes", type=_mode_list, default=list(MODES), help=f"comma-separated (default all: {','.join(MODES)})"
+        "--modes",
+        type=lambda text: [] if text.strip() == "none" else _mode_list(text),
+        default=list(MODES),
+        help=f"comma-separated (default all: {','.join(MODES)}); 'none' to time only the --interleave modes",
     )
     parser.add_argument(
         "--interleave",
@@ -498,8 +524,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_link_rate,
         default=None,
         metavar="RATE",
-        help="the ranks talk through one link of RATE (e.g. 1gbit, 2.5gbit): a network namespace whose loopback "
-        "is shaped by tc (needs iproute2 and root); a probe's measured rate is printed beside it",
+        help="the ranks talk through one link of RATE (e.g. 1gbit, 2.5gbit; 'unlimited': the same network "
+        "unshaped): a network namespace whose loopback is shaped by tc (needs iproute2 and root); a probe's "
+        "measured rate is printed beside it",
     )
     parser.add_argument(
         "--floor-from",
@@ -571,6 +598,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.batch_size % ranks:
         raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the {ranks} ranks")
     backend = "fake" if fake else default_backend(args.device)
+    if not args.modes and not _interleaved_modes(args):
+        raise SystemExit("--modes none leaves nothing to run: give --interleave with two or more modes")
     _check_link(args, backend)
     preload = _preload(args)
     config = _gpt_config(model_size, args.layers)
@@ -795,9 +824,12 @@ def _interleaved_rank(rank: int, settings: Settings) -> dict[str, Any] | None:
         batches = {name: _RandomBatches(settings.config, settings, rank, device) for name in settings.interleave}
         interface = link_budget.link_interface() if settings.link else None
         steps: dict[str, list[Step]] = {name: [] for name in settings.interleave}
+        graphs: dict[str, list[Any]] = {name: [] for name in settings.interleave}
         for round_ in range(settings.warmup + settings.steps):
             for name in settings.interleave:
-                step = _one_step(prepared[name], batches[name], interface)
+                with zc.record_graphs() as compiled:
+                    step = _one_step(prepared[name], batches[name], interface)
+                graphs[name] += compiled
                 if round_ >= settings.warmup:
                     steps[name].append(step)
         measured = {
@@ -805,6 +837,9 @@ def _interleaved_rank(rank: int, settings: Settings) -> dict[str, Any] | None:
             "phases": {name: [step.phases for step in taken] for name, taken in steps.items()},
             "waiting": {name: [step.waiting for step in taken] for name, taken in steps.items()},
             "link_sent": {name: [step.link_sent for step in taken] for name, taken in steps.items()},
+            "predicted": {
+                name: _predicted_bytes(graphs[name], prepared[name].optimizers, settings) for name in settings.interleave
+            },
             "load": os.getloadavg()[0],
         }
     return _gathered(measured, lambda per_rank: _summarise_interleaved(per_rank, settings.nodes))
@@ -1014,7 +1049,12 @@ def _one_step(prepared: Prepared, batches: _RandomBatches, interface: str | None
     end = time.perf_counter()
     waiting = link_budget.blocked_seconds(end - start, clock_start, link_budget.thread_clock())
     phases = (forward_done - start, backward_done - forward_done, end - backward_done)
-    link_sent = None if interface is None else link_budget.transmitted_bytes(interface) - link_before
+    link_sent = None
+    if interface is not None:
+        # The node's other ranks may still be sending when this one is done: read the counter once
+        # every rank is (the barrier adds a few hundred bytes).
+        dist.barrier()
+        link_sent = link_budget.transmitted_bytes(interface) - link_before
     return Step(end - start, _cpu_seconds() - cpu_start, phases, _wchar() - written, loss.detach(), waiting, link_sent)
 
 
@@ -1083,13 +1123,7 @@ def _summarise(name: str, per_rank: list[dict[str, Any]], nodes: int = 1) -> dic
         "load_avg_1min": per_rank[0]["load"],
         "sent_bytes_per_step": _largest(None if m["sent"] is None else statistics.median(m["sent"]) for m in per_rank),
         **_link_figures([m["waiting"] for m in per_rank], [m["link_sent"] for m in per_rank], nodes),
-        "link_bytes_predicted": (
-            None
-            if any(m["predicted"] is None for m in per_rank)
-            else link_budget.predicted_link_bytes(
-                [m["predicted"]["sent"] for m in per_rank], [m["predicted"]["across_nodes"] for m in per_rank], nodes
-            )
-        ),
+        "link_bytes_predicted": _link_prediction([m["predicted"] for m in per_rank], nodes),
         "model_state_bytes": largest_held,
         "final_loss": statistics.fmean(m["losses"][-1] for m in per_rank),
         "losses": [statistics.fmean(step) for step in zip(*(m["losses"] for m in per_rank))],
@@ -1118,6 +1152,16 @@ def _compile_phases(per_rank: list[dict[str, Any]]) -> dict[str, float]:
 
     each = [columns(m["compile_timers"]) for m in per_rank]
     return {column: max(rank[column] for rank in each) for column in each[0]}
+
+
+def _link_prediction(predicted: list[dict[str, int] | None], nodes: int) -> list[int] | None:
+    """The ledgers' bytes over the link per node from every rank's `_predicted_bytes` (None for a
+    mode without a ledger)."""
+    if any(figures is None for figures in predicted):
+        return None
+    return link_budget.predicted_link_bytes(
+        [figures["sent"] for figures in predicted], [figures["across_nodes"] for figures in predicted], nodes
+    )
 
 
 def _link_figures(waiting: list[list[float]], link_sent: list[list[int | None]], nodes: int) -> dict[str, Any]:
@@ -1150,7 +1194,10 @@ def _summarise_interleaved(per_rank: list[dict[str, Any]], nodes: int = 1) -> di
             name: dict(zip(PHASES, (statistics.median(phase) for phase in zip(*phases[name])))) for name in names
         },
         "link": {
-            name: _link_figures([m["waiting"][name] for m in per_rank], [m["link_sent"][name] for m in per_rank], nodes)
+            name: {
+                **_link_figures([m["waiting"][name] for m in per_rank], [m["link_sent"][name] for m in per_rank], nodes),
+                "link_bytes_predicted": _link_prediction([m["predicted"][name] for m in per_rank], nodes),
+            }
             for name in names
         },
         "load_avg_1min": per_rank[0]["load"],
@@ -1304,7 +1351,10 @@ def _link_table(summary: dict[str, Any]) -> list[str]:
     interleaved = summary.get("interleaved")
     if interleaved and "link" in interleaved:
         lines += ["", "Interleaved, over the link:", "", *header]
-        lines += [row(name, interleaved["step_time_s"][name], figures, None) for name, figures in interleaved["link"].items()]
+        lines += [
+            row(name, interleaved["step_time_s"][name], figures, figures["link_bytes_predicted"])
+            for name, figures in interleaved["link"].items()
+        ]
     return lines
 
 

@@ -21,6 +21,7 @@ really carries, so the rate asked for and the rate got are reported side by side
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import pickle
 import re
@@ -41,6 +42,7 @@ PREFIX = "zcnet"  # namespaces are PREFIX{pid}n{node}
 NODE_ADDRESSES = ("127.77.0.1", "127.77.0.2")
 _RATE = re.compile(r"(\d+(?:\.\d+)?)(k|m|g)bit")
 _SCALE = {"k": 1e3, "m": 1e6, "g": 1e9}
+UNLIMITED = "unlimited"
 # Probe: a sender writes this many bytes of zeros in chunks as fast as the link takes them.
 PROBE_CHUNK = 1 << 20
 
@@ -50,10 +52,15 @@ class NetworkError(RuntimeError):
 
 
 def parse_rate(text: str) -> float:
-    """'1gbit', '2.5gbit', '100mbit' -> bits per second."""
+    """'1gbit', '2.5gbit', '100mbit' -> bits per second; 'unlimited' -> inf (nothing shaped: the
+    same namespaces and addresses, for the step a link's floor starts from)."""
+    if text.strip().lower() == UNLIMITED:
+        return math.inf
     match = _RATE.fullmatch(text.strip().lower())
     if match is None:
-        raise NetworkError(f"a link rate is a number and a unit, e.g. 1gbit, 2.5gbit or 100mbit; got {text!r}")
+        raise NetworkError(
+            f"a link rate is a number and a unit, e.g. 1gbit, 2.5gbit or 100mbit, or {UNLIMITED}; got {text!r}"
+        )
     bits = float(match.group(1)) * _SCALE[match.group(2)]
     if bits <= 0:
         raise NetworkError(f"a link rate must be positive, got {text!r}")
@@ -162,6 +169,8 @@ class SimulatedNetwork:
         return name
 
     def _shape(self, namespace: str, interface: str) -> None:
+        if math.isinf(self.bits_per_second):
+            return
         # A bucket of at least 1 MB, and of 10 ms at the rate, so the shaper can reach its rate
         # with the kernel's timer granularity; packets wait at most latency_ms, then drop.
         burst = max(1 << 20, int(self.bits_per_second / 8 / 100))
