@@ -178,31 +178,38 @@ def test_a_failing_rank_reports_its_traceback() -> None:
 
 
 @needs_namespaces
-@pytest.mark.parametrize("shape", [["--ranks", "2"], ["--nodes", "2", "--ranks", "1"]], ids=["one-link", "two-nodes"])
-def test_bench_runs_its_ranks_through_the_link_and_reports_it(shape: list[str], tmp_path) -> None:
-    """A 2-step bench in each network shape (DDP, and stage 3 with the eager compiler: the plumbing
-    is what is tested), with what crossed the link beside the ledgers' prediction."""
+@pytest.mark.parametrize(
+    "shape, modes",
+    [(["--ranks", "2"], ["ddp"]), (["--nodes", "2", "--ranks", "1"], ["ddp", "zero3-eager"])],
+    ids=["one-link", "two-nodes"],
+)
+def test_bench_runs_its_ranks_through_the_link_and_reports_it(shape: list[str], modes: list[str], tmp_path) -> None:
+    """A 2-step bench in each network shape (DDP; on two nodes also stage 3 with the eager compiler:
+    the plumbing is what is tested), with what crossed the link beside the ledgers' prediction."""
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    argv = ["--quick", "--modes", "ddp,zero3-eager", "--batch-size", "2", "--link", RATE, *shape, "--out", str(tmp_path)]
+    argv = ["--quick", "--modes", ",".join(modes), "--batch-size", "2", "--link", RATE, *shape, "--out", str(tmp_path)]
     assert bench.run(parser.parse_args(argv)) == 0
     summary = json.loads((tmp_path / "bench.json").read_text())
     link = summary["settings"]["link"]
     assert (link["rate"], link["nodes"], summary["settings"]["ranks"]) == (RATE, 1 if "--nodes" not in shape else 2, 2)
     assert abs(link["probe_bits_per_second"] / BITS - 1) <= 0.10, link
-    ddp, zero3 = summary["modes"]
+    ddp, *zero3 = summary["modes"]
     assert ddp["status"] == "ok" and ddp["sent_bytes_per_step"] > 0
     assert ddp["link_bytes_predicted"] is None and len(ddp["link_bytes_per_step"]) == link["nodes"]
+    assert f"of {RATE} (" in (tmp_path / "bench.md").read_text()
+    assert _ours() == [] and _our_interfaces() == []
+    if not zero3:
+        return
+    (zero3,) = zero3
     # Every node's bytes over the link: the ledgers' plus TCP/IP headers, gloo's framing and the
-    # barrier (+0.9 to +1.0 % measured on this tiny GPT, whose messages are small).
+    # barriers (+0.9 to +1.0 % measured on this tiny GPT, whose messages are small).
     assert zero3["status"] == "ok" and len(zero3["link_bytes_predicted"]) == link["nodes"]
     for measured, predicted in zip(zero3["link_bytes_per_step"], zero3["link_bytes_predicted"], strict=True):
         assert predicted <= measured <= 1.03 * predicted, (measured, predicted)
     assert 0 < zero3["waiting_s"] < zero3["step_time_s"]
     assert zero3["floor_s"] == max(zero3["link_bytes_per_step"]) * 8 / link["probe_bits_per_second"]
-    table = (tmp_path / "bench.md").read_text()
-    assert f"of {RATE} (" in table and "| zero3-eager | " in table.split("Over the link")[1]
-    assert _ours() == [] and _our_interfaces() == []
+    assert "| zero3-eager | " in (tmp_path / "bench.md").read_text().split("Over the link")[1]
 
 
 @pytest.mark.fast
