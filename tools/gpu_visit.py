@@ -116,29 +116,16 @@ def run_profile(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     config = SIZES[args.model_size]
     prepared = bench.MODES[args.mode].build(GPT(config).to(device), "adamw")
-    rows = args.batch_size // (1 if args.real_group else args.ranks)
-    tokens = torch.randint(config.vocab_size, (rows, config.block_size + 1), device=device)
-    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    ranks = 1 if args.real_group else args.ranks
+    # bench's own step and batches: phases timed to the end of the device's queued work.
+    settings = bench.Settings(
+        ranks=ranks, model_size=args.model_size, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
+        seed=0, modes=(args.mode,), interleave=(), cache_root="", device=device, fake=not args.real_group,
+    )  # fmt: skip
+    batches = bench._RandomBatches(config, settings, 0, device)
 
-    def finish() -> None:
-        if device.type != "cpu":
-            torch.accelerator.synchronize(device)
-
-    def step() -> list[float]:
-        marks = [time.perf_counter()]
-        for optimizer in prepared.optimizers:
-            optimizer.zero_grad(set_to_none=True)
-        loss = prepared.runner(inputs, targets)
-        finish()
-        marks.append(time.perf_counter())
-        loss.backward()
-        finish()
-        marks.append(time.perf_counter())
-        for optimizer in prepared.optimizers:
-            optimizer.step()
-        finish()
-        marks.append(time.perf_counter())
-        return [later - earlier for earlier, later in zip(marks, marks[1:])]
+    def step() -> tuple[float, float, float]:
+        return bench._one_step(prepared, batches).phases
 
     for _ in range(args.warmup):
         step()
@@ -159,7 +146,7 @@ def run_profile(args: argparse.Namespace) -> int:
     median = sorted(phases, key=sum)[len(phases) // 2]
     report = {
         "mode": args.mode, "model_size": args.model_size, "group": dist.get_backend(),
-        "ranks": dist.get_world_size(), "batch_size": rows * dist.get_world_size(),
+        "ranks": dist.get_world_size(), "batch_size": args.batch_size,
         "step_s": round(sum(median), 4), "forward_s": round(median[0], 4), "backward_s": round(median[1], 4),
         "optimizer_s": round(median[2], 4), "kernels_per_step": len(kernels) / args.steps,
         "device_ms_per_step": round(sum(k.device_time_total for k in kernels) / args.steps / 1000, 3),
