@@ -1,12 +1,19 @@
 """Test session setup shared by every module."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
 # One Inductor cache for the in-process tests of the session: kernels compiled for one stage or
 # world size are reused by the others instead of going through the C++ compiler again. Ranks spawned
-# by ranks.py each use a directory of their rank inside it.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="zc-inductor-cache-"))
+# by ranks.py each use a directory of their rank inside it. Made once, by the process that starts
+# the session (xdist's workers inherit it), and removed when that process ends: a full run leaves
+# some 100 MB of kernels there, and CI machines share their disk between runs.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _inductor_cache = tempfile.mkdtemp(prefix="zc-inductor-cache-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache
+    atexit.register(shutil.rmtree, _inductor_cache, ignore_errors=True)
 
 import pytest
 import torch
