@@ -68,7 +68,10 @@ def _momentum_is_one_shard(optimizers: list[torch.optim.Optimizer]) -> None:
 
 
 # Each case costs a compile on every rank (4 ranks share 2 cores in CI), so the cases cover every
-# pair of stage, world size and compiler, and each variant, rather than every combination.
+# stage and compiler at 2 ranks, each variant, and at 4 ranks the stage that keeps whole matrices
+# nowhere (3) and one that keeps them everywhere (1), rather than every combination. Stage 2 differs
+# from stage 1 only in how gradients reach the owners (reduced to shards rather than whole), which
+# the 2-rank stage-2 cases check.
 CASES = {
     2: [
         (1, "eager", "plain"),
@@ -77,7 +80,7 @@ CASES = {
         (2, "inductor", "taken_over"),
         (3, "eager", "plain"),
     ],
-    4: [(1, "eager", "plain"), (2, "eager", "plain"), (3, "inductor", "accumulate")],
+    4: [(1, "eager", "plain"), (3, "inductor", "accumulate")],
 }
 
 
