@@ -16,22 +16,20 @@ from zerocompile.tools import check, cli
 
 def test_cpu_check_passes_on_two_ranks(tmp_path: Path) -> None:
     """Stage 3, the one doing the most (gathers in the forward and again in the backward, 3Φ sent),
-    with both compilers, so Inductor's C++ kernels and DDP+compile run too: 50 s of the whole
-    check's 105 s on 2 cores. Stage 0 rows pass in the broken-run test below and in
-    tests/test_gpu_visit.py; tests/test_parity.py covers every stage under Inductor."""
+    under Inductor, so its C++ kernels and DDP+compile run too. Eager rows pass in the broken-run
+    test below and in tests/test_gpu_visit.py; tests/test_parity.py covers every stage with both
+    compilers."""
     report_path = tmp_path / "check.json"
-    code = cli.main(["check", "--device", "cpu", "--stages", "3", "--json", str(report_path)])
+    code = cli.main(["check", "--device", "cpu", "--stages", "3", "--compilers", "inductor", "--json", str(report_path)])
     report = json.loads(report_path.read_text())
     assert code == 0, report["problems"]
-    assert [(row["stage"], row["compiler"]) for row in report["rows"]] == [(3, "eager"), (3, "inductor")]
+    assert [(row["stage"], row["compiler"]) for row in report["rows"]] == [(3, "inductor")]
     for row in report["rows"]:
         assert row["ok"] and row["problems"] == [], row
         assert row["param_error"] <= check.TOLERANCE[row["compiler"]] and row["grad_error"] <= row["tolerance"]
         assert row["state_bytes"] == [row["state_expected"]] * 2
         assert all(abs(sent / row["sent_expected"] - 1) <= check.SENT_TOLERANCE for sent in row["sent_bytes"])
         assert row["step_seconds"] > 0 and row["ddp_compile_seconds"] > 0
-    # The eager compiler runs DDP's ops on DDP's values: bitwise equal on gloo CPU ranks.
-    assert all(row["param_error"] == 0.0 for row in report["rows"] if row["compiler"] == "eager")
     assert report["environment"]["gloo"] == "available"
 
 

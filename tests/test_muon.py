@@ -71,7 +71,9 @@ def _momentum_is_one_shard(optimizers: list[torch.optim.Optimizer]) -> None:
 # stage and compiler at 2 ranks, each variant, and at 4 ranks the stage that keeps whole matrices
 # nowhere (3) and one that keeps them everywhere (1), rather than every combination. Stage 2 differs
 # from stage 1 only in how gradients reach the owners (reduced to shards rather than whole), which
-# the 2-rank stage-2 cases check.
+# the 2-rank stage-2 cases check. At 4 ranks the eager compiler: Muon's step runs outside the
+# compiled graphs, and Inductor's code for them is checked at 2 ranks (a cold Inductor compile on 4
+# ranks sharing 2 cores was most of this module's 200 s at 4 ranks).
 CASES = {
     2: [
         (1, "eager", "plain"),
@@ -80,7 +82,7 @@ CASES = {
         (2, "inductor", "taken_over"),
         (3, "eager", "plain"),
     ],
-    4: [(1, "eager", "plain"), (3, "inductor", "accumulate")],
+    4: [(1, "eager", "plain"), (3, "eager", "accumulate")],
 }
 
 
