@@ -76,13 +76,14 @@ def lower_markers(
         if stage_policy(first.stage).reduction == "all_reduce":
             fn = lambda *grads: all_reduce_bucket(  # noqa: E731
                 list(grads), first.group_name, first.world_size, first.reduce_dtype, first.grad_dtype,
-                first.quant_block, first.replica_group, first.replicas,
+                first.quant_block, first.replica_group, first.replicas, first.replica_quant_block,
             )
         else:
             numels = [m.shard_numel for m in markers]
             fn = lambda *grads: reduce_scatter_bucket(  # noqa: E731
                 list(grads), numels, first.group_name, first.world_size, first.reduce_scatter,
                 first.reduce_dtype, first.grad_dtype, first.quant_block, first.replica_group, first.replicas,
+                first.replica_quant_block,
             )
         reductions.append(tracer(bucket, bucket[-1], fn))
         counts["reductions"] += len(bucket)
@@ -142,6 +143,7 @@ def _bucket_key(node: fx.Node) -> tuple:
     return (
         marker.stage, marker.group_name, marker.world_size, marker.reduce_scatter, marker.reduce_dtype,
         node.args[0].meta["val"].dtype, marker.grad_dtype, marker.quant_block, marker.replica_group, marker.replicas,
+        marker.replica_quant_block,
     )
 
 

@@ -188,13 +188,14 @@ def reduce_scatter_bucket(
     quant_block: int = 0,
     replica_group: str = "",
     replicas: int = 1,
+    replica_quant_block: int = 0,
 ) -> list[torch.Tensor]:
     """One reduce-scatter (of `flavour`) for several gradients in `reduce_dtype`, laid out so each
     rank receives its shard of each, averaged over the group (padding zeros); the shards come back
     in `grad_dtype` (the master parameters'). With `quant_block`: int8 rows, summed in fp32
     (`reduce_dtype` and the flavour do not apply). With `replicas` > 1 (hybrid sharding) the
     reduced shards are then averaged across `replica_group` too: in one all-reduce, or with
-    `quant_block` in int8 as well (`_replica_mean_int8`)."""
+    `replica_quant_block` in int8 (`_replica_mean`)."""
     shard_numel = sum(shard_numels)
     flat = _packed(grads, world_size, shard_numels, None if quant_block else reduce_dtype)
     if quant_block:
@@ -206,11 +207,7 @@ def reduce_scatter_bucket(
         received = funcol.wait_tensor(funcol.all_to_all_single(flat, splits, splits, group_name))
         reduced = average_rows(received.view(world_size, shard_numel), world_size)
     if replicas > 1:
-        reduced = (
-            _replica_mean_int8(reduced, replica_group, replicas, quant_block)
-            if quant_block
-            else _all_reduce_mean(reduced, replica_group, replicas)
-        )
+        reduced = _replica_mean(reduced, replica_group, replicas, replica_quant_block)
     shards = reduced.split(shard_numels) if len(grads) > 1 else [reduced]
     return [shard.to(grad_dtype) for shard in shards] if grad_dtype is not None else shards
 
@@ -224,32 +221,40 @@ def all_reduce_bucket(
     quant_block: int = 0,
     replica_group: str = "",
     replicas: int = 1,
+    replica_quant_block: int = 0,
 ) -> list[torch.Tensor]:
     """One all-reduce for several gradients (stage 0), averaged as DDP's buckets; dtypes as above.
     With `quant_block`: a quantised reduce-scatter, then an all-gather of the quantised means.
-    With `replicas` > 1 (hybrid): averaged inside the group, then across `replica_group`."""
+    With `replicas` > 1 (hybrid): averaged inside the group, then across `replica_group` (in int8
+    with `replica_quant_block`)."""
     if quant_block:
-        reduced = _all_reduce_int8(grads, group_name, world_size, quant_block, replica_group, replicas)
+        reduced = _all_reduce_int8(grads, group_name, world_size, quant_block, replica_group, replicas, replica_quant_block)
     elif len(grads) == 1 and reduce_dtype in (None, grads[0].dtype):
-        reduced = [_all_reduce_mean(grads[0], group_name, world_size, replica_group, replicas)]
+        reduced = [_all_reduce_mean(grads[0], group_name, world_size, replica_group, replicas, replica_quant_block)]
     else:
         numels = [grad.numel() for grad in grads]
         packed = pack(grads, 1, numels, reduce_dtype)
-        parts = _all_reduce_mean(packed, group_name, world_size, replica_group, replicas).split(numels)
+        parts = _all_reduce_mean(packed, group_name, world_size, replica_group, replicas, replica_quant_block).split(numels)
         reduced = [part.view(grad.shape) for part, grad in zip(parts, grads)]
     return [r.to(grad_dtype) for r in reduced] if grad_dtype is not None else reduced
 
 
 def _all_reduce_int8(
-    grads: list[torch.Tensor], group_name: str, world_size: int, block: int, replica_group: str, replicas: int
+    grads: list[torch.Tensor],
+    group_name: str,
+    world_size: int,
+    block: int,
+    replica_group: str,
+    replicas: int,
+    replica_block: int,
 ) -> list[torch.Tensor]:
     """Stage 0's quantised all-reduce: each gradient laid out in N aligned shards as stages 1-3
-    shard it, reduce-scattered, (averaged across replicas, in int8 too,) and the means gathered back."""
+    shard it, reduce-scattered, (averaged across replicas,) and the means gathered back."""
     shard_numels = [shard_numel(grad.numel(), world_size) for grad in grads]
     rows = _packed(grads, world_size, shard_numels, None).view(world_size, -1)
     mean = _reduce_scatter_int8(rows, group_name, world_size, block)
     if replicas > 1:
-        mean = _replica_mean_int8(mean, replica_group, replicas, block)
+        mean = _replica_mean(mean, replica_group, replicas, replica_block)
     (full,) = _gather_bucket_int8([mean], [list(rows.shape)], group_name, world_size, torch.float32, block)
     return [
         column.reshape(-1)[: grad.numel()].view(grad.shape)
@@ -257,13 +262,15 @@ def _all_reduce_int8(
     ]
 
 
-def _replica_mean_int8(reduced: torch.Tensor, replica_group: str, replicas: int, block: int) -> torch.Tensor:
-    """A reduced shard's mean across the replicas, sent as int8 (ZeRO++'s hierarchical qgZ): with
-    hybrid sharding the replica group is what crosses nodes, so an fp32 all-reduce there would
-    leave the slow link's bytes unquantised. The shard is cut into one aligned row per replica,
-    reduce-scattered as int8 rows and the means gathered as int8 rows: 2(R-1)/R of its int8 bytes
-    sent instead of 2(R-1)/R of its fp32 ones. Every replica dequantises every row, its own
-    too, so all of them step with the same values."""
+def _replica_mean(reduced: torch.Tensor, replica_group: str, replicas: int, block: int) -> torch.Tensor:
+    """A reduced shard's mean across the replicas: one all-reduce, or with `block` sent as int8
+    (ZeRO++'s hierarchical qgZ): with hybrid sharding the replica group is what crosses nodes, so
+    an fp32 all-reduce there would leave the slow link's bytes unquantised. The shard is cut into
+    one aligned row per replica, reduce-scattered as int8 rows and the means gathered as int8
+    rows: 2(R-1)/R of its int8 bytes sent instead of 2(R-1)/R of its fp32 ones. Every replica
+    dequantises every row, its own too, so all of them step with the same values."""
+    if not block:
+        return _all_reduce_mean(reduced, replica_group, replicas)
     numel = reduced.numel()
     row = shard_numel(numel, replicas)
     rows = torch.nn.functional.pad(reduced.float(), [0, replicas * row - numel]).view(replicas, row)
@@ -273,10 +280,13 @@ def _replica_mean_int8(reduced: torch.Tensor, replica_group: str, replicas: int,
 
 
 def _all_reduce_mean(
-    tensor: torch.Tensor, group_name: str, world_size: int, replica_group: str = "", replicas: int = 1
+    tensor: torch.Tensor,
+    group_name: str,
+    world_size: int,
+    replica_group: str = "",
+    replicas: int = 1,
+    replica_block: int = 0,
 ) -> torch.Tensor:
     """The mean over the group's ranks (and then over the replicas', with hybrid sharding)."""
     mean = average_rows(funcol.wait_tensor(funcol.all_reduce(tensor, "sum", group_name)).unsqueeze(0), world_size)
-    if replicas > 1:
-        mean = average_rows(funcol.wait_tensor(funcol.all_reduce(mean, "sum", replica_group)).unsqueeze(0), replicas)
-    return mean
+    return _replica_mean(mean, replica_group, replicas, replica_block) if replicas > 1 else mean

@@ -17,7 +17,8 @@ reduces it together with its own gradient in one collective.
 
 Quantised collectives (`ZeroConfig.gather_quant` / `reduce_quant`) are two more optional
 arguments, the block sizes (0: exact): the eager kernels quantise too, so compiled and uncompiled
-code compute the same values. Hybrid sharding (`ZeroConfig.shard_size`) adds the replica group
+code compute the same values. Hybrid sharding's average across replicas and hpZ's re-gather have
+block sizes of their own (`ZeroConfig.quant_scope`: quantise only what crosses nodes). Hybrid sharding (`ZeroConfig.shard_size`) adds the replica group
 and its size: `group_name` is then the shard group, and a reduced gradient is averaged across the
 replica group too. hpZ (`ZeroConfig.secondary_shard_size`) adds the secondary group, which only
 the joint-graph pass `secondary_shards` reads. Optional arguments are passed only when not their
@@ -58,8 +59,10 @@ def unshard(
     reduce_quant_block: int = 0,
     replica_group: str = "",
     replicas: int = 1,
+    replica_quant_block: int = 0,
     secondary_group: str = "",
     secondary_size: int = 1,
+    secondary_quant_block: int = 0,
 ) -> torch.Tensor:
     if local or not stage_policy(stage).shards_parameters:
         return shard.to(compute_dtype or shard.dtype, copy=True)
@@ -83,8 +86,10 @@ def _unshard_fake(
     reduce_quant_block: int = 0,
     replica_group: str = "",
     replicas: int = 1,
+    replica_quant_block: int = 0,
     secondary_group: str = "",
     secondary_size: int = 1,
+    secondary_quant_block: int = 0,
 ) -> torch.Tensor:
     dtype = compute_dtype or shard.dtype
     if local or not stage_policy(stage).shards_parameters:
@@ -106,14 +111,16 @@ def reduce_grad(
     quant_block: int = 0,
     replica_group: str = "",
     replicas: int = 1,
+    replica_quant_block: int = 0,
 ) -> torch.Tensor:
     if stage_policy(stage).reduction == "all_reduce":
         return all_reduce_bucket(
-            [grad.contiguous()], group_name, world_size, reduce_dtype, grad_dtype, quant_block, replica_group, replicas
+            [grad.contiguous()], group_name, world_size, reduce_dtype, grad_dtype, quant_block, replica_group, replicas,
+            replica_quant_block,
         )[0]
     return reduce_scatter_bucket(
         [grad.contiguous()], [shard_numel], group_name, world_size, reduce_scatter, reduce_dtype, grad_dtype,
-        quant_block, replica_group, replicas,
+        quant_block, replica_group, replicas, replica_quant_block,
     )[0]
 
 
@@ -131,6 +138,7 @@ def _reduce_grad_fake(
     quant_block: int = 0,
     replica_group: str = "",
     replicas: int = 1,
+    replica_quant_block: int = 0,
 ) -> torch.Tensor:
     dtype = grad_dtype or grad.dtype
     if stage_policy(stage).reduction == "all_reduce":
@@ -161,7 +169,7 @@ def _unshard_backward(ctx, grad: torch.Tensor):
         grad = (pending + grad).to(m.reduce_dtype or grad.dtype)
     reduced = reduce_grad(
         grad, ctx.shard_numel, m.stage, m.group_name, m.world_size, m.reduce_scatter, m.param, m.reduce_dtype,
-        ctx.shard_dtype, m.reduce_quant_block, m.replica_group, m.replicas,
+        ctx.shard_dtype, m.reduce_quant_block, m.replica_group, m.replicas, m.replica_quant_block,
     )
     return reduced, *not_differentiable
 
@@ -190,8 +198,10 @@ class UnshardArgs(NamedTuple):
     reduce_quant_block: int = 0  # > 0: its gradient reduced int8-quantised (`ReduceGradArgs.quant_block`)
     replica_group: str = ""  # hybrid sharding: its reduced gradient is then averaged over this group
     replicas: int = 1  # ... of this many ranks (1: no replicas, plain sharding)
+    replica_quant_block: int = 0  # > 0: that average int8-quantised (`ReduceGradArgs.replica_quant_block`)
     secondary_group: str = ""  # hpZ: the stage-3 backward re-gathers over this group (`secondary_shards`)
     secondary_size: int = 1  # ... of this many ranks (1: no secondary shards)
+    secondary_quant_block: int = 0  # > 0: that re-gather int8-quantised
 
 
 # What every marker passes positionally, through `reduce_dtype`; the arguments after it are keywords
@@ -218,8 +228,10 @@ class MarkerArgs:
     reduce_quant_block: int = 0
     replica_group: str = ""
     replicas: int = 1
+    replica_quant_block: int = 0
     secondary_group: str = ""
     secondary_size: int = 1
+    secondary_quant_block: int = 0
 
     def call(self) -> tuple[tuple, dict[str, Any]]:
         """`(args, keywords)` of `unshard(shard, *args, **keywords)`: positional through
@@ -253,6 +265,7 @@ class ReduceGradArgs(NamedTuple):
     quant_block: int = 0  # > 0: reduced int8-quantised in blocks of this many elements (`lowering`)
     replica_group: str = ""  # hybrid sharding: then averaged over this group (`UnshardArgs`)
     replicas: int = 1
+    replica_quant_block: int = 0  # > 0: that average int8-quantised too (what crosses nodes)
 
 
 def unshard_args(node: torch.fx.Node) -> UnshardArgs:

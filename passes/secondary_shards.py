@@ -84,12 +84,15 @@ def _read_in_backward_from_secondary(marker: fx.Node, values: list[fx.Node], bac
         secondary = graph.call_function(SECONDARY_SHARD, (marker, args.secondary_group, args.secondary_size))
     secondary.meta["val"] = _secondary_shard_fake(full, args.secondary_group, args.secondary_size)
     with graph.inserting_after(secondary):
-        # Gathered as it was in the forward (dtype, quantisation); never differentiated, so the
+        # Gathered in the forward's dtype, quantised where `secondary_quant_block` says (the forward's
+        # quantisation, or exact when only what crosses nodes is: the slice holds the forward's
+        # dequantised values, so an exact re-gather reproduces them); never differentiated, so the
         # reduction arguments do not matter: the backward's reduce_grad is already in the graph.
+        block = args.secondary_quant_block
         regathered = graph.call_function(
             UNSHARD,
             (secondary, list(args.shape), args.stage, args.secondary_group, args.secondary_size, args.reduce_scatter),
-            {"param": args.param, **({"gather_quant_block": args.gather_quant_block} if args.gather_quant_block else {})},
+            {"param": args.param, **({"gather_quant_block": block} if block else {})},
         )
     regathered.meta["val"] = full
     copies = {marker: regathered}

@@ -30,7 +30,7 @@ from test_stages import DeepMLP, _wchar
 from zerocompile.passes import ledger as ledger_module
 from zerocompile.tools import dump as dump_tool
 from zerocompile.passes import lower_markers, recompute_gathers, secondary_shards
-from zerocompile.passes.markers import REDUCE_GRAD, UNSHARD
+from zerocompile.passes.markers import REDUCE_GRAD, UNSHARD, unshard_args
 from zerocompile.passes.stages import shard_numel
 
 WORLD = 4
@@ -76,8 +76,8 @@ def _without_replica_average(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("reduce_scatter_bucket", "all_reduce_bucket"):
         correct = getattr(lower_markers, name)
 
-        def inside_only(*args, correct=correct):
-            return correct(*args[:-2], "", 1)
+        def inside_only(*args, correct=correct):  # the last three: replica group, replicas, its quant block
+            return correct(*args[:-3], "", 1, 0)
 
         monkeypatch.setattr(lower_markers, name, inside_only)
 
@@ -224,12 +224,16 @@ def bytes_report(rank: int, world_size: int, dump_root: str) -> dict[str, dict]:
     """Per layout, one eager stage-3 step of test_stages' 1.1M-parameter MLP after two warm-up
     steps: bytes the rank wrote (wchar), the ledger's total and its part across nodes of 2. The
     graphs are dumped under dump_root/layout for `zerocompile dump`. "K-int8" is "K" with int8
-    reductions."""
+    reductions, "K-int8-across" with int8 only where they cross nodes (the replicas' mean)."""
     report = {}
-    for layout in ("K", "hpz", "K-int8"):
+    quantised = {
+        "K-int8": {"reduce_quant": "int8"},
+        "K-int8-across": {"reduce_quant": "int8", "quant_scope": "cross_node"},
+    }
+    for layout in ("K", "hpz", *quantised):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        settings = {**_layout("K"), "reduce_quant": "int8"} if layout == "K-int8" else _layout(layout)
+        settings = {**_layout("K"), **quantised[layout]} if layout in quantised else _layout(layout)
         model = zc.shard(DeepMLP(), stage=3, **settings)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         options = {"compiler": "eager", "bucket_bytes": 2**20, "dump_dir": str(Path(dump_root, layout))}
@@ -299,17 +303,36 @@ def test_int8_reductions_quantise_the_bytes_between_nodes_too(bytes_sent) -> Non
     assert int8["written"] == pytest.approx(int8["ledger"], rel=0.003)
 
 
+def test_cross_node_scope_quantises_the_bytes_between_nodes_and_no_others(bytes_sent) -> None:
+    """quant_scope="cross_node": the same int8 bytes between nodes as quantising everywhere, and
+    inside the node exactly fp32's bytes (the shard group's reduce-scatter and gathers exact)."""
+    fp32, everywhere, across = bytes_sent["K"], bytes_sent["K-int8"], bytes_sent["K-int8-across"]
+    assert across["across_nodes"] == everywhere["across_nodes"]
+    assert across["ledger"] - across["across_nodes"] == fp32["ledger"] - fp32["across_nodes"]
+    assert across["written"] == pytest.approx(across["ledger"], rel=0.003)
+
+
+@pytest.mark.parametrize("scope", ["all", "cross_node"])
 @pytest.mark.parametrize("case", [("uneven_mlp", "sgd", 3), ("tied_gpt", "sgd", 0)])
-def test_int8_collectives_compose_with_hybrid_sharding(int8_hybrid_report, case: tuple) -> None:
-    """int8 gathers and reductions inside the shard group and between the replicas: within
-    test_quantised_collectives' bounds of fp32 DDP (stage 0: its quantised all-reduce)."""
-    _assert_close_to_ddp(int8_hybrid_report[case], case[1])
+def test_int8_collectives_compose_with_hybrid_sharding(int8_hybrid_report, case: tuple, scope: str) -> None:
+    """int8 gathers and reductions inside the shard group and between the replicas ("all"), or
+    int8 between the replicas only ("cross_node"): within test_quantised_collectives' bounds of
+    fp32 DDP (stage 0: its quantised all-reduce, or an exact one inside the group)."""
+    _assert_close_to_ddp(int8_hybrid_report[scope][case], case[1])
+
+
+def _int8_hybrid_reports(rank: int, world_size: int, cases: list[tuple]) -> dict[str, dict]:
+    hybrid = {"shard_size": SHARD_SIZE}
+    across = {**hybrid, "gather_quant": None, "quant_scope": "cross_node"}
+    return {
+        "all": quantised_training_report(rank, world_size, cases, "eager", hybrid),
+        "cross_node": quantised_training_report(rank, world_size, cases, "eager", across),
+    }
 
 
 @pytest.fixture(scope="module")
 def int8_hybrid_report() -> dict:
-    cases = [("uneven_mlp", "sgd", 3), ("tied_gpt", "sgd", 0)]
-    return run_on_ranks(WORLD, quantised_training_report, cases, "eager", {"shard_size": SHARD_SIZE})[0]
+    return run_on_ranks(WORLD, _int8_hybrid_reports, [("uneven_mlp", "sgd", 3), ("tied_gpt", "sgd", 0)])[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,15 +420,16 @@ def test_a_hybrid_checkpoint_resumes_in_any_layout_as_if_never_interrupted(check
 # Graphs: hand-built markers carrying a replica group, lowered with no process group
 
 
-def _lowered(group_name: str, stage: int, replicas: int) -> fx.Graph:
-    """A forward use and a gradient of one 30-element parameter, markers lowered. The replica
-    group gets a name of its own: the graph tells the groups apart only by name."""
+def _lowered(group_name: str, stage: int, replicas: int, **reduction_blocks: int) -> fx.Graph:
+    """A forward use and a gradient of one 30-element parameter, markers lowered (`reduction_blocks`:
+    the gradient's quant_block and replica_quant_block). The replica group gets a name of its own:
+    the graph tells the groups apart only by name."""
     numel = 30 if stage == 0 else shard_numel(30, WORLD)
     keywords = {"replica_group": "replicas-of-" + group_name, "replicas": replicas} if replicas > 1 else {}
 
     def step(param: torch.Tensor, grad: torch.Tensor) -> tuple:
         full = UNSHARD(param, [30], stage, *on(group_name), **keywords)
-        return full, REDUCE_GRAD(grad, numel, stage, *on(group_name), **keywords)
+        return full, REDUCE_GRAD(grad, numel, stage, *on(group_name), **keywords, **reduction_blocks)
 
     gm = trace(step, (numel,), (30,))
     lower_markers.lower_markers(gm.graph)
@@ -434,6 +458,59 @@ def test_the_lowered_reduction_averages_across_replicas_after_the_group(group_na
     assert replica_mean.meta["zero_groups"] == {group_name: (WORLD, 1), "replicas-of-" + group_name: (REPLICAS, WORLD)}
     # Without replicas the graph is what it always was: one collective less.
     assert len(_collectives(_lowered(group_name, stage, 1))) == len(collectives) - 1
+
+
+@pytest.mark.usefixtures("group_name")
+@pytest.mark.parametrize("stage", (0, 3))
+def test_only_the_mean_across_replicas_is_int8_when_only_that_is_quantised(group_name: str, stage: int) -> None:
+    """replica_quant_block alone (quant_scope="cross_node"): the reduction inside the shard group is
+    the exact one, and the replicas' mean is a reduce-scatter and a gather of int8 rows."""
+    graph = _lowered(group_name, stage, REPLICAS, replica_quant_block=16)
+    collectives = _collectives(graph)
+    inside = "all_reduce" if stage == 0 else "reduce_scatter_tensor"
+    names = [n.target._opname for n in collectives]
+    assert names[-3:] == [inside, "all_to_all_single", "all_gather_into_tensor_coalesced"], names
+    assert collectives[-3].args[0].meta["val"].dtype == torch.float32  # exact inside the group
+    replica_rows = [collectives[-2].args[0], *collectives[-1].args[0]]
+    assert all(row.meta["val"].dtype == torch.int8 for row in replica_rows)
+    assert [collectives[-2].args[3], collectives[-1].args[2]] == ["replicas-of-" + group_name] * 2
+    # Quantising everywhere (quant_scope="all") quantises inside the group too: no exact reduction.
+    everywhere = _collectives(_lowered(group_name, stage, REPLICAS, quant_block=16, replica_quant_block=16))
+    assert inside not in [n.target._opname for n in everywhere]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("scope", ["all", "cross_node"])
+def test_quant_scope_decides_which_collectives_of_a_layout_are_int8(scope: str) -> None:
+    """What shard() hands the markers of a parameter for each layout (no process group needed):
+    with "cross_node" the collectives inside a node (hybrid's shard group, hpZ's re-gather) stay
+    exact; plain sharding's span every rank and stay quantised."""
+    from zerocompile.sharding import ShardInfo
+
+    def blocks(replicas: int = 1, secondary_size: int = 1, **settings: object) -> tuple[int, int, int, int]:
+        config = zc.ZeroConfig(stage=3, reduce_quant="int8", quant_block=64, quant_scope=scope, **settings)
+        info = ShardInfo(
+            "fc.weight", ("fc.weight",), (6, 5), 30, 8, "shard-group", 0, 4, "reduce_scatter", config,
+            replica_group_name="replica-group", replicas=replicas,
+            secondary_group_name="node-group", secondary_size=secondary_size,
+        )
+        m = info.marker_args(torch.float32)
+        return m.gather_quant_block, m.reduce_quant_block, m.replica_quant_block, m.secondary_quant_block
+
+    inside = 64 if scope == "all" else 0
+    assert blocks(gather_quant="int8") == (64, 64, 0, 0)  # plain
+    assert blocks(replicas=2, shard_size=4) == (0, inside, 64, 0)  # hybrid
+    assert blocks(secondary_size=2, gather_quant="int8", secondary_shard_size=2) == (64, 64, 0, inside)  # hpZ
+
+
+@pytest.mark.fast
+def test_quant_scope_refusals_name_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"quant_scope must be one of \['all', 'cross_node'\], got 'nodes'"):
+        zc.ZeroConfig(reduce_quant="int8", quant_scope="nodes")
+    with pytest.raises(ValueError, match=r"none is quantised: set gather_quant='int8' and/or reduce_quant='int8'"):
+        zc.ZeroConfig(quant_scope="cross_node")
+    with pytest.raises(ValueError, match=r"all-gathers stay inside the shard group .* Drop gather_quant"):
+        zc.ZeroConfig(shard_size=2, gather_quant="int8", reduce_quant="int8", quant_scope="cross_node")
 
 
 @pytest.mark.usefixtures("group_name")
@@ -584,10 +661,12 @@ def test_hpz_is_a_stage_3_setting_and_not_combined_with_hybrid() -> None:
 # The hpZ pass on a hand-built joint graph: no process group at all
 
 
-def _joint_graph(local: bool = False, secondary_size: int = 2) -> fx.Graph:
+def _joint_graph(local: bool = False, secondary_size: int = 2, **quantised: int) -> fx.Graph:
     """One stage-3 parameter used by the forward (x @ w.t()) and read by the backward (the
-    tangent @ w, as autograd's mm formula does), its gather tagged as tag_gathers_for_recompute tags it."""
+    tangent @ w, as autograd's mm formula does), its gather tagged as tag_gathers_for_recompute
+    tags it; `quantised`: the marker's block sizes."""
     keywords = {"secondary_group": "node-group", "secondary_size": secondary_size} if secondary_size > 1 else {}
+    keywords.update(quantised)
 
     def joint(shard: torch.Tensor, x: torch.Tensor, tangents: torch.Tensor) -> tuple:
         weight = UNSHARD(shard, [6, 5], 3, "all-ranks", WORLD, "reduce_scatter", "fc.weight", local=local, **keywords)
@@ -613,6 +692,17 @@ def test_hpz_pass_makes_the_backward_read_a_gather_of_the_saved_slice() -> None:
     forward_mm, backward_mm = mms
     assert backward_mm.args[1] is backward_gather  # the tangent's mm reads the node's gather
     assert forward_gather in forward_mm.args[1].all_input_nodes  # x @ w.t() still reads the forward's
+
+
+@pytest.mark.parametrize("secondary_block", [0, 16])
+def test_hpz_regather_is_quantised_as_its_marker_says(secondary_block: int) -> None:
+    """The forward's gather int8 either way; the re-gather inside the node int8 only with
+    secondary_quant_block (quant_scope="all"), else exact: it gathers the forward's dequantised values."""
+    graph = _joint_graph(gather_quant_block=16, secondary_quant_block=secondary_block)
+    assert secondary_shards.regather_from_secondary_shards(graph) == 1
+    forward_gather, backward_gather = [unshard_args(n) for n in graph.nodes if n.target is UNSHARD]
+    assert forward_gather.gather_quant_block == 16
+    assert backward_gather.gather_quant_block == secondary_block
 
 
 @pytest.mark.parametrize("local,secondary_size", [(True, 2), (False, 1)])

@@ -150,7 +150,7 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
 def quantised_training_report(rank: int, world_size: int, cases: list[tuple], compiler: str, layout: dict | None = None) -> dict:
     """{(model, optimizer, stage): (largest relative loss difference, parameter difference over
     the training's movement), against DDP in fp32; or a traceback. `layout`: more shard()
-    settings (test_hybrid's hybrid sharding)."""
+    settings, or other values of QUANTISED's (test_hybrid's hybrid sharding)."""
     report = {}
     for name, optimizer_name in dict.fromkeys((name, opt) for name, opt, _stage in cases):  # one order on every rank
         torch.manual_seed(0)
@@ -162,7 +162,7 @@ def quantised_training_report(rank: int, world_size: int, cases: list[tuple], co
             try:
                 torch._dynamo.reset()
                 torch.manual_seed(0)
-                model = zc.shard(MODELS[name](), stage=stage, **QUANTISED, **(layout or {}))
+                model = zc.shard(MODELS[name](), stage=stage, **{**QUANTISED, **(layout or {})})
                 compiled = torch.compile(model, backend="zero", options={"compiler": compiler})
                 losses = _train(model, compiled, name, optimizer_name, rank, world_size)
                 params = _full(model)

@@ -24,8 +24,9 @@ every device starts from the same ones.
                    torch.compile; nodes as the launcher counts them (--nodes), one node otherwise
   zero3-hybrid     stage 3 with shard_size="node": sharded inside a node, replicas across nodes
   zero3-hpz        stage 3 with secondary_shard_size="node" (hpZ): the backward gathers inside a node
-  zero3-hybrid-int8, zero3-hpz-int8  the same with int8 gathers and reductions (as zero3-int8;
-                   hybrid's mean across nodes in int8 too)
+  zero3-hybrid-int8, zero3-hpz-int8  the same with int8 where bytes cross nodes
+                   (quant_scope="cross_node"): hybrid's mean across the replicas; hpZ's forward
+                   gathers and its reductions (its backward's gathers inside a node stay exact)
   zero3-budget     stage 3 with memory_budget = half the model's fp32 parameter bytes: the
                    parameters used last in the forward stay gathered for the backward, the others
                    are gathered again (between zero2's and zero3's traffic)
@@ -397,9 +398,12 @@ MODES: dict[str, Mode] = {
         Mode("zero3-int8", _zero(3, gather_quant="int8", reduce_quant="int8")),
         Mode("fsdp2-hsdp-compile", _fsdp2(compiled=True, hybrid=True)),
         Mode("zero3-hybrid", _zero(3, shard_size="node")),
-        Mode("zero3-hybrid-int8", _zero(3, shard_size="node", gather_quant="int8", reduce_quant="int8")),
+        Mode("zero3-hybrid-int8", _zero(3, shard_size="node", reduce_quant="int8", quant_scope="cross_node")),
         Mode("zero3-hpz", _zero(3, secondary_shard_size="node")),
-        Mode("zero3-hpz-int8", _zero(3, secondary_shard_size="node", gather_quant="int8", reduce_quant="int8")),
+        Mode(
+            "zero3-hpz-int8",
+            _zero(3, secondary_shard_size="node", gather_quant="int8", reduce_quant="int8", quant_scope="cross_node"),
+        ),
         Mode("zero3-budget", _zero3_half_budget),
         Mode("compile-aot-eager", _plain_compile("aot_eager")),
         Mode("zero3-eager", _zero(3, compiler="eager")),

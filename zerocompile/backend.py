@@ -155,6 +155,7 @@ def _check_ranks_agree(graph: fx.Graph, config: ZeroConfig) -> guard.GraphContex
         "gather_quant": config.gather_quant,
         "reduce_quant": config.reduce_quant,
         "quant_block": config.quant_block,
+        "quant_scope": config.quant_scope,
         "torch": torch_support.RELEASE,
     }
     compile_id = CompileContext.current_compile_id()

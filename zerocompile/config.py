@@ -34,6 +34,7 @@ GLOO_BUCKET_BYTES = 4 * 2**20
 # window of gathered parameters, 25 MiB of full tensors.
 ACCELERATOR_BUCKET_BYTES = 25 * 2**20
 QUANTISATIONS = (None, "int8")
+QUANT_SCOPES = ("all", "cross_node")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +79,14 @@ class ZeroConfig:
         fp32, so quantisation error is paid once per rank. Stage 0's all-reduce becomes that
         reduce-scatter plus an all-gather of the quantised result. None: exact reductions.
     quant_block: elements per quantisation block (one scale each) for both quantisations.
+    quant_scope: which of those collectives are quantised. "all" (the default): every gather
+        (gather_quant) and every reduction (reduce_quant). "cross_node": only those whose bytes
+        leave a node, where the link is slow and the bytes decide; collectives inside a node stay
+        exact, which saves their quantisation passes and error. It follows the layout: with
+        hybrid sharding (shard_size, shard groups being nodes) the replicas' mean of each reduced
+        shard is quantised and the reductions inside the shard group are exact (its gathers never
+        leave the group, so gather_quant is refused there); with hpZ the backward's re-gathers
+        inside the node are exact; plain sharding's collectives span every rank: all quantised.
     memory_budget: stage 3 only: bytes of gathered parameters a rank may keep from the
         forward for the backward instead of gathering them again; chosen statically from each
         compiled graph, identically on every rank. None (or 0): re-gather everything (plain
@@ -118,6 +127,7 @@ class ZeroConfig:
     gather_quant: str | None = None
     reduce_quant: str | None = None
     quant_block: int = 256
+    quant_scope: str = "all"
     memory_budget: int | None = None
     shard_size: int | str | DeviceMesh | None = None
     secondary_shard_size: int | str | None = None
@@ -144,6 +154,21 @@ class ZeroConfig:
             raise ValueError(
                 f"quant_block must be an int >= 1 (elements per quantisation scale; default 256), got {self.quant_block!r}"
             )
+        if self.quant_scope not in QUANT_SCOPES:
+            raise ValueError(f"quant_scope must be one of {list(QUANT_SCOPES)}, got {self.quant_scope!r}")
+        if self.quant_scope == "cross_node":
+            if not (self.gather_quant or self.reduce_quant):
+                raise ValueError(
+                    "quant_scope='cross_node' picks which quantised collectives cross nodes, and none is "
+                    "quantised: set gather_quant='int8' and/or reduce_quant='int8', or leave quant_scope='all'"
+                )
+            if self.gather_quant and self.shard_size is not None:
+                raise ValueError(
+                    "gather_quant='int8' with quant_scope='cross_node' and hybrid sharding (shard_size) "
+                    "quantises nothing: hybrid sharding's all-gathers stay inside the shard group (a node). "
+                    "Drop gather_quant (reduce_quant='int8' quantises the replicas' mean, which crosses "
+                    "nodes), or use quant_scope='all' to quantise inside the node too"
+                )
         if self.memory_budget is not None:
             if isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, int) or self.memory_budget < 0:
                 raise ValueError(

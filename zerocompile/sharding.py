@@ -73,19 +73,25 @@ class ShardInfo:
         config's dtypes, and the block sizes of the collectives it quantises and the replica and
         secondary groups only where they apply (so default graphs read as before). A parameter that
         is not floating point (an integer table) travels exactly: int8 codes would round it. No FQN:
-        the backend fills it in from the traced tensors."""
+        the backend fills it in from the traced tensors. With `quant_scope="cross_node"` the
+        collectives inside a node stay exact: hybrid sharding's inside the shard group, hpZ's
+        re-gathers inside the secondary group."""
         config, quantisable = self.config, dtype.is_floating_point
+        gather_block = config.quant_block if quantisable and config.gather_quant and self.policy.shards_parameters else 0
+        reduce_block = config.quant_block if quantisable and config.reduce_quant else 0
+        hybrid, hpz = self.replicas > 1, self.secondary_size > 1
+        inside_nodes_too = config.quant_scope == "all"
         return self._marker(
             compute_dtype=config.param_dtype,
             reduce_dtype=config.reduce_dtype,
-            gather_quant_block=(
-                config.quant_block if quantisable and config.gather_quant and self.policy.shards_parameters else 0
-            ),
-            reduce_quant_block=config.quant_block if quantisable and config.reduce_quant else 0,
-            replica_group=self.replica_group_name if self.replicas > 1 else "",
+            gather_quant_block=gather_block if inside_nodes_too or not hybrid else 0,
+            reduce_quant_block=reduce_block if inside_nodes_too or not hybrid else 0,
+            replica_group=self.replica_group_name if hybrid else "",
             replicas=self.replicas,
-            secondary_group=self.secondary_group_name if self.secondary_size > 1 else "",
+            replica_quant_block=reduce_block if hybrid else 0,
+            secondary_group=self.secondary_group_name if hpz else "",
             secondary_size=self.secondary_size,
+            secondary_quant_block=gather_block if hpz and inside_nodes_too else 0,
         )
 
     def gather(self, shard: torch.Tensor) -> torch.Tensor:
