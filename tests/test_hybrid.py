@@ -293,10 +293,10 @@ def test_bytes_across_nodes_follow_the_formulas_and_the_ledger_what_was_written(
 
 def test_int8_reductions_quantise_the_bytes_between_nodes_too(bytes_sent) -> None:
     """With hybrid sharding the replicas' mean of each reduced shard is what crosses nodes: with
-    reduce_quant="int8" it travels as int8 rows too (ZeRO++'s hierarchical qgZ), a reduce-scatter
-    and a gather of the means among the 2 replicas. Per element 1 byte of code and 4/256 of a
+    reduce_quant="int8" it travels as int8 rows too (ZeRO++'s hierarchical qgZ): between 2
+    replicas, a gather of each other's reduced shard. Per element 1 byte of code and 4/256 of a
     scale against fp32's 4 bytes: 0.254 of the bytes, a little more where a bucket's shard is
-    padded to whole blocks of 2 rows. An fp32 mean across replicas sends 1.0 of them."""
+    padded to a whole block. An fp32 mean across replicas sends 1.0 of them."""
     fp32, int8 = bytes_sent["K"], bytes_sent["K-int8"]
     assert 0.25 < int8["across_nodes"] / fp32["across_nodes"] <= 0.26
     # What the rank wrote: the ledger plus gloo's framing and the step's small collectives.
@@ -461,21 +461,24 @@ def test_the_lowered_reduction_averages_across_replicas_after_the_group(group_na
 
 
 @pytest.mark.usefixtures("group_name")
+@pytest.mark.parametrize("replicas", (2, 4))
 @pytest.mark.parametrize("stage", (0, 3))
-def test_only_the_mean_across_replicas_is_int8_when_only_that_is_quantised(group_name: str, stage: int) -> None:
+def test_only_the_mean_across_replicas_is_int8_when_only_that_is_quantised(group_name: str, stage: int, replicas: int) -> None:
     """replica_quant_block alone (quant_scope="cross_node"): the reduction inside the shard group is
-    the exact one, and the replicas' mean is a reduce-scatter and a gather of int8 rows."""
-    graph = _lowered(group_name, stage, REPLICAS, replica_quant_block=16)
+    the exact one, and the replicas' mean is int8 rows: two replicas gather each other's shard
+    (R-1 = 2(R-1)/R of it sent, quantised once), more reduce-scatter and gather the means."""
+    graph = _lowered(group_name, stage, replicas, replica_quant_block=16)
     collectives = _collectives(graph)
     inside = "all_reduce" if stage == 0 else "reduce_scatter_tensor"
+    across = ["all_gather_into_tensor_coalesced"] if replicas == 2 else ["all_to_all_single", "all_gather_into_tensor_coalesced"]
     names = [n.target._opname for n in collectives]
-    assert names[-3:] == [inside, "all_to_all_single", "all_gather_into_tensor_coalesced"], names
-    assert collectives[-3].args[0].meta["val"].dtype == torch.float32  # exact inside the group
-    replica_rows = [collectives[-2].args[0], *collectives[-1].args[0]]
+    assert names[-1 - len(across) :] == [inside, *across], names
+    assert collectives[-1 - len(across)].args[0].meta["val"].dtype == torch.float32  # exact inside the group
+    replica_rows = [*collectives[-1].args[0], *([collectives[-2].args[0]] if replicas > 2 else [])]
     assert all(row.meta["val"].dtype == torch.int8 for row in replica_rows)
-    assert [collectives[-2].args[3], collectives[-1].args[2]] == ["replicas-of-" + group_name] * 2
+    assert collectives[-1].args[2] == "replicas-of-" + group_name
     # Quantising everywhere (quant_scope="all") quantises inside the group too: no exact reduction.
-    everywhere = _collectives(_lowered(group_name, stage, REPLICAS, quant_block=16, replica_quant_block=16))
+    everywhere = _collectives(_lowered(group_name, stage, replicas, quant_block=16, replica_quant_block=16))
     assert inside not in [n.target._opname for n in everywhere]
 
 
