@@ -8,7 +8,11 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -234,6 +238,60 @@ def _sleep(rank: int) -> None:
     import time
 
     time.sleep(600)
+
+
+_TERMINATED_RUN = """
+import sys, time
+from zerocompile.tools import netsim
+
+def sleep(rank):
+    time.sleep(600)
+
+if __name__ == "__main__":
+    with netsim.SimulatedNetwork(2, sys.argv[1]) as network:
+        network.run_ranks(sleep, 1, env={"ZC_TERMINATED_RUN": sys.argv[2]})
+"""
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Processes whose environment holds `marker` (the ranks and torchruns of one run)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker.encode() in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return found
+
+
+@needs_namespaces
+def test_sigterm_leaves_no_namespace_and_no_rank_behind(tmp_path: Path) -> None:
+    """A bench over a simulated network stopped by `kill` (SIGTERM): Python's default would end it
+    on the spot, leaving both nodes' torchruns and ranks running and the namespaces in place."""
+    script = tmp_path / "terminated_run.py"
+    script.write_text(_TERMINATED_RUN)
+    marker = f"zc-terminated-{os.getpid()}-{time.monotonic_ns()}"
+    run = subprocess.Popen([sys.executable, str(script), RATE, marker], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_processes_with(marker)) < 4 and time.monotonic() < deadline:  # 2 torchruns, 2 ranks
+            time.sleep(0.5)
+        assert len(_processes_with(marker)) >= 4, "the ranks never started"
+        named = [n for n in netsim.namespaces() if n.startswith(f"{netsim.PREFIX}{run.pid}n")]
+        assert len(named) == 2
+        run.send_signal(signal.SIGTERM)
+        output, _ = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 128 + signal.SIGTERM, output
+    deadline = time.monotonic() + 10  # the ranks follow their killed torchrun
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode() for pid in _processes_with(marker)}
+    assert left == {}, f"processes left running: {left}"
+    assert [n for n in netsim.namespaces() if n.startswith(f"{netsim.PREFIX}{run.pid}n")] == []
 
 
 @needs_namespaces

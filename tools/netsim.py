@@ -13,8 +13,10 @@ and `tc` (iproute2; CAP_NET_ADMIN, e.g. root):
   its own loopback, unlimited; ranks of different nodes cross the link.
 
 Nothing outside the namespaces changes. They are removed on leaving the `with` block, also when
-the body raised, and names carry this process's id, so a run that was killed leaves names that
-the next run recognises as stale and removes (`remove_stale`). `probe` measures what a link
+the body raised or the process was sent SIGTERM (inside the block it raises SystemExit, as ^C
+raises KeyboardInterrupt, so the nodes' torchruns are killed too), and names carry this process's
+id, so a run that was killed outright leaves names that the next run recognises as stale and
+removes (`remove_stale`). `probe` measures what a link
 really carries, so the rate asked for and the rate got are reported side by side.
 """
 
@@ -26,9 +28,11 @@ import os
 import pickle
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -139,10 +143,12 @@ class SimulatedNetwork:
         self.nodes: list[Node] = []
         self._made: list[str] = []
         self._count = nodes
+        self._previous_sigterm: Any = None
 
     def __enter__(self) -> SimulatedNetwork:
         check_can_simulate()
         remove_stale()
+        self._exit_on_sigterm()
         try:
             self._build()
         except BaseException:
@@ -155,11 +161,27 @@ class SimulatedNetwork:
     ) -> None:
         self.close()
 
+    def _exit_on_sigterm(self) -> None:
+        """Python's default for SIGTERM (`kill`, a scheduler stopping the job) ends the process
+        without running `finally`, leaving the namespaces and the nodes' torchruns behind; while
+        this network exists it raises SystemExit(143) in the main thread instead. `close` puts the
+        previous handler back. (Signals reach only the main thread: elsewhere, nothing changes.)"""
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def exit_cleanly(signum: int, frame: object) -> None:
+            raise SystemExit(128 + signum)
+
+        self._previous_sigterm = signal.signal(signal.SIGTERM, exit_cleanly)
+
     def close(self) -> None:
-        """Remove every namespace made (the veth pair goes with them)."""
+        """Remove every namespace made (the veth pair goes with them); SIGTERM's handler as it was."""
         for name in reversed(self._made):
             subprocess.run(["ip", "netns", "delete", name], capture_output=True)
         self._made.clear()
+        if self._previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
 
     def _namespace(self, node: int) -> str:
         name = f"{PREFIX}{os.getpid()}n{node}"
