@@ -109,7 +109,8 @@ def plot(modes: list[str], table: list[dict[str, Any]], title: str, path: Path) 
 
 def _title(run: dict[str, Any]) -> str:
     settings, machine = run["settings"], run["machine"]
-    shape = f"{settings['nodes']} nodes x {settings['ranks'] // settings['nodes']} ranks" if settings.get("nodes") else f"{settings['ranks']} ranks, one link"
+    nodes = settings.get("nodes") or 1
+    shape = f"{nodes} nodes x {settings['ranks'] // nodes} ranks" if nodes > 1 else f"{settings['ranks']} ranks, one link"
     return f"GPT {settings['model_size']}, {shape}, global batch {settings['batch_size']} x {settings['block_size']}, {machine['node']} ({machine['cpu_count']} CPUs)"
 
 
