@@ -206,8 +206,7 @@ def reduce_scatter_bucket(
         splits = [shard_numel] * world_size
         received = funcol.wait_tensor(funcol.all_to_all_single(flat, splits, splits, group_name))
         reduced = average_rows(received.view(world_size, shard_numel), world_size)
-    if replicas > 1:
-        reduced = _replica_mean(reduced, replica_group, replicas, replica_quant_block)
+    reduced = _replica_mean(reduced, replica_group, replicas, replica_quant_block)
     shards = reduced.split(shard_numels) if len(grads) > 1 else [reduced]
     return [shard.to(grad_dtype) for shard in shards] if grad_dtype is not None else shards
 
@@ -230,11 +229,12 @@ def all_reduce_bucket(
     if quant_block:
         reduced = _all_reduce_int8(grads, group_name, world_size, quant_block, replica_group, replicas, replica_quant_block)
     elif len(grads) == 1 and reduce_dtype in (None, grads[0].dtype):
-        reduced = [_all_reduce_mean(grads[0], group_name, world_size, replica_group, replicas, replica_quant_block)]
+        mean = _all_reduce_mean(grads[0], group_name, world_size)
+        reduced = [_replica_mean(mean, replica_group, replicas, replica_quant_block)]
     else:
         numels = [grad.numel() for grad in grads]
-        packed = pack(grads, 1, numels, reduce_dtype)
-        parts = _all_reduce_mean(packed, group_name, world_size, replica_group, replicas, replica_quant_block).split(numels)
+        mean = _all_reduce_mean(pack(grads, 1, numels, reduce_dtype), group_name, world_size)
+        parts = _replica_mean(mean, replica_group, replicas, replica_quant_block).split(numels)
         reduced = [part.view(grad.shape) for part, grad in zip(parts, grads)]
     return [r.to(grad_dtype) for r in reduced] if grad_dtype is not None else reduced
 
@@ -252,9 +252,7 @@ def _all_reduce_int8(
     shard it, reduce-scattered, (averaged across replicas,) and the means gathered back."""
     shard_numels = [shard_numel(grad.numel(), world_size) for grad in grads]
     rows = _packed(grads, world_size, shard_numels, None).view(world_size, -1)
-    mean = _reduce_scatter_int8(rows, group_name, world_size, block)
-    if replicas > 1:
-        mean = _replica_mean(mean, replica_group, replicas, replica_block)
+    mean = _replica_mean(_reduce_scatter_int8(rows, group_name, world_size, block), replica_group, replicas, replica_block)
     (full,) = _gather_bucket_int8([mean], [list(rows.shape)], group_name, world_size, torch.float32, block)
     return [
         column.reshape(-1)[: grad.numel()].view(grad.shape)
@@ -263,9 +261,10 @@ def _all_reduce_int8(
 
 
 def _replica_mean(reduced: torch.Tensor, replica_group: str, replicas: int, block: int) -> torch.Tensor:
-    """A reduced shard's mean across the replicas: one all-reduce, or with `block` sent as int8
-    (ZeRO++'s hierarchical qgZ): with hybrid sharding the replica group is what crosses nodes, so
-    an fp32 all-reduce there would leave the slow link's bytes unquantised. The shard is cut into
+    """A reduced shard's mean across the replicas (the shard itself with one replica): one
+    all-reduce, or with `block` sent as int8 (ZeRO++'s hierarchical qgZ): with hybrid sharding the
+    replica group is what crosses nodes, so an fp32 all-reduce there would leave the slow link's
+    bytes unquantised. The shard is cut into
     one aligned row per replica, reduce-scattered as int8 rows and the means gathered as int8
     rows: 2(R-1)/R of its int8 bytes sent instead of 2(R-1)/R of its fp32 ones. Two replicas
     (two nodes) instead gather each other's whole shard as one int8 row and average both: the same
@@ -273,6 +272,8 @@ def _replica_mean(reduced: torch.Tensor, replica_group: str, replicas: int, bloc
     nodes: the reduce-scatter and gather made hybrid int8's step 1.12x hybrid fp32's on an
     unlimited link). Every replica dequantises every row, its own too, so all of them step with
     the same values."""
+    if replicas == 1:
+        return reduced
     if not block:
         return _all_reduce_mean(reduced, replica_group, replicas)
     numel = reduced.numel()
@@ -286,14 +287,6 @@ def _replica_mean(reduced: torch.Tensor, replica_group: str, replicas: int, bloc
     return full[:numel].to(reduced.dtype)
 
 
-def _all_reduce_mean(
-    tensor: torch.Tensor,
-    group_name: str,
-    world_size: int,
-    replica_group: str = "",
-    replicas: int = 1,
-    replica_block: int = 0,
-) -> torch.Tensor:
-    """The mean over the group's ranks (and then over the replicas', with hybrid sharding)."""
-    mean = average_rows(funcol.wait_tensor(funcol.all_reduce(tensor, "sum", group_name)).unsqueeze(0), world_size)
-    return _replica_mean(mean, replica_group, replicas, replica_block) if replicas > 1 else mean
+def _all_reduce_mean(tensor: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
+    """The mean over the group's ranks."""
+    return average_rows(funcol.wait_tensor(funcol.all_reduce(tensor, "sum", group_name)).unsqueeze(0), world_size)

@@ -17,11 +17,11 @@ reduces it together with its own gradient in one collective.
 
 Quantised collectives (`ZeroConfig.gather_quant` / `reduce_quant`) are two more optional
 arguments, the block sizes (0: exact): the eager kernels quantise too, so compiled and uncompiled
-code compute the same values. Hybrid sharding's average across replicas and hpZ's re-gather have
-block sizes of their own (`ZeroConfig.quant_scope`: quantise only what crosses nodes). Hybrid sharding (`ZeroConfig.shard_size`) adds the replica group
+code compute the same values. Hybrid sharding (`ZeroConfig.shard_size`) adds the replica group
 and its size: `group_name` is then the shard group, and a reduced gradient is averaged across the
 replica group too. hpZ (`ZeroConfig.secondary_shard_size`) adds the secondary group, which only
-the joint-graph pass `secondary_shards` reads. Optional arguments are passed only when not their
+the joint-graph pass `secondary_shards` reads. The average across replicas and hpZ's re-gather
+have block sizes of their own (`ZeroConfig.quant_scope`: quantise only what crosses nodes). Optional arguments are passed only when not their
 default, so graphs without these features read as before.
 """
 

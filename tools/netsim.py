@@ -144,6 +144,7 @@ class SimulatedNetwork:
         self._made: list[str] = []
         self._count = nodes
         self._previous_sigterm: Any = None
+        self._sigterm_replaced = False
 
     def __enter__(self) -> SimulatedNetwork:
         check_can_simulate()
@@ -173,15 +174,17 @@ class SimulatedNetwork:
             raise SystemExit(128 + signum)
 
         self._previous_sigterm = signal.signal(signal.SIGTERM, exit_cleanly)
+        self._sigterm_replaced = True
 
     def close(self) -> None:
         """Remove every namespace made (the veth pair goes with them); SIGTERM's handler as it was."""
         for name in reversed(self._made):
             subprocess.run(["ip", "netns", "delete", name], capture_output=True)
         self._made.clear()
-        if self._previous_sigterm is not None:
-            signal.signal(signal.SIGTERM, self._previous_sigterm)
-            self._previous_sigterm = None
+        # Restored even when the previous handler was None (one installed outside Python): ours must not stay.
+        if self._sigterm_replaced:
+            signal.signal(signal.SIGTERM, self._previous_sigterm if self._previous_sigterm is not None else signal.SIG_DFL)
+            self._sigterm_replaced = False
 
     def _namespace(self, node: int) -> str:
         name = f"{PREFIX}{os.getpid()}n{node}"
