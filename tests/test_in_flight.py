@@ -1,10 +1,10 @@
-"""How many all-gathers run at once, and the gloo limit that depends on it.
+"""How many collectives run at once, and the gloo limit on it.
 
-torch 2.13's gloo backend corrupts its heap when two coalesced all-gathers run concurrently (see
-`refuse_concurrent_gloo_gathers`), so on gloo a sharded model must never have two in flight.
-`prefetch` alone decides that number in the lowered graph; these tests check that Inductor's
-generated code keeps it (it could reorder collectives) and that a deeper prefetch is refused on a
-gloo group, at shard() and through a compile option, before anything runs.
+`prefetch` decides how many all-gathers are in flight in the lowered graph; on gloo, whose backend
+corrupts its heap when two collectives run concurrently (`passes.one_in_flight`), one collective
+of any kind runs at a time. These tests check that Inductor's generated code keeps both (it could
+reorder collectives) and that a deeper prefetch is refused on a gloo group, at shard() and
+through a compile option, before anything runs.
 """
 
 from __future__ import annotations
@@ -43,6 +43,28 @@ def most_gathers_in_flight(code: str) -> tuple[int, int]:
     return most, issued
 
 
+COLLECTIVE = re.compile(r"^\s*(\w+) = torch\.ops\._c10d_functional\.(?!wait_tensor)\w+\.default\(")
+
+
+def most_collectives_in_flight(code: str) -> tuple[int, int]:
+    """(most collectives of any kind issued and not yet waited at any line, all issued) in
+    Inductor's output code; a coalesced one's outputs are its getitems."""
+    collective_of: dict[str, str] = {}  # an output buffer -> the collective producing it
+    in_flight: set[str] = set()
+    most = issued = 0
+    for line in code.splitlines():
+        if issue := COLLECTIVE.match(line):
+            in_flight.add(issue[1])
+            collective_of[issue[1]] = issue[1]
+            issued += 1
+            most = max(most, len(in_flight))
+        elif (output := OUTPUT.match(line)) and output[2] in in_flight:
+            collective_of[output[1]] = output[2]
+        elif (wait := WAIT.search(line)) and wait[1] in collective_of:
+            in_flight.discard(collective_of[wait[1]])
+    return most, issued
+
+
 class Layers(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -65,7 +87,7 @@ def test_inductor_code_keeps_prefetch_gathers_in_flight_at_most(fake_two_ranks, 
     assert most_gathers_in_flight(codes[1]) == ((prefetch, 3) if stage == 3 else (0, 0)), codes[1]
 
 
-GLOO_REFUSAL = r"prefetch=2 keeps 2 all-gathers in flight.*gloo.*use prefetch=1 \(the default\) or 0"
+GLOO_REFUSAL = r"prefetch=2 asks for 2 all-gathers in flight.*gloo.*one collective at a time.*use prefetch=1 \(the default\) or 0"
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -101,3 +123,27 @@ def test_stage_0_and_prefetch_one_run_on_gloo(single_rank) -> None:
             # One rank holds the whole parameter: flat (stages 1-3), padded past its numel.
             got = shard.grad.reshape(-1)[: full.numel()]
             assert torch.equal(got, full.grad.reshape(-1)), f"stage {stage}: {name}"
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_on_gloo_inductor_code_keeps_one_collective_of_any_kind_in_flight(single_rank, stage: int) -> None:
+    """gloo corrupts its heap when two collectives run at once (`passes.one_in_flight`): a
+    gather must not be in flight next to a reduction either."""
+    model = zc.shard(Layers(), stage, bucket_bytes=0)  # a collective per parameter
+    compiled = torch.compile(model, backend="zero")
+
+    _, codes = run_and_get_code(lambda: compiled(torch.randn(4, 16)).backward())
+
+    assert most_collectives_in_flight(codes[0]) == (1, 8), codes[0]
+    # The backward reduces 8 gradients; stage 3 also re-gathers the three weights it reads.
+    assert most_collectives_in_flight(codes[1]) == (1, 11 if stage == 3 else 8), codes[1]
+
+
+def test_other_backends_keep_a_gather_in_flight_next_to_a_reduction(fake_two_ranks) -> None:
+    """Only gloo serialises: elsewhere the backward's re-gather overlaps the reductions."""
+    model = zc.shard(Layers(), 3, bucket_bytes=0)
+    compiled = torch.compile(model, backend="zero")
+
+    _, codes = run_and_get_code(lambda: compiled(torch.randn(4, 16)).backward())
+
+    assert most_collectives_in_flight(codes[1])[0] > 1, codes[1]

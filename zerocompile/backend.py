@@ -37,6 +37,7 @@ from torch.utils import _pytree as pytree
 
 from zerocompile import guard
 from zerocompile.config import COMPILE_TIME_FIELDS, ZeroConfig, refuse_concurrent_gloo_gathers
+from zerocompile.distributed import runs_on_gloo
 from zerocompile.gathered import is_gathered
 from zerocompile import dump, graph_records, torch_support, upstream_fixes
 from zerocompile.passes import analysis, ledger
@@ -44,6 +45,7 @@ from zerocompile.passes.ledger import GraphLedger
 from zerocompile.passes.lower_markers import lower_markers
 from zerocompile.passes.markers import UnshardArgs, is_reduce_grad, is_unshard, reduce_grad_args, unshard_args
 from zerocompile.passes.merge_unshards import merge_repeated_unshards
+from zerocompile.passes.one_in_flight import wait_before_each_collective
 from zerocompile.passes.recompute_gathers import KEPT, tag_gathers_for_recompute
 from zerocompile.passes.recording import meta_like
 from zerocompile.passes.secondary_shards import regather_from_secondary_shards
@@ -113,7 +115,10 @@ def zero_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[st
     with dynamo_timed("zerocompile.check_ranks_agree", log_pt2_compile_event=True):
         context = _check_ranks_agree(gm.graph, config) if config.check_ranks else None
     # Bound now: the backward is lowered at its first call, maybe on an autograd thread.
-    lowering = Lowering(directory, config.bucket_bytes, config.prefetch, records=graph_records.open_records())
+    one_in_flight = any(runs_on_gloo(c10d._resolve_process_group(name)) for name in groups)
+    lowering = Lowering(
+        directory, config.bucket_bytes, config.prefetch, one_in_flight, records=graph_records.open_records()
+    )
     if config.compiler == "eager":
         lower = functools.partial(_lower_and_run_eagerly, lowering=lowering, context=context)
         partition = functools.partial(_partition, directory=directory, memory_budget=config.memory_budget)
@@ -305,6 +310,8 @@ class Lowering:
     directory: str | None
     bucket_bytes: int
     prefetch: int
+    # One collective in flight at a time (a group on gloo: see `passes.one_in_flight`).
+    one_in_flight: bool = False
     decompositions: dict | None = None  # Inductor's table on the Inductor path
     # The `record_graphs()` lists open where the compile started: each graph's record goes there.
     records: tuple[list[CompiledGraph], ...] = dataclasses.field(default=(), compare=False)
@@ -316,6 +323,11 @@ def _lower_and_record(graph: fx.Graph, lowering: Lowering) -> None:
         dump.emit_graph(lowering.directory, kind, "before", "lower_markers", graph)
         lower_markers(graph, lowering.bucket_bytes, lowering.prefetch, lowering.decompositions)
         dump.emit_graph(lowering.directory, kind, "after", "lower_markers", graph)
+    if lowering.one_in_flight:
+        with dynamo_timed("zerocompile.wait_before_each_collective", log_pt2_compile_event=True, metadata={"graph": kind}):
+            dump.emit_graph(lowering.directory, kind, "before", "wait_before_each_collective", graph)
+            wait_before_each_collective(graph)
+            dump.emit_graph(lowering.directory, kind, "after", "wait_before_each_collective", graph)
     if not lowering.records and lowering.directory is None:
         # No record: only the structured trace (TORCH_TRACE, what tlparse reads) may want the ledger,
         # which `emit_ledger` works out only where that trace is on.
@@ -392,5 +404,5 @@ class LowerMarkers(CustomGraphPass):
     def uuid(self) -> str:
         # The lowering differs by backend (gloo builds its reduce-scatter from all-to-all).
         backend = dist.get_backend() if dist.is_initialized() else "none"
-        settings = f"{self.lowering.bucket_bytes}-{self.lowering.prefetch}"
+        settings = f"{self.lowering.bucket_bytes}-{self.lowering.prefetch}-{self.lowering.one_in_flight}"
         return f"lower_markers-{backend}-{settings}-" + _passes_source_hash()

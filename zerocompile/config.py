@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from zerocompile.distributed import backend_for, group_device
+from zerocompile.distributed import runs_on_gloo
 from zerocompile.hybrid import check_shard_size
 from zerocompile import torch_support
 from zerocompile.passes.stages import stage_policy
@@ -56,7 +56,7 @@ class ZeroConfig:
         not measured here).
     prefetch: how many buckets ahead of their use all-gathers start (0: none), i.e. how many are
         in flight at once; reductions then also stay in flight until the next one starts. At
-        most 1 on gloo (see `refuse_concurrent_gloo_gathers`).
+        most 1 on gloo, where one collective runs at a time (see `passes.one_in_flight`).
     param_dtype: mixed precision: parameters are cast to it before the all-gather (fewer bytes)
         and the model computes in it; the shards stay in their own dtype (fp32 master weights).
     reduce_dtype: gradients are reduced in it and land in the shards' dtype (default: the
@@ -249,22 +249,19 @@ def refuse_gloo_gathers_on_accelerator(config: ZeroConfig, backend: str, device:
 
 
 def refuse_concurrent_gloo_gathers(config: ZeroConfig, group: dist.ProcessGroup) -> None:
-    """Refuse `prefetch` > 1 on a gloo group: it would keep that many all-gathers in flight.
+    """Refuse `prefetch` > 1 on a gloo group: it could not keep more than one gather in flight.
 
-    Every gather bucket is one coalesced all-gather, and torch 2.13's gloo backend corrupts its
-    heap when two of those run at once on its two worker threads (measured, 2 ranks, 10 in
-    flight: a rank died with glibc's "malloc(): unaligned tcache chunk detected" or SIGSEGV in
-    5 of 6 runs of 2000 iterations, its allocator failing in one worker thread while the other
-    ran gloo's coalesced all-gather; one in flight next to an all-to-all: 0 of 3 runs of 4000).
-    `prefetch=1` waits each gather before the next starts, so it is safe; NCCL takes any depth.
+    On gloo the compiled graphs run one collective at a time (`passes.one_in_flight`): torch's gloo
+    corrupts its heap or hangs when two run at once on its two worker threads (pytorch/pytorch#65231;
+    measured 2026-11-28 with torch 2.13, see that module). A deeper prefetch would change nothing
+    there, so it is refused rather than silently ignored; NCCL takes any depth.
     """
-    gloo = backend_for(group, group_device(group)) == "gloo"  # also "cpu:gloo", a gloo-only group
-    if stage_policy(config.stage).shards_parameters and config.prefetch > 1 and gloo:
+    if stage_policy(config.stage).shards_parameters and config.prefetch > 1 and runs_on_gloo(group):
         raise ValueError(
-            f"prefetch={config.prefetch} keeps {config.prefetch} all-gathers in flight, and torch "
-            f"{torch_support.RELEASE}'s gloo backend corrupts memory when two coalesced all-gathers run "
-            "at once (a rank dies with 'malloc(): unaligned tcache chunk detected' or SIGSEGV); "
-            "on a gloo group use prefetch=1 (the default) or 0"
+            f"prefetch={config.prefetch} asks for {config.prefetch} all-gathers in flight, but on gloo "
+            "zerocompile runs one collective at a time (torch's gloo corrupts memory when two run at once: "
+            "pytorch/pytorch#65231), so it would change nothing: on a gloo group use prefetch=1 (the "
+            "default) or 0"
         )
 
 

@@ -193,6 +193,12 @@ def reduce_scatter_flavour(group: dist.ProcessGroup, device: torch.device) -> st
     return NATIVE_REDUCE_SCATTER
 
 
+def runs_on_gloo(group: dist.ProcessGroup) -> bool:
+    """Whether gloo runs `group`'s collectives on the tensors made for them (`group_device`):
+    "gloo", "cpu:gloo", or "cpu:gloo,cuda:nccl" on a machine without an accelerator."""
+    return backend_for(group, group_device(group)) == "gloo"
+
+
 def group_device(group: dist.ProcessGroup) -> torch.device:
     """Where `group`'s collectives take the tensors made for them: this process's current
     accelerator (the GPU `init_distributed` made current) if the group runs its tensors on a
