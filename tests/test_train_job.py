@@ -61,6 +61,28 @@ def test_train_help_documents_the_device_default(capsys: pytest.CaptureFixture[s
     ), shown
 
 
+@pytest.mark.parametrize(
+    "flags, settings",
+    [
+        (["--quant", "int8"], {"gather_quant": "int8", "reduce_quant": "int8"}),
+        (["--quant", "int8", "--quant-only", "gathers"], {"gather_quant": "int8", "reduce_quant": None}),
+        (["--quant", "int8", "--quant-only", "reductions"], {"gather_quant": None, "reduce_quant": "int8"}),
+        ([], {"gather_quant": None, "reduce_quant": None}),
+    ],
+)
+def test_quant_only_picks_which_collectives_are_quantised(flags: list[str], settings: dict) -> None:
+    from zerocompile.tools.train import _quantisations
+
+    assert _quantisations(build_parser().parse_args(["train", *flags])) == settings
+
+
+def test_quant_only_without_quant_is_refused_before_any_rank_starts() -> None:
+    from zerocompile.tools.train import train
+
+    with pytest.raises(ValueError, match="--quant-only gathers picks which collectives --quant quantises: add --quant int8"):
+        train(build_parser().parse_args(["train", "--quant-only", "gathers"]))
+
+
 def test_whole_build_lands_on_the_device() -> None:
     from zerocompile.tools.gpt import SIZES
     from zerocompile.tools.train import _build

@@ -126,6 +126,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "default: exact)",
     )
     parser.add_argument(
+        "--quant-only",
+        choices=["gathers", "reductions"],
+        help="with --quant: quantise only the parameters' all-gathers (gather_quant) or only the gradients' "
+        "reductions (reduce_quant), to see which one a loss difference comes from",
+    )
+    parser.add_argument(
         "--grad-accum",
         type=_positive_int,
         default=1,
@@ -168,6 +174,7 @@ def train(args: argparse.Namespace) -> list[float]:
     Under torchrun or srun this process is one rank of theirs; otherwise it spawns --ranks
     processes and waits for them, so tests can call it in-process.
     """
+    _quantisations(args)  # bad flags fail here, before any rank starts
     if _launched_by_torchrun_or_slurm():
         losses = train_this_rank(args)
         leave_process_group()  # only on success: a rank that raised must exit, not wait for its peers
@@ -175,6 +182,16 @@ def train(args: argparse.Namespace) -> list[float]:
     preload = spawn.find_allocator(args.allocator)
     print(spawn.allocator_line(preload), flush=True)
     return spawn.spawn_ranks(_spawned_rank, args.ranks, (args,), preload=preload)[0]
+
+
+def _quantisations(args: argparse.Namespace) -> dict[str, str | None]:
+    """The ZeroConfig quantisation settings --quant and --quant-only ask for."""
+    if args.quant_only is not None and args.quant is None:
+        raise ValueError(f"--quant-only {args.quant_only} picks which collectives --quant quantises: add --quant int8")
+    return {
+        "gather_quant": args.quant if args.quant_only != "reductions" else None,
+        "reduce_quant": args.quant if args.quant_only != "gathers" else None,
+    }
 
 
 def _launched_by_torchrun_or_slurm() -> bool:
@@ -211,7 +228,7 @@ def _train_loop(args: argparse.Namespace, rank: int, world_size: int) -> list[fl
     torch.manual_seed(args.seed)  # the initial weights: GPT._init_weights applied from this state
     zc.shard(
         model, stage=args.stage, param_dtype=PARAM_DTYPES[args.param_dtype], init=GPT._init_weights,
-        gather_quant=args.quant, reduce_quant=args.quant,
+        **_quantisations(args),
     )
     if args.load_weights is not None:
         zc.load_weights(model, args.load_weights)
