@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -101,6 +102,9 @@ def test_train_runs_on_two_ranks_and_the_loss_falls(tmp_path) -> None:
     assert [step for step, _loss in logged] == [1, 5, 10, 15, 20], result.stdout
     first_loss, last_loss = logged[0][1], logged[-1][1]
     assert first_loss > last_loss + 0.5, result.stdout
+    written = json.loads((tmp_path / "losses.json").read_text())
+    assert written["first_step"] == 1 and len(written["losses"]) == 20
+    assert [round(written["losses"][step - 1], 4) for step, _loss in logged] == [loss for _step, loss in logged]
     assert "Φ = " in result.stdout and "16Φ/N" in result.stdout
     assert re.search(r"first loss \d+\.\d+ -> last loss \d+\.\d+", result.stdout)
     assert re.search(r"^sample: ['\"]The ", result.stdout, re.MULTILINE), result.stdout  # repr's quotes

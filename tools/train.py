@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import time
@@ -266,6 +267,7 @@ def _train_loop(args: argparse.Namespace, rank: int, world_size: int) -> list[fl
             flush=True,
         )
         _plot_losses(losses, args.out / "loss.png")
+        _write_losses(losses, first_step, args.out / "losses.json")
     if args.save_weights is not None:
         zc.save_weights(model, args.save_weights)
         if rank == 0:
@@ -377,6 +379,13 @@ def printable_sample(sample: bytes) -> str:
     # surrogateescape turns byte 0xNN into the lone surrogate U+DCNN, which repr writes as \udcNN;
     # after an even run of backslashes (the text's own, each doubled by repr) "udcNN" is just text.
     return re.sub(r"(?<!\\)((?:\\\\)*)\\udc([89a-f][0-9a-f])", r"\1\\x\2", literal)
+
+
+def _write_losses(losses: list[float], first_step: int, path: Path) -> None:
+    """Every step's loss as JSON, for comparing runs by more than the printed every-10th step."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"first_step": first_step, "losses": losses}))
+    print(f"losses: {path}", flush=True)
 
 
 def _plot_losses(losses: list[float], path: Path) -> None:
