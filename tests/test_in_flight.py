@@ -19,41 +19,21 @@ from torch._inductor.utils import run_and_get_code
 
 import zerocompile as zc
 
-ISSUE = re.compile(r"^\s*(\w+) = torch\.ops\._c10d_functional\.all_gather_into_tensor_coalesced\.")
+GATHER = re.compile(r"^\s*(\w+) = torch\.ops\._c10d_functional\.all_gather_into_tensor_coalesced\.")
+COLLECTIVE = re.compile(r"^\s*(\w+) = torch\.ops\._c10d_functional\.(?!wait_tensor)\w+\.default\(")
 OUTPUT = re.compile(r"^\s*(\w+) = (\w+)\[\d+\]")
 WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((\w+)\)")
 
 
-def most_gathers_in_flight(code: str) -> tuple[int, int]:
-    """(most coalesced all-gathers issued and not yet waited at any line, all issued) in
-    Inductor's output code. A gather is in flight from its call to the first wait on one of its
-    outputs (that wait completes the whole collective)."""
-    gather_of: dict[str, str] = {}  # an output buffer -> the all-gather call producing it
+def most_in_flight(code: str, issue_line: re.Pattern = COLLECTIVE) -> tuple[int, int]:
+    """(most collectives matching `issue_line` issued and not yet waited at any line, all issued)
+    in Inductor's output code. A collective is in flight from its call to the first wait on one of
+    its outputs (a coalesced one's outputs are its getitems; that wait completes it all)."""
+    collective_of: dict[str, str] = {}  # an output buffer -> the call producing it
     in_flight: set[str] = set()
     most = issued = 0
     for line in code.splitlines():
-        if issue := ISSUE.match(line):
-            in_flight.add(issue[1])
-            issued += 1
-            most = max(most, len(in_flight))
-        elif (output := OUTPUT.match(line)) and output[2] in in_flight:
-            gather_of[output[1]] = output[2]
-        elif (wait := WAIT.search(line)) and wait[1] in gather_of:
-            in_flight.discard(gather_of[wait[1]])
-    return most, issued
-
-
-COLLECTIVE = re.compile(r"^\s*(\w+) = torch\.ops\._c10d_functional\.(?!wait_tensor)\w+\.default\(")
-
-
-def most_collectives_in_flight(code: str) -> tuple[int, int]:
-    """(most collectives of any kind issued and not yet waited at any line, all issued) in
-    Inductor's output code; a coalesced one's outputs are its getitems."""
-    collective_of: dict[str, str] = {}  # an output buffer -> the collective producing it
-    in_flight: set[str] = set()
-    most = issued = 0
-    for line in code.splitlines():
-        if issue := COLLECTIVE.match(line):
+        if issue := issue_line.match(line):
             in_flight.add(issue[1])
             collective_of[issue[1]] = issue[1]
             issued += 1
@@ -82,12 +62,12 @@ def test_inductor_code_keeps_prefetch_gathers_in_flight_at_most(fake_two_ranks, 
 
     _, codes = run_and_get_code(lambda: compiled(torch.randn(4, 16)).backward())
 
-    assert most_gathers_in_flight(codes[0]) == (prefetch, 8), codes[0]
+    assert most_in_flight(codes[0], GATHER) == (prefetch, 8), codes[0]
     # Stage 3 re-gathers the three weights the backward reads (not the biases); stage 2 nothing.
-    assert most_gathers_in_flight(codes[1]) == ((prefetch, 3) if stage == 3 else (0, 0)), codes[1]
+    assert most_in_flight(codes[1], GATHER) == ((prefetch, 3) if stage == 3 else (0, 0)), codes[1]
     if stage == 3:
         # Off gloo collectives overlap each other: a re-gather runs next to a reduction.
-        assert most_collectives_in_flight(codes[1])[0] > prefetch, codes[1]
+        assert most_in_flight(codes[1])[0] > prefetch, codes[1]
 
 
 GLOO_REFUSAL = r"prefetch=2 asks for 2 all-gathers in flight.*gloo.*one collective at a time.*use prefetch=1 \(the default\) or 0"
@@ -137,6 +117,6 @@ def test_on_gloo_inductor_code_keeps_one_collective_of_any_kind_in_flight(single
 
     _, codes = run_and_get_code(lambda: compiled(torch.randn(4, 16)).backward())
 
-    assert most_collectives_in_flight(codes[0]) == (1, 8), codes[0]
+    assert most_in_flight(codes[0]) == (1, 8), codes[0]
     # 8 gradients reduced and the three weights the backward reads re-gathered.
-    assert most_collectives_in_flight(codes[1]) == (1, 11), codes[1]
+    assert most_in_flight(codes[1]) == (1, 11), codes[1]
