@@ -6,7 +6,7 @@ wrong with gloo allgather coalesced"). Measured with torch 2.13 on 2 CPU ranks (
 `benchmarks/gloo_concurrency.py`, ten coalesced all-gathers of 8 uneven tensors in flight per
 iteration): on two worker threads a rank died with glibc's "malloc(): unaligned tcache chunk
 detected" in 4 of 4 runs, within 7-37 s; on one worker thread 3 of 3 runs of 2000 iterations
-passed with every value right. Ten per-tensor all-gathers in flight hung instead, a worker thread
+passed with every value right; torch 2.15.0 still dies the same way (1 of 2 runs). Ten per-tensor all-gathers in flight hung instead, a worker thread
 spinning in gloo's `UnboundBuffer` destructor. One all-gather next to one all-to-all survived 3
 runs of 4000 iterations, but that pair is exactly what a stage-3 backward keeps in flight (a
 re-gather issued a bucket ahead, a reduce-scatter left running until the next one), and stage-3
