@@ -19,10 +19,10 @@ first use, if that comes first), while the kernels in between run.
 
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx as fx
+
+from .analysis import waits_of
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 
@@ -36,17 +36,6 @@ def is_collective(node: fx.Node) -> bool:
         and target.namespace == "_c10d_functional"
         and target is not _WAIT
     )
-
-
-def _waits_of(collective: fx.Node) -> list[fx.Node]:
-    """The `wait_tensor`s on a collective's outputs (a coalesced one's through their getitems)."""
-    waits = []
-    for user in collective.users:
-        if user.target is _WAIT:
-            waits.append(user)
-        elif user.target is operator.getitem:
-            waits.extend(u for u in user.users if u.target is _WAIT)
-    return waits
 
 
 def wait_before_each_collective(graph: fx.Graph) -> int:
@@ -74,5 +63,5 @@ def wait_before_each_collective(graph: fx.Graph) -> int:
             node.prepend(wait)
             seen.add(wait)
             moved += 1
-        in_flight = dict.fromkeys(_waits_of(node))
+        in_flight = dict.fromkeys(waits_of(node))
     return moved

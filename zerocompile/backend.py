@@ -103,10 +103,10 @@ def zero_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[st
     with dynamo_timed("zerocompile.dynamo_graph_passes", log_pt2_compile_event=True):
         _refuse_unsharded_parameters(gm, example_inputs)
         _name_unshard_markers(gm, example_inputs)
-        groups = _groups_of(gm.graph)
+        groups = [c10d._resolve_process_group(name) for name in _groups_of(gm.graph)]
         config = _config_of(example_inputs).with_options(options)
-        for group_name in groups:
-            refuse_concurrent_gloo_gathers(config, c10d._resolve_process_group(group_name))
+        for group in groups:
+            refuse_concurrent_gloo_gathers(config, group)
         directory = dump.dump_dir(config.dump_dir)
         dump.emit_graph(directory, "dynamo", "before", "merge_repeated_unshards", gm.graph)
         merge_repeated_unshards(gm.graph)
@@ -115,7 +115,7 @@ def zero_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[st
     with dynamo_timed("zerocompile.check_ranks_agree", log_pt2_compile_event=True):
         context = _check_ranks_agree(gm.graph, config) if config.check_ranks else None
     # Bound now: the backward is lowered at its first call, maybe on an autograd thread.
-    one_in_flight = any(runs_on_gloo(c10d._resolve_process_group(name)) for name in groups)
+    one_in_flight = any(map(runs_on_gloo, groups))  # see passes.one_in_flight
     lowering = Lowering(
         directory, config.bucket_bytes, config.prefetch, one_in_flight, records=graph_records.open_records()
     )

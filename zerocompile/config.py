@@ -16,7 +16,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from zerocompile.distributed import runs_on_gloo
 from zerocompile.hybrid import check_shard_size
-from zerocompile import torch_support
 from zerocompile.passes.stages import stage_policy
 
 # Fields that only steer the graph passes, so `options=` of one compile may change them.
