@@ -42,17 +42,32 @@ from zerocompile.passes.lowering import dequantise_int8, quantise_int8
 def test_each_value_is_within_half_its_blocks_scale(rows, numel, block, magnitude, seed):
     values = torch.randn(rows, numel, generator=torch.Generator().manual_seed(seed)) * magnitude
     packed = quantise_int8(values, block)
-    blocks = -(-numel // block)
+    blocks = -(-numel // (4 * block)) * 4  # whole blocks, as many in each of the row's 4 planes
     assert packed.dtype == torch.int8 and packed.shape == (rows, 4 * blocks + blocks * block)
     restored = dequantise_int8(packed, numel, block, torch.float32)
     padded = torch.nn.functional.pad(values, [0, blocks * block - numel]).view(rows, blocks, block)
     scale = padded.abs().amax(-1) / 127  # one per block: what the row carries
     assert torch.equal(packed[:, : 4 * blocks].reshape(-1).view(torch.float32).view(rows, blocks), scale)
+    # The wire layout: byte k of code word i is the code of value k * plane + i.
+    codes = torch.round(padded / torch.where(scale > 0, scale, 1).unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    words = packed[:, 4 * blocks :].reshape(rows, -1, 4)  # a word's bytes, little end first
+    assert torch.equal(words.transpose(1, 2).reshape(rows, -1), codes.view(rows, -1))
     error = (restored - values).abs()
     error = torch.nn.functional.pad(error, [0, blocks * block - numel]).view(rows, blocks, block)
     # Half a scale from rounding to the nearest code, plus fp32 rounding of x / scale and of
     # code * scale: a few ulps of the block's largest value (127 scales), 2**-14 scales covers them.
     assert (error <= scale.unsqueeze(-1) * (0.5 + 2**-14)).all()
+
+
+@pytest.mark.parametrize("numel", (1000, 1024, 4096 + 3))  # a plane cut short, none, three planes of zeros
+def test_inductor_code_quantises_as_eager(numel):
+    """The compiled kernels (what training runs) agree bit for bit with the eager functions, at
+    sizes whose planes end in a partial block (a form Inductor once mis-compiled)."""
+    values = torch.randn(3, numel, generator=torch.Generator().manual_seed(numel))
+    packed = quantise_int8(values, 64)
+    assert torch.equal(torch.compile(quantise_int8, fullgraph=True)(values, 64), packed)
+    compiled = torch.compile(dequantise_int8, fullgraph=True)
+    assert torch.equal(compiled(packed, numel, 64, torch.float32), dequantise_int8(packed, numel, 64, torch.float32))
 
 
 def test_a_block_of_zeros_comes_back_zero_and_extremes_exact():
@@ -246,11 +261,11 @@ class TestInt8Graphs(FakeGroupTestCase):
 
     def test_stage_3_gathers_and_reduces_int8_rows_forward_and_backward(self) -> None:
         forward, backward = mlp_graphs(3, bucket_bytes=0, **{**QUANTISED, "quant_block": 4})
-        # fc1.weight: 91 elements, shards of 32 (aligned): 8 blocks of 4, so a row of 8 scales'
-        # bytes (32) and 32 codes; 4 rows gathered.
+        # fc1.weight: 91 elements, shards of 32 (aligned): 8 blocks of 4 (two in each of the 4
+        # planes), so a row of 8 scales' bytes (32) and 32 codes; 4 rows gathered.
         self.assertIn(
             "all_gather_into_tensor_coalesced: (int8[256]) = _c10d_functional.all_gather_into_tensor_coalesced("
-            "[view_5], 4, WORLD)  # param: fc1.weight",
+            "[view_6], 4, WORLD)  # param: fc1.weight",
             forward,
         )
         for graph in (forward, backward):  # stage 3 re-gathers in the backward: int8 too
@@ -276,7 +291,8 @@ class TestInt8Graphs(FakeGroupTestCase):
         fp32, numels = sent()
         int8, _ = sent(**{**QUANTISED, "quant_block": 256})
         shards = [stages.shard_numel(n, WORLD) for n in numels]
-        rows = [4 * -(-s // 256) + 256 * -(-s // 256) for s in shards]  # scales' bytes, then codes
+        blocks = [4 * -(-s // (4 * 256)) for s in shards]  # whole blocks, as many in each of 4 planes
+        rows = [4 * b + 256 * b for b in blocks]  # scales' bytes, then codes
         # Per parameter: the forward's gather sends its row to N-1 peers, and so does the
         # backward's re-gather of fc2.weight (the one weight the backward reads: x needs no
         # gradient); each reduction's all-to-all sends N-1 of its N rows.
