@@ -15,8 +15,8 @@ recorded ops) went from 1.9-2.2 s to 1.25-1.35 s. Symbolic sizes, which meta ten
 are recorded under the fake mode itself.
 
 Every recorded node carries `meta["val"]` (the op's output value) and `meta["tensor_meta"]`, as
-make_fx's do. Ops in `decompositions` are recorded as their decomposition (Inductor's post-grad
-graphs hold only decomposed ops).
+make_fx's do. Ops in `decompositions` are recorded as their decomposition, and composite ops as
+theirs (Inductor's post-grad graphs hold only decomposed ops).
 """
 
 from __future__ import annotations
@@ -124,6 +124,15 @@ class _Recorder(TorchDispatchMode):
         if decomposition is not None:
             with self:
                 result = decomposition(*args, **kwargs)
+            if result is not NotImplemented:
+                return result
+        # A decomposition's own calls arrive here undecomposed where they are composite (its
+        # `x.to(dtype)` as aten.to.dtype): recorded as such, Inductor has no lowering for them
+        # and calls them eagerly, each one a buffer written out between two kernels that would
+        # have been one. make_fx decomposes them the same way.
+        if func.namespace == "aten" and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+            with self:
+                result = func.decompose(*args, **kwargs)
             if result is not NotImplemented:
                 return result
         result = func(*args, **kwargs)

@@ -69,6 +69,20 @@ def test_decomposed_ops_are_recorded_as_their_decomposition() -> None:
     assert decomposed.output_node().args[0][0].args == (decomposed.find_nodes(op="placeholder")[0],) * 2
 
 
+def test_composite_ops_a_decomposition_calls_are_decomposed_too() -> None:
+    """A decomposition's own `x.to(dtype)` reaches the recorder as aten.to.dtype, which Inductor
+    cannot lower: it called it eagerly between two kernels (seen in the int8 quantisation's code)."""
+
+    def to_float_and_back(t: torch.Tensor, low: float, high: float) -> torch.Tensor:
+        return t.to(torch.float32).clamp_min(low).clamp_max(high).to(t.dtype)
+
+    with FakeTensorMode():
+        x = torch.empty(4, dtype=torch.bfloat16)
+        graph = record_ops(lambda t: [torch.clamp(t, -1, 1)], [x], {aten.clamp.default: to_float_and_back})
+    targets = call_targets(graph)
+    assert aten.to.dtype not in targets and aten._to_copy.default in targets, targets
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_static_fake_inputs_are_recorded_on_meta_and_come_back_fake_on_their_device(group_name: str, device: str) -> None:
     """The ops run on meta kernels, not through the fake mode's Python dispatch (what made recording
