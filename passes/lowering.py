@@ -38,9 +38,12 @@ ALL_TO_ALL_REDUCE_SCATTER = "all_to_all"
 
 
 @torch.library.custom_op("zerocompile::pack", mutates_args=())
-def pack(tensors: list[torch.Tensor], rows: int, row_numels: list[int], dtype: torch.dtype | None = None) -> torch.Tensor:
+def pack(
+    tensors: list[torch.Tensor], rows: int, row_numels: list[int], dtype: torch.dtype | None = None, row_width: int = 0
+) -> torch.Tensor:
     """A new flat buffer of `rows` rows; tensor i, flattened, cast to `dtype` and zero-padded to
-    `rows * row_numels[i]` elements, fills column block i (its row r is rank r's part).
+    `rows * row_numels[i]` elements, fills column block i (its row r is rank r's part); each row
+    is then zero-padded to `row_width` elements (0: no more than the blocks).
 
     An opaque op on purpose. Written as cat/pad, Inductor fuses the packing into the next compute
     kernel that can host it - one that runs after the current layer - so the collective it feeds
@@ -54,22 +57,27 @@ def pack(tensors: list[torch.Tensor], rows: int, row_numels: list[int], dtype: t
         if padding:
             flat = torch.nn.functional.pad(flat, [0, padding])
         blocks.append(flat.view(rows, row_numel))
+    if row_width > sum(row_numels):
+        blocks.append(blocks[0].new_zeros(rows, row_width - sum(row_numels)))
     return torch.cat(blocks, dim=1).reshape(-1)
 
 
 @pack.register_fake
 def _pack_fake(
-    tensors: list[torch.Tensor], rows: int, row_numels: list[int], dtype: torch.dtype | None = None
+    tensors: list[torch.Tensor], rows: int, row_numels: list[int], dtype: torch.dtype | None = None, row_width: int = 0
 ) -> torch.Tensor:
-    return tensors[0].new_empty(rows * sum(row_numels), dtype=dtype or tensors[0].dtype)
+    return tensors[0].new_empty(rows * max(sum(row_numels), row_width), dtype=dtype or tensors[0].dtype)
 
 
-def _packed(tensors: list[torch.Tensor], rows: int, row_numels: list[int], dtype: torch.dtype | None) -> torch.Tensor:
+def _packed(
+    tensors: list[torch.Tensor], rows: int, row_numels: list[int], dtype: torch.dtype | None, row_width: int = 0
+) -> torch.Tensor:
     """`pack(...)`, or a view when one tensor already has the layout (no copy)."""
     (first, *others) = tensors
-    if not others and rows * row_numels[0] == first.numel() and dtype in (None, first.dtype):
+    width = max(row_numels[0], row_width)
+    if not others and rows * width == first.numel() and dtype in (None, first.dtype):
         return first if first.dim() == 1 else first.reshape(-1)
-    return pack(tensors, rows, row_numels, dtype)
+    return pack(tensors, rows, row_numels, dtype, row_width)
 
 
 @torch.library.custom_op("zerocompile::average_rows", mutates_args=())
@@ -101,6 +109,12 @@ def _int8_layout(numel: int, block: int) -> tuple[int, int]:
     each of the `_PLANES` planes of `plane` values."""
     blocks = -(-numel // (_PLANES * block)) * _PLANES
     return blocks, blocks * block // _PLANES
+
+
+def int8_row_width(numel: int, block: int) -> int:
+    """The values a row of `numel` quantises as, padding included: rows packed this wide from the
+    start quantise without a masked load in every vector (2.5x faster in Inductor's CPU code)."""
+    return _PLANES * _int8_layout(numel, block)[1]
 
 
 def quantise_int8(rows: torch.Tensor, block: int) -> torch.Tensor:
@@ -238,12 +252,14 @@ def reduce_scatter_bucket(
     reduced shards are then averaged across `replica_group` too: in one all-reduce, or with
     `replica_quant_block` in int8 (`_replica_mean`)."""
     shard_numel = sum(shard_numels)
-    flat = _packed(grads, world_size, shard_numels, None if quant_block else reduce_dtype)
     if quant_block:
-        reduced = _reduce_scatter_int8(flat.view(world_size, shard_numel), group_name, world_size, quant_block)
+        flat = _packed(grads, world_size, shard_numels, None, int8_row_width(shard_numel, quant_block))
+        reduced = _reduce_scatter_int8(flat.view(world_size, -1), group_name, world_size, quant_block)[:shard_numel]
     elif flavour == NATIVE_REDUCE_SCATTER:
+        flat = _packed(grads, world_size, shard_numels, reduce_dtype)
         reduced = funcol.wait_tensor(funcol.reduce_scatter_tensor(flat, "avg", world_size, group_name))
     else:
+        flat = _packed(grads, world_size, shard_numels, reduce_dtype)
         splits = [shard_numel] * world_size
         received = funcol.wait_tensor(funcol.all_to_all_single(flat, splits, splits, group_name))
         reduced = average_rows(received.view(world_size, shard_numel), world_size)
@@ -292,9 +308,11 @@ def _all_reduce_int8(
     """Stage 0's quantised all-reduce: each gradient laid out in N aligned shards as stages 1-3
     shard it, reduce-scattered, (averaged across replicas,) and the means gathered back."""
     shard_numels = [shard_numel(grad.numel(), world_size) for grad in grads]
-    rows = _packed(grads, world_size, shard_numels, None).view(world_size, -1)
-    mean = _replica_mean(_reduce_scatter_int8(rows, group_name, world_size, block), replica_group, replicas, replica_block)
-    (full,) = _gather_bucket_int8([mean], [list(rows.shape)], group_name, world_size, torch.float32, block)
+    row = sum(shard_numels)
+    rows = _packed(grads, world_size, shard_numels, None, int8_row_width(row, block)).view(world_size, -1)
+    mean = _reduce_scatter_int8(rows, group_name, world_size, block)[:row]
+    mean = _replica_mean(mean, replica_group, replicas, replica_block)
+    (full,) = _gather_bucket_int8([mean], [[world_size, row]], group_name, world_size, torch.float32, block)
     return [
         column.reshape(-1)[: grad.numel()].view(grad.shape)
         for column, grad in zip(full.split(shard_numels, dim=1), grads)
