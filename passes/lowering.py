@@ -153,8 +153,9 @@ def _dequantised_planes(packed: torch.Tensor, numel: int, block: int) -> list[to
 def dequantise_int8(packed: torch.Tensor, numel: int, block: int, dtype: torch.dtype) -> torch.Tensor:
     """`quantise_int8`'s rows back: [rows, numel] values in `dtype`."""
     planes = _dequantised_planes(packed, numel, block)
-    # Cut after the cat, not plane by plane: Inductor 2.13's C++ code for a cut plane inside the
-    # cat dropped the cut plane's last partial block (wrong values, seen at 2.7M values, block 256).
+    # Cut after the cat, not plane by plane: a cut plane inside the cat is the loop split that
+    # Inductor's C++ code gets wrong (zerocompile.upstream_fixes; without the fix, plain
+    # torch.compile dropped the cut plane's last partial block, seen at 2.7M values, block 256).
     values = torch.cat(planes, dim=1) if len(planes) > 1 else planes[0]
     return (values if values.shape[1] == numel else values[:, :numel]).to(dtype)
 
