@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=64,
         help="sequences per global batch, split over the ranks (default 64)",
     )
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batches")
     parser.add_argument(
         "--build",
