@@ -401,9 +401,9 @@ def test_planned_model_state_is_what_two_ranks_hold_after_a_step(capsys) -> None
                 assert held[(planned["stage"], precision)] == expected, where
 
 
-# The plan counts int8 rows per parameter. With blocks of 16, which divide every (16-aligned)
-# shard, a bucket's row holds exactly its parameters' blocks and the dequantised buffers are the
-# padded ones, so the plan is exact there too.
+# The plan counts int8 rows per parameter, each padded to whole blocks in four code planes; a
+# bucket's row is padded once, so the plan's int8 bytes sent are an upper bound; dequantisation
+# writes whole code planes before cutting them to the shard, so its gathered bytes a lower one.
 TRACED_PRECISIONS = {
     **PRECISIONS,
     "int8": (

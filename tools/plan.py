@@ -64,6 +64,7 @@ from torch import nn
 
 from zerocompile.config import ZeroConfig
 from zerocompile.optim import muon_exchange_bytes
+from zerocompile.passes.lowering import int8_row_width
 from zerocompile.passes.stages import padded_numel, shard_numel
 
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -147,9 +148,10 @@ class ZeroPrecision:
 
 
 def int8_row_bytes(numel: int, block: int) -> int:
-    """One rank's int8 row of `numel` values: an fp32 scale per block of `block`, then the codes."""
-    blocks = -(-numel // block)
-    return 4 * blocks + block * blocks
+    """One rank's int8 row of `numel` values: an fp32 scale per block of `block`, then the codes,
+    whole blocks in each of the row's four code planes (`zerocompile.passes.lowering`)."""
+    width = int8_row_width(numel, block)
+    return 4 * (width // block) + width
 
 
 @dataclasses.dataclass(frozen=True)
@@ -556,8 +558,8 @@ def model_plan(
     stages 1-3 all-gather each padded parameter (in param_dtype) and reduce-scatter each padded
     trainable gradient (in reduce_dtype), (N-1)/N of each; stage 3 gathers again in the backward.
     Quantised, each rank's part is an int8 row instead (`int8_row_bytes`), counted per parameter
-    (a bucket's reduction quantises its shards as one row: the same bytes when the block divides
-    the 16-aligned shards, a few scales fewer otherwise), and stage 0's all-reduce is a quantised
+    (a bucket's collective quantises its shards as one row, padded once: up to four blocks fewer
+    per parameter than counted here), and stage 0's all-reduce is a quantised
     reduce-scatter plus an all-gather of the quantised means, (N-1)/N of the rows each.
     `muon`'s matrices hold Muon's one momentum instead, and at stages 1-3 each step adds Muon's
     exchange, the busiest rank's (`muon_exchange`).
@@ -585,10 +587,12 @@ def model_plan(
             ),
             gathered_in_step=0,
             full_grads_in_step=0,  # the held gradients are the full ones
+            sent_is_upper_bound=bool(precision.reduce_quant_block),  # a bucket pads its int8 row once
         )
     ]
     gathered = [compute(param) * padded[param.fqn] for param in parameters]
     full_grads = [compute(param) * param.numel for param in trainable]
+    quantised = bool(precision.gather_quant_block or precision.reduce_quant_block)
     for stage in (1, 2, 3):
         gathers = 2 if stage == 3 else 1
         plans.append(
@@ -606,9 +610,10 @@ def model_plan(
                 optimizer_sent=exchange,
                 gathered_in_step=max(gathered) if stage == 3 else sum(gathered),
                 full_grads_in_step=sum(full_grads) if stage == 1 else max(full_grads, default=0),
-                gathered_is_lower_bound=stage == 3,
+                # int8: dequantisation writes whole code planes before cutting them to the shard
+                gathered_is_lower_bound=stage == 3 or bool(precision.gather_quant_block),
                 full_grads_is_lower_bound=stage > 1,
-                sent_is_upper_bound=stage == 3,
+                sent_is_upper_bound=stage == 3 or quantised,
             )
         )
     return plans
