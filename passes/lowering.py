@@ -256,14 +256,14 @@ def reduce_scatter_bucket(
     if quant_block:
         flat = _packed(grads, world_size, shard_numels, None, int8_row_width(shard_numel, quant_block))
         reduced = _reduce_scatter_int8(flat.view(world_size, -1), group_name, world_size, quant_block)[:shard_numel]
-    elif flavour == NATIVE_REDUCE_SCATTER:
-        flat = _packed(grads, world_size, shard_numels, reduce_dtype)
-        reduced = funcol.wait_tensor(funcol.reduce_scatter_tensor(flat, "avg", world_size, group_name))
     else:
         flat = _packed(grads, world_size, shard_numels, reduce_dtype)
-        splits = [shard_numel] * world_size
-        received = funcol.wait_tensor(funcol.all_to_all_single(flat, splits, splits, group_name))
-        reduced = average_rows(received.view(world_size, shard_numel), world_size)
+        if flavour == NATIVE_REDUCE_SCATTER:
+            reduced = funcol.wait_tensor(funcol.reduce_scatter_tensor(flat, "avg", world_size, group_name))
+        else:
+            splits = [shard_numel] * world_size
+            received = funcol.wait_tensor(funcol.all_to_all_single(flat, splits, splits, group_name))
+            reduced = average_rows(received.view(world_size, shard_numel), world_size)
     reduced = _replica_mean(reduced, replica_group, replicas, replica_quant_block)
     shards = reduced.split(shard_numels) if len(grads) > 1 else [reduced]
     return [shard.to(grad_dtype) for shard in shards] if grad_dtype is not None else shards
