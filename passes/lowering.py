@@ -117,6 +117,12 @@ def int8_row_width(numel: int, block: int) -> int:
     return _PLANES * _int8_layout(numel, block)[1]
 
 
+def int8_row_bytes(numel: int, block: int) -> int:
+    """Bytes of `quantise_int8`'s row of `numel` values: its blocks' fp32 scales, then the codes."""
+    width = int8_row_width(numel, block)
+    return 4 * (width // block) + width
+
+
 def quantise_int8(rows: torch.Tensor, block: int) -> torch.Tensor:
     """[rows, numel] values -> int8 [rows, 4 * blocks + blocks * block]: each row's fp32 scales
     (as bytes, in block order), then its codes as int32 words, byte k of word i (little end first)

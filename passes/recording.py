@@ -130,7 +130,7 @@ class _Recorder(TorchDispatchMode):
         # `x.to(dtype)` as aten.to.dtype): recorded as such, Inductor has no lowering for them
         # and calls them eagerly, each one a buffer written out between two kernels that would
         # have been one. make_fx decomposes them the same way.
-        if func.namespace == "aten" and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+        if func.namespace == "aten":  # `decompose` knows no prim ops (prim::device)
             with self:
                 result = func.decompose(*args, **kwargs)
             if result is not NotImplemented:

@@ -64,7 +64,7 @@ from torch import nn
 
 from zerocompile.config import ZeroConfig
 from zerocompile.optim import muon_exchange_bytes
-from zerocompile.passes.lowering import int8_row_width
+from zerocompile.passes.lowering import int8_row_bytes
 from zerocompile.passes.stages import padded_numel, shard_numel
 
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -145,13 +145,6 @@ class ZeroPrecision:
         if self.reduce_quant_block:
             return ranks * int8_row_bytes(shard_numel(param.numel, ranks), self.reduce_quant_block)
         return self.reduce_bytes(param) * padded_numel(param.numel, ranks)
-
-
-def int8_row_bytes(numel: int, block: int) -> int:
-    """One rank's int8 row of `numel` values: an fp32 scale per block of `block`, then the codes,
-    whole blocks in each of the row's four code planes (`zerocompile.passes.lowering`)."""
-    width = int8_row_width(numel, block)
-    return 4 * (width // block) + width
 
 
 @dataclasses.dataclass(frozen=True)
