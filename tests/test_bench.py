@@ -263,9 +263,10 @@ def fake_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     argv = ["--quick", "--fake-ranks", str(FAKE_RANKS), "--batch-size", str(FAKE_RANKS), "--device", "cpu", "--layers", "1"]
-    args = parser.parse_args([*argv, "--modes", ",".join(FAKE_MODES), "--out", str(out)])
+    # --inductor-cache: the caches stay for test_inductor_cache_is_kept_for_the_next_run.
+    args = parser.parse_args([*argv, "--modes", ",".join(FAKE_MODES), "--inductor-cache", str(out / "caches"), "--out", str(out)])
     assert bench.run(args) == 0
-    return json.loads((out / "bench.json").read_text()) | {"table": (out / "bench.md").read_text()}
+    return json.loads((out / "bench.json").read_text()) | {"table": (out / "bench.md").read_text(), "out": out}
 
 
 def test_fake_ranks_run_every_mode_in_one_process_of_a_world_of_n(fake_run: dict) -> None:
@@ -297,6 +298,18 @@ def test_fake_ranks_hold_one_ranks_model_state(fake_run: dict) -> None:
     phi = fake_run["settings"]["phi"]
     assert sum(modes["fsdp2-compile-bf16"].values()) == pytest.approx(16 * phi / FAKE_RANKS, rel=0.01)
     assert sum(modes["compile-bf16"].values()) == 16 * phi
+
+
+def test_inductor_cache_is_kept_for_the_next_run(fake_run: dict) -> None:
+    """A sweep of link rates compiles the same graphs once per run: with --inductor-cache each mode
+    compiles into its cache under DIR, which outlives the run (without it, a temporary directory
+    removed at the end) and holds the compiled kernels a later run loads."""
+    caches = fake_run["out"] / "caches"
+    for mode in fake_run["modes"]:
+        (rank,) = mode["per_rank"]
+        assert Path(rank["inductor_cache"]).parent.parent == caches.resolve(), rank["inductor_cache"]
+        assert any(Path(rank["inductor_cache"]).rglob("*.so")), f"no compiled kernel kept for {mode['mode']}"
+    assert "kept in" in fake_run["method"]["compile_time"]
 
 
 def test_fake_ranks_refuse_interleaving_and_real_ranks(tmp_path: Path) -> None:

@@ -67,7 +67,7 @@ How each figure is measured, per mode, after --warmup untimed steps (the first o
               an accelerator each phase ends when the device has finished its queued work)
   compile     first warm-up step minus the median step; each rank of each mode compiles into a
               fresh Inductor cache of its own, so compile times are cold and comparable across
-              modes, ranks and runs.
+              modes, ranks and runs (unless --inductor-cache keeps the caches between runs).
               "compile CPU" is the same difference in CPU seconds of the rank and the compilers it
               ran (g++ here): on a shared machine the ranks' concurrent compiles and other load
               stretch the wall clock, the work itself far less (the largest rank's)
@@ -629,7 +629,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             seed=args.seed,
             modes=tuple(args.modes),
             interleave=_interleaved_modes(args),
-            cache_root=tmp,
+            cache_root=str(args.inductor_cache.resolve()) if args.inductor_cache else tmp,
             device=args.device,
             optimizer=args.optimizer,
             fake=fake,
@@ -670,7 +670,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         },
         "method": {
             "step_time": "median over timed steps of the slowest rank's step; each step starts after a barrier",
-            "compile_time": "first warm-up step minus the median step; a fresh Inductor cache per mode and rank",
+            "compile_time": "first warm-up step minus the median step; "
+            + (f"the Inductor caches kept in {args.inductor_cache} (warm if an earlier run filled them)"
+               if args.inductor_cache else "a fresh Inductor cache per mode and rank"),
             "compile_cpu": "the same in CPU seconds of a rank and the compilers it ran, largest rank",
             "compile_phases": "torch's dynamo_timed spans of the warm-up steps, summed per column, largest rank "
             "per column: Dynamo = bytecode_tracing + build_guards; AOT trace = aot_collect_metadata + "
