@@ -548,6 +548,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --link: 2 simulated nodes of --ranks ranks each, joined by the link (ranks of one node talk "
         "unshaped), every rank started by torchrun inside its node (default 1)",
     )
+    parser.add_argument(
+        "--inductor-cache",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="keep each mode's and rank's Inductor cache under DIR and reuse it in later runs (sweeps of "
+        "--link rates: only the first run compiles cold); compile times are then warm (default: a fresh "
+        "cache per run, removed after)",
+    )
     spawn.add_allocator_argument(parser)
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default ./bench-out)")
 
