@@ -114,8 +114,8 @@ class _RankPool:
         launcher = (
             launcher_env(rank) if launcher_env is not None else spawn.loopback_rank_environment(rank, self.world_size, port)
         )
-        # One cache per rank: with a shared one, a rank may load the graph its peer just compiled, skip
-        # our passes and leave no record of the graph in `record_graphs()`, which tests count. Assigned,
+        # One cache per rank: with a shared one, a rank may load the graph its peer just compiled, so
+        # what (and how long) one rank compiles would depend on its peers' timing. Assigned,
         # not defaulted: the parent's cache (the conftest's, or CI's) is in the inherited environment.
         # Inside the parent's cache, one directory per rank index: rank 0 of the next test reuses the
         # C++ kernels rank 0 compiled before (as the in-process tests share the session's cache), but

@@ -247,6 +247,23 @@ def test_record_graphs_keeps_the_graphs_of_compiles_started_inside_it(single_ran
     assert inner == outer == made
 
 
+def test_record_graphs_records_graphs_that_inductors_caches_already_hold(single_rank, tmp_path) -> None:
+    """The second compile of the same model finds its graphs in AOTAutograd's and Inductor's caches
+    (as every job does after the first on a machine), which skip our passes: with a record block
+    open the backend compiles afresh, so the block still gets both graphs with their ledgers.
+    Without that the block stayed empty."""
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    model = zc.shard(UnevenMLP(), stage=3)
+    batch = local_batch("uneven_mlp", 0, 0, 1)
+    with temporary_cache_dir(str(tmp_path)):
+        torch.compile(model, backend="zero")(batch).backward()  # no block open: fills the caches
+        torch._dynamo.reset()
+        with zc.record_graphs() as graphs:
+            torch.compile(model, backend="zero")(batch).backward()
+    assert [(g.kind, len(g.ledger.entries) > 0) for g in graphs] == [("forward", True), ("backward", True)]
+
+
 def subgroups_and_uncompiled_match_ddp(rank: int, world_size: int) -> list[float]:
     """Ranks {0,1} and {2,3} each shard over their own pair; rank 0's parameters differ at first."""
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]

@@ -139,9 +139,11 @@ def zero_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[st
         # order lower_markers chose (which already bounds the gathered memory): keep our order.
         "reorder_for_peak_memory": False,
     })
-    if directory is None:
+    if directory is None and not lowering.records:
         return _explained(compile_fx(gm, example_inputs, config_patches=config_patches), context, "forward")
-    # A cache hit would skip our passes and so write no dump: compile afresh when dumping.
+    # A hit in AOTAutograd's or Inductor's graph cache would skip our passes, so write no dump and
+    # leave `record_graphs()` empty: compile afresh when dumping or recording (the C++ kernels
+    # still come from Inductor's cache when their source is unchanged).
     with torch._functorch.config.patch(enable_autograd_cache=False):
         compiled = compile_fx(gm, example_inputs, config_patches={**config_patches, "fx_graph_cache": False})
     return _explained(compiled, context, "forward")
