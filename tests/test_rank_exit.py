@@ -46,7 +46,11 @@ def _rank(rank: int, tmp: str) -> None:
     dist.init_process_group("gloo")  # from the variables the spawner gave this rank
     if rank == 0:
         _announce_the_barrier(tmp)
-        Path(tmp, "rank0.pid").write_text(str(os.getpid()))
+        # Written whole, then renamed: rank 1 polls for the name, and a file it found before the
+        # pid was in it read as "" and sent _state to /proc//stat, which is /proc/stat (an
+        # IndexError in rank 1, seen once under load).
+        Path(tmp, "rank0.pid.partial").write_text(str(os.getpid()))
+        os.replace(Path(tmp, "rank0.pid.partial"), Path(tmp, "rank0.pid"))
     else:
         while not Path(tmp, "rank0.pid").exists():
             time.sleep(0.01)
