@@ -553,9 +553,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         metavar="DIR",
-        help="keep each mode's and rank's Inductor cache under DIR and reuse it in later runs (sweeps of "
-        "--link rates: only the first run compiles cold); compile times are then warm (default: a fresh "
-        "cache per run, removed after)",
+        help="keep each mode's and rank's Inductor cache under DIR and reuse it in later runs: in a sweep of "
+        "--link rates only the first run compiles C++ kernels, and compile times are then not cold (default: "
+        "a fresh cache per run, removed after)",
     )
     spawn.add_allocator_argument(parser)
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default ./bench-out)")
