@@ -336,16 +336,17 @@ def _replica_mean(reduced: torch.Tensor, replica_group: str, replicas: int, bloc
     (two nodes) instead gather each other's whole shard as one int8 row and average both: the same
     bytes, 2(R-1)/R = R-1, with one quantisation pass instead of two (measured on two simulated
     nodes: the reduce-scatter and gather made hybrid int8's step 1.12x hybrid fp32's on an
-    unlimited link). Every replica dequantises every row, its own too, so all of them step with
-    the same values."""
+    unlimited link), and sum the two rows plane by plane as they are dequantised. Every replica
+    dequantises every row, its own too, so all of them step with the same values."""
     if replicas == 1:
         return reduced
     if not block:
         return _all_reduce_mean(reduced, replica_group, replicas)
     numel = reduced.numel()
     if replicas == 2:
-        (both,) = _gather_bucket_int8([reduced.reshape(-1)], [[2, numel]], replica_group, 2, torch.float32, block)
-        return (both.sum(0) / 2).to(reduced.dtype)
+        row = quantise_int8(reduced.reshape(1, -1), block).view(-1)
+        (both,) = funcol.all_gather_into_tensor_coalesced([row], 2, replica_group)
+        return _dequantised_mean(funcol.wait_tensor(both).view(2, -1), numel, block).to(reduced.dtype)
     row = shard_numel(numel, replicas)
     rows = torch.nn.functional.pad(reduced.float(), [0, replicas * row - numel]).view(replicas, row)
     mean = _reduce_scatter_int8(rows, replica_group, replicas, block)
