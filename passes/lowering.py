@@ -219,14 +219,19 @@ def _gather_bucket_int8(
     dtype: torch.dtype | None,
     block: int,
 ) -> list[torch.Tensor]:
-    rows = [quantise_int8(shard.view(1, -1), block).view(-1) for shard in shards]
-    outputs = funcol.all_gather_into_tensor_coalesced(rows, world_size, group_name)
     fulls = []
-    for output, shard, shape in zip(outputs, shards, shapes):
+    for output, shard, shape in zip(_all_gather_int8_rows(shards, group_name, world_size, block), shards, shapes):
         packed = funcol.wait_tensor(output).view(world_size, -1)
         full = dequantise_int8(packed, shard.numel(), block, dtype or shard.dtype).reshape(-1)
         fulls.append((full if full.numel() == math.prod(shape) else full[: math.prod(shape)]).view(shape))
     return fulls
+
+
+def _all_gather_int8_rows(shards: list[torch.Tensor], group_name: str, world_size: int, block: int) -> list[torch.Tensor]:
+    """Each shard quantised to one int8 row, all rows all-gathered in one coalesced collective: per
+    shard, the collective's output (wait on it, then view it [world_size, row bytes])."""
+    rows = [quantise_int8(shard.reshape(1, -1), block).view(-1) for shard in shards]
+    return funcol.all_gather_into_tensor_coalesced(rows, world_size, group_name)
 
 
 def _reduce_scatter_int8(rows: torch.Tensor, group_name: str, world_size: int, block: int) -> torch.Tensor:
@@ -344,8 +349,7 @@ def _replica_mean(reduced: torch.Tensor, replica_group: str, replicas: int, bloc
         return _all_reduce_mean(reduced, replica_group, replicas)
     numel = reduced.numel()
     if replicas == 2:
-        row = quantise_int8(reduced.reshape(1, -1), block).view(-1)
-        (both,) = funcol.all_gather_into_tensor_coalesced([row], 2, replica_group)
+        (both,) = _all_gather_int8_rows([reduced], replica_group, 2, block)
         return _dequantised_mean(funcol.wait_tensor(both).view(2, -1), numel, block).to(reduced.dtype)
     row = shard_numel(numel, replicas)
     rows = torch.nn.functional.pad(reduced.float(), [0, replicas * row - numel]).view(replicas, row)
