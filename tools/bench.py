@@ -680,7 +680,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "method": {
             "step_time": "median over timed steps of the slowest rank's step; each step starts after a barrier",
             "compile_time": "first warm-up step minus the median step; "
-            + (f"the Inductor caches kept in {args.inductor_cache} (warm if an earlier run filled them)"
+            + (f"the Inductor caches kept in {args.inductor_cache} (C++ kernels an earlier run compiled are reused; "
+               "graphs are compiled afresh, as every recorded compile is)"
                if args.inductor_cache else "a fresh Inductor cache per mode and rank"),
             "compile_cpu": "the same in CPU seconds of a rank and the compilers it ran, largest rank",
             "compile_phases": "torch's dynamo_timed spans of the warm-up steps, summed per column, largest rank "
