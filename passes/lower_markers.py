@@ -313,19 +313,27 @@ def _wait_reductions_late(buckets: list[list[fx.Node]]) -> None:
 
 
 def _split_at_wait(bucket: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node], list[fx.Node]]:
-    """A spliced bucket as (packing + collective, its waits, what reads them), in graph order."""
-    waits = [n for n in bucket if n.target is torch.ops._c10d_functional.wait_tensor.default]
+    """A spliced bucket as (packing + collectives, its last waits, what reads them), in graph order.
+
+    A bucket of two collectives in a row (hybrid sharding's mean across replicas after the
+    reduce-scatter inside the node; stage 0's int8 all-reduce as a reduce-scatter and a gather)
+    waits for the first one inside its issue part: only the waits that no other collective of
+    the bucket reads may move late. Counted as waits, the inner ones had readers outside the
+    moved part, so such a bucket stayed waited in place and its collective across nodes blocked
+    the backward instead of running beside it."""
+    all_waits = [n for n in bucket if n.target is torch.ops._c10d_functional.wait_tensor.default]
     # The walk stays inside the bucket: its nodes read only each other and the markers' inputs,
     # so no path leaves it and comes back (walking every ancestor made this quadratic: 0.8 s of a
     # 48-layer backward's lowering with 145 buckets).
     members = set(bucket)
     ancestors: set[fx.Node] = set()
-    frontier = list(waits)
+    frontier = list(all_waits)
     while frontier:
         for arg in frontier.pop().all_input_nodes:
             if arg in members and arg not in ancestors:
                 ancestors.add(arg)
                 frontier.append(arg)
+    waits = [n for n in all_waits if n not in ancestors]
     issue = [n for n in bucket if n in ancestors]
     return issue, waits, [n for n in bucket if n not in waits and n not in ancestors]
 

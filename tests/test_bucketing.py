@@ -1149,6 +1149,44 @@ def test_prefetch_waits_each_reduction_just_before_the_next_starts(group_name, p
     assert [shape(o) for o in outs] == [(4,), (5,), (2,)]
 
 
+@pytest.mark.parametrize(
+    "stage, keywords",
+    [
+        (2, {"replica_group": "replicas", "replicas": 2}),
+        (3, {"replica_group": "replicas", "replicas": 2, "quant_block": 4, "replica_quant_block": 4}),
+        (0, {"quant_block": 4}),
+    ],
+    ids=["hybrid", "hybrid-int8", "stage0-int8"],
+)
+def test_prefetch_leaves_the_second_collective_of_a_bucket_in_flight_over_the_next_gradient(group_name, stage, keywords):
+    """A bucket of two collectives in a row (hybrid sharding: the mean across replicas, the one
+    collective crossing nodes, after the reduce-scatter inside the node; stage 0 int8: a
+    reduce-scatter, then a gather of the means) waits for its first at once, as the second reads
+    it, and leaves the second in flight until the next bucket starts, as a bucket of one does:
+    waited in place, the mean across nodes blocked the backward for the whole transfer."""
+    shapes = ((3, 2), (2, 5), (5, 2), (2, 4), (4, 2), (2, 2))
+
+    def f(a1, b1, a2, b2, a3, b3):
+        return tuple(
+            REDUCE_GRAD(a @ b, numel if stage == 0 else math.ceil(numel / WORLD), stage, *on(group_name), fqn, **keywords)
+            for a, b, numel, fqn in ((a1, b1, 15, "w1"), (a2, b2, 20, "w2"), (a3, b3, 8, "w3"))
+        )
+
+    gm = trace(f, *shapes)
+    lower(gm, prefetch=1)
+
+    index = node_index(gm.graph)
+    products = find(gm.graph, MM)
+    issues = [n for n in gm.graph.nodes if getattr(n.target, "namespace", None) == "_c10d_functional" and n.target is not WAIT]
+    assert len(issues) == 6, gm.graph  # two a bucket, three buckets
+    for k in range(2):
+        first, second, next_bucket = issues[2 * k : 2 * k + 3]
+        assert max(index[w] for w in analysis.waits_of(first)) < index[second]
+        second_waits = analysis.waits_of(second)
+        assert index[second] < index[products[k + 1]] < min(index[w] for w in second_waits), gm.graph
+        assert max(index[w] for w in second_waits) < index[next_bucket]
+
+
 def test_prefetch_moves_a_reduction_buckets_wait_and_unpacking_before_the_next_bucket(group_name):
     def f(g1, g2, a3, b3, a4, b4):
         r1 = REDUCE_GRAD(g1 * 2, 4, 2, *on(group_name), "w1")  # [3, 5]
