@@ -20,6 +20,8 @@ every device starts from the same ones.
   zero3-bf16       wire and in compute)
   zero3-int8       stage 3 with gather_quant="int8" and reduce_quant="int8" (ZeRO++'s qwZ + qgZ:
                    int8 blocks of 256 on the wire, fp32 master shards and compute)
+  zero2-int8       the same at stage 2: parameters gathered once, at the forward's start, and
+                   kept for the backward (2Φ(N-1)/N int8 bytes a step instead of 3Φ)
   fsdp2-hsdp-compile  FSDP2 with a 2-D mesh (replicate across nodes, shard inside one: HSDP) +
                    torch.compile; nodes as the launcher counts them (--nodes), one node otherwise
   zero3-hybrid     stage 3 with shard_size="node": sharded inside a node, replicas across nodes
@@ -396,6 +398,7 @@ MODES: dict[str, Mode] = {
         *(Mode(f"zero{stage}", _zero(stage)) for stage in range(4)),
         *(Mode(f"zero{stage}-bf16", _zero(stage, param_dtype=torch.bfloat16)) for stage in range(4)),
         Mode("zero3-int8", _zero(3, gather_quant="int8", reduce_quant="int8")),
+        Mode("zero2-int8", _zero(2, gather_quant="int8", reduce_quant="int8")),
         Mode("fsdp2-hsdp-compile", _fsdp2(compiled=True, hybrid=True)),
         Mode("zero3-hybrid", _zero(3, shard_size="node")),
         Mode("zero3-hybrid-int8", _zero(3, shard_size="node", reduce_quant="int8", quant_scope="cross_node")),
