@@ -317,10 +317,8 @@ def _split_at_wait(bucket: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node],
 
     A bucket of two collectives in a row (hybrid sharding's mean across replicas after the
     reduce-scatter inside the node; stage 0's int8 all-reduce as a reduce-scatter and a gather)
-    waits for the first one inside its issue part: only the waits that no other collective of
-    the bucket reads may move late. Counted as waits, the inner ones had readers outside the
-    moved part, so such a bucket stayed waited in place and its collective across nodes blocked
-    the backward instead of running beside it."""
+    keeps the wait of the first in its issue part, since the second reads it: only the last
+    waits count, so the collective that crosses nodes can stay in flight beside the backward."""
     all_waits = [n for n in bucket if n.target is torch.ops._c10d_functional.wait_tensor.default]
     # The walk stays inside the bucket: its nodes read only each other and the markers' inputs,
     # so no path leaves it and comes back (walking every ancestor made this quadratic: 0.8 s of a
