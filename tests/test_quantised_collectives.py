@@ -133,6 +133,25 @@ def test_collectives_deliver_exactly_the_simulated_quantisation(world_size):
         assert errors == {key: 0.0 for key in errors}, errors
 
 
+def small_shards_gather_exact(rank: int, world_size: int) -> tuple[bool, bool]:
+    # Block 64: a row is at least 4 blocks, 16 scale bytes + 256 codes = 272 bytes. A 16-value
+    # shard is 64 bytes in fp32 and 32 in bf16: sent exact. A 1024-value one is 4096 bytes
+    # (2048 in bf16) against its 1088-byte row: sent quantised.
+    group_name = dist.group.WORLD.group_name
+    shards_of = lambda r: [_rank_tensor(r, (16,), 0), _rank_tensor(r, (1024,), 1)]  # noqa: E731
+    checks = []
+    for dtype in (torch.float32, torch.bfloat16):
+        small, big = lowering.gather_bucket(shards_of(rank), [[16 * world_size], [1024 * world_size]], group_name, world_size, dtype, 64)
+        exact = torch.cat([shards_of(r)[0] for r in range(world_size)]).to(dtype)
+        quantised = _simulated_rows([shards_of(r)[1] for r in range(world_size)], 64).reshape(-1).to(dtype)
+        checks.append(torch.equal(small, exact) and torch.equal(big, quantised))
+    return tuple(checks)
+
+
+def test_a_shard_smaller_than_its_int8_row_is_gathered_exact():
+    assert run_on_ranks(2, small_shards_gather_exact) == [(True, True)] * 2
+
+
 # -- training -----------------------------------------------------------------------------------
 
 STAGES = (0, 1, 2, 3)
@@ -293,11 +312,16 @@ class TestInt8Graphs(FakeGroupTestCase):
         shards = [stages.shard_numel(n, WORLD) for n in numels]
         blocks = [4 * -(-s // (4 * 256)) for s in shards]  # whole blocks, as many in each of 4 planes
         rows = [4 * b + 256 * b for b in blocks]  # scales' bytes, then codes
-        # Per parameter: the forward's gather sends its row to N-1 peers, and so does the
-        # backward's re-gather of fc2.weight (the one weight the backward reads: x needs no
-        # gradient); each reduction's all-to-all sends N-1 of its N rows.
+        # The biases' shards (64 and 32 values: 256 and 128 bytes) are gathered exact, smaller
+        # than a 1040-byte row; the weights' (15008 and 5008 values) as rows.
+        gathered = [rows[0], 4 * shards[1], rows[2], 4 * shards[3]]
+        # Per parameter: the forward's gather sends it to N-1 peers, and so does the backward's
+        # re-gather of fc2.weight (the one weight the backward reads: x needs no gradient); each
+        # reduction's all-to-all sends N-1 of its N rows.
         regathered = [0, 0, 1, 0]
-        assert int8 == sum((2 + again) * (WORLD - 1) * row for row, again in zip(rows, regathered))
+        assert int8 == sum(
+            (WORLD - 1) * ((1 + again) * sent + row) for sent, row, again in zip(gathered, rows, regathered)
+        )
         assert fp32 == sum((2 + again) * (WORLD - 1) * 4 * s for s, again in zip(shards, regathered))
         assert int8 <= 0.30 * fp32, int8 / fp32
 

@@ -64,7 +64,7 @@ from torch import nn
 
 from zerocompile.config import ZeroConfig
 from zerocompile.optim import muon_exchange_bytes
-from zerocompile.passes.lowering import int8_row_bytes
+from zerocompile.passes.lowering import gathers_quantised, int8_row_bytes
 from zerocompile.passes.stages import padded_numel, shard_numel
 
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -135,8 +135,9 @@ class ZeroPrecision:
 
     def gathered_wire_bytes(self, param: CountedParameter, ranks: int) -> int:
         """Bytes of all N ranks' parts of one all-gather of `param` (stages 1-3)."""
-        if self.gather_quant_block and param.dtype.is_floating_point:
-            return ranks * int8_row_bytes(shard_numel(param.numel, ranks), self.gather_quant_block)
+        shard, block = shard_numel(param.numel, ranks), self.gather_quant_block
+        if block and param.dtype.is_floating_point and gathers_quantised(shard, self.compute_bytes(param), block):
+            return ranks * int8_row_bytes(shard, block)
         return self.compute_bytes(param) * padded_numel(param.numel, ranks)
 
     def reduced_wire_bytes(self, param: CountedParameter, ranks: int) -> int:
