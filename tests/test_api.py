@@ -87,19 +87,6 @@ def test_default_bucket_bytes_follow_the_backend_of_the_parameters_device(
     assert {p._zero.config.bucket_bytes for p in chosen.parameters()} == {0}
 
 
-@pytest.mark.parametrize("backends, expected", [("gloo", 16 * 2**20), ("cpu:nccl", 25 * 2**20)])
-def test_int8_gathers_default_to_gloos_bytes_on_the_wire(
-    single_rank, monkeypatch: pytest.MonkeyPatch, backends: str, expected: int
-) -> None:
-    """On gloo an int8 row is about a quarter of its fp32 tensor: 16 MiB of full tensors is the
-    4 MiB per collective that fp32 sends. Int8 reductions alone keep fp32 gathers, and 4 MiB."""
-    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: backends)
-    model = zc.shard(UnevenMLP(), stage=3, gather_quant="int8")
-    assert {p._zero.config.bucket_bytes for p in model.parameters()} == {expected}
-    reductions_only = zc.shard(UnevenMLP(), stage=3, reduce_quant="int8")
-    assert reductions_only._zero_config.bucket_bytes == (4 * 2**20 if backends == "gloo" else expected)
-
-
 def test_bucket_bytes_option_must_be_a_number() -> None:
     """The backend's default is decided by shard(); a compile option can only override it."""
     with pytest.raises(ValueError, match=r"options=\{'bucket_bytes': None\}: give a number of bytes"):

@@ -27,11 +27,6 @@ COMPILERS = ("inductor", "eager")
 # 0.552 / 0.522 / 0.596 s per step and 579 / 596 / 615 MB peak RSS (FSDP2+compile: 0.639 s,
 # 563 MB). Step times are within noise of each other; the smallest window wins on memory.
 GLOO_BUCKET_BYTES = 4 * 2**20
-# gloo with int8 gathers: the same 4 MiB on the wire, where a full tensor's int8 row is about a
-# quarter of its fp32 bytes. Measured 2026-11-29 (12m GPT, stage 3 int8, 2 gloo CPU ranks, three
-# interleaved runs of 12-20 rounds): 16 MiB of full tensors stepped 0.96-0.99x of 4 MiB's, 1.00-1.02x
-# DDP+compile against 1.02-1.06x; 64 MiB 0.97x, 1 MiB 1.16x (a collective's fixed cost dominates).
-GLOO_INT8_BUCKET_BYTES = 16 * 2**20
 # Every other backend (nccl first): DDP's default bucket_cap_mb=25, the size PyTorch tuned its
 # gradient buckets to on NCCL. Not measured here (no GPU). On NVLink a collective of a few MiB is
 # latency-bound, so gloo's 4 MiB would leave bandwidth unused; at stage 3 this also bounds the
@@ -56,8 +51,8 @@ class ZeroConfig:
         collective per parameter). At stage 3 it bounds the gathered window. None (the default):
         the default of the backend that runs the group's collectives on the parameters' device,
         decided by `shard()` (which stores the number in the config it keeps): 4 MiB on gloo
-        (measured on CPU ranks; 16 MiB with `gather_quant`, the same bytes on the wire), 25 MiB on
-        nccl and any other backend (DDP's default bucket size, not measured here).
+        (measured on CPU ranks), 25 MiB on nccl and any other backend (DDP's default bucket size,
+        not measured here).
     prefetch: how many buckets ahead of their use all-gathers start (0: none), i.e. how many are
         in flight at once; reductions then also stay in flight until the next one starts. At
         most 1 on gloo, where one collective runs at a time (see `passes.one_in_flight`).
@@ -227,15 +222,12 @@ class ZeroConfig:
         ...: the backend that runs the group's collectives on the parameters' device)."""
         if self.bucket_bytes is not None:
             return self
-        return dataclasses.replace(self, bucket_bytes=default_bucket_bytes(backend, self.gather_quant is not None))
+        return dataclasses.replace(self, bucket_bytes=default_bucket_bytes(backend))
 
 
-def default_bucket_bytes(backend: str, quantised_gathers: bool = False) -> int:
-    """`bucket_bytes` when the config leaves it None: gloo's measured 4 MiB (16 MiB of full
-    tensors where the gathers send int8 rows: 4 MiB on the wire), else DDP's 25 MiB."""
-    if backend != "gloo":
-        return ACCELERATOR_BUCKET_BYTES
-    return GLOO_INT8_BUCKET_BYTES if quantised_gathers else GLOO_BUCKET_BYTES
+def default_bucket_bytes(backend: str) -> int:
+    """`bucket_bytes` when the config leaves it None: gloo's measured 4 MiB, else DDP's 25 MiB."""
+    return GLOO_BUCKET_BYTES if backend == "gloo" else ACCELERATOR_BUCKET_BYTES
 
 
 def refuse_gloo_gathers_on_accelerator(config: ZeroConfig, backend: str, device: torch.device) -> None:
