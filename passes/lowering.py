@@ -131,6 +131,12 @@ def gathers_quantised(numel: int, itemsize: int, block: int) -> bool:
     return int8_row_bytes(numel, block) < numel * itemsize
 
 
+# The least largest magnitude a block is scaled by, so that 127 over it is a finite fp32 (all-zero
+# blocks included): a block of smaller values (under 7.5e-37) comes back within half the scale
+# this gives it, 3e-39.
+_SMALLEST_RANGE = 2.0**-120
+
+
 def quantise_int8(rows: torch.Tensor, block: int) -> torch.Tensor:
     """[rows, numel] values -> int8 [rows, 4 * blocks + blocks * block]: each row's fp32 scales
     (as bytes, in block order), then its codes as int32 words, byte k of word i (little end first)
@@ -141,9 +147,11 @@ def quantise_int8(rows: torch.Tensor, block: int) -> torch.Tensor:
     if _PLANES * plane != numel:
         values = torch.nn.functional.pad(values, [0, _PLANES * plane - numel])
     values = values.view(count, _PLANES, plane // block, block)
-    scales = values.abs().amax(-1, keepdim=True) / 127
-    # An all-zero block has scale 0: divide by 1 there, its codes are 0 either way.
-    codes = torch.round(values / torch.where(scales > 0, scales, torch.ones_like(scales))).clamp(-127, 127)
+    ranges = values.abs().amax(-1, keepdim=True).clamp_min(_SMALLEST_RANGE)
+    scales = ranges / 127
+    # Codes are a product with the block's reciprocal, not a quotient: Inductor's C++ code divides
+    # whole vectors, and quantising 5.4M values took 2.06 ms instead of 2.75 (one core).
+    codes = torch.round(values * (127 / ranges)).clamp(-127, 127)
     codes = (codes.to(torch.int32) & 0xFF).view(count, _PLANES, plane)
     words = codes[:, 0]
     for k in range(1, _PLANES):
