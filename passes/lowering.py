@@ -150,7 +150,7 @@ def quantise_int8(rows: torch.Tensor, block: int) -> torch.Tensor:
     ranges = values.abs().amax(-1, keepdim=True).clamp_min(_SMALLEST_RANGE)
     scales = ranges / 127
     # Codes are a product with the block's reciprocal, not a quotient: Inductor's C++ code divides
-    # whole vectors, and quantising 5.4M values took 2.06 ms instead of 2.75 (one core).
+    # whole vectors: quantising a 1M-value row took 0.59 ms instead of 0.75 (one core).
     codes = torch.round(values * (127 / ranges)).clamp(-127, 127)
     codes = (codes.to(torch.int32) & 0xFF).view(count, _PLANES, plane)
     words = codes[:, 0]
