@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -42,6 +43,19 @@ UNAVAILABLE = _unavailable()
 needs_namespaces = pytest.mark.skipif(bool(UNAVAILABLE), reason=UNAVAILABLE)
 
 
+def _link_rate(probe: Callable[[], float]) -> float:
+    """The best of up to three probes (the first within 10 % of RATE ends it). Under the other test
+    worker's ranks a probe's sender can lose its core and leave the link idle (seen: 445 Mbit/s
+    through 500mbit during the full suite): starved, it reads low, never high, so the best one is
+    the link's; a shaper set to another rate still fails every try."""
+    best = 0.0
+    for _ in range(3):
+        best = max(best, probe())
+        if abs(best / BITS - 1) <= 0.10:
+            break
+    return best
+
+
 def _ours() -> list[str]:
     return [name for name in netsim.namespaces() if name.startswith(f"{netsim.PREFIX}{os.getpid()}n")]
 
@@ -55,7 +69,7 @@ def _our_interfaces() -> list[str]:
 def test_one_link_carries_the_rate_asked_for() -> None:
     with netsim.SimulatedNetwork(1, RATE) as network:
         assert [node.interface for node in network.nodes] == ["lo"]
-        measured = network.probe()
+        measured = _link_rate(network.probe)
     assert abs(measured / BITS - 1) <= 0.10, f"{measured / 1e6:.0f} Mbit/s through a {RATE} link"
     assert _ours() == []
 
@@ -64,7 +78,7 @@ def test_one_link_carries_the_rate_asked_for() -> None:
 def test_two_nodes_cross_the_link_and_talk_unshaped_inside_a_node() -> None:
     with netsim.SimulatedNetwork(2, RATE) as network:
         assert [node.address for node in network.nodes] == list(netsim.NODE_ADDRESSES)
-        across = network.probe()
+        across = _link_rate(network.probe)
         node = network.nodes[0]
         within = netsim.probe(node, dataclasses.replace(node, address="127.0.0.1"))  # the node's own loopback
         assert len(_ours()) == 2 and len(_our_interfaces()) == 0  # the veth pair lives in the namespaces
