@@ -145,7 +145,8 @@ def small_shards_gather_exact(rank: int, world_size: int) -> tuple[bool, bool]:
     shards_of = lambda r: [_rank_tensor(r, (16,), 0), _rank_tensor(r, (1024,), 1)]  # noqa: E731
     checks = []
     for dtype in (torch.float32, torch.bfloat16):
-        small, big = lowering.gather_bucket(shards_of(rank), [[16 * world_size], [1024 * world_size]], group_name, world_size, dtype, 64)
+        shapes = [[16 * world_size], [1024 * world_size]]
+        small, big = lowering.gather_bucket(shards_of(rank), shapes, group_name, world_size, dtype, 64)
         exact = torch.cat([shards_of(r)[0] for r in range(world_size)]).to(dtype)
         quantised = _simulated_rows([shards_of(r)[1] for r in range(world_size)], 64).reshape(-1).to(dtype)
         checks.append(torch.equal(small, exact) and torch.equal(big, quantised))
