@@ -126,10 +126,34 @@ def _parameter_of(value: fx.Node, gathered: set[fx.Node]) -> str:
         if _is_gather(value):
             return value.meta["zero_params"][0][0]
         source = next(arg for arg in value.all_input_nodes if arg in gathered)
-        if _is_gather(source) and value.target is operator.getitem:
+        if value.target is operator.getitem and (_is_gather(source) or source.target is _SPLIT):
+            # Output i of a coalesced gather, or piece i of a flat gather's rows: parameter i.
             return source.meta["zero_params"][value.args[1]][0]
         value = source
     return value.meta[KEPT]
+
+
+_SPLIT = torch.ops.aten.split_with_sizes.default
+
+
+def _aliases(node: fx.Node) -> bool:
+    """The node's value shares its input's memory (a getitem of a split, a view)."""
+    target = node.target
+    return target is operator.getitem or (isinstance(target, torch._ops.OpOverload) and target.is_view)
+
+
+def flat_gather_pieces(buffer: fx.Node) -> list[fx.Node]:
+    """The per-parameter pieces (getitems of a split) a flat all-gather's rows are cut into, in
+    bucket order; [] for a buffer that is one parameter (coalesced, or a bucket of one)."""
+    frontier, pieces = [buffer], []
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user.target is _SPLIT and _spliced(user):
+                pieces.extend(sorted(user.users, key=lambda n: n.args[1]))
+            elif user.target is funcol.wait_tensor.default or (_aliases(user) and _spliced(user)):
+                frontier.append(user)
+    return pieces
 
 
 def _numel(value: torch.Tensor) -> int:
@@ -167,19 +191,38 @@ def gathered_live_intervals(graph: fx.Graph, size: Callable[[torch.Tensor], int]
     def last_use(roots: list[fx.Node], chain: list[fx.Node]) -> int:
         return max((position[user] for n in chain for user in n.users), default=position[roots[0]])
 
+    def largest(chain: list[fx.Node], default: fx.Node) -> int:
+        # The largest form the parameter takes: the buffer itself, or, gathered as int8 codes,
+        # its dequantised values (fp32 before a cast to the compute dtype).
+        return max(
+            (size(value.meta["val"]) for value in chain if isinstance(value.meta.get("val"), torch.Tensor)),
+            default=size(default.meta["val"]),
+        )
+
     intervals = []
     for node in graph.nodes:
         if not _is_gather(node):
             continue
         for buffer in outputs_of(node):
-            chain = chain_of([buffer])
-            # The largest form the parameter takes: the buffer itself, or, gathered as int8
-            # codes, its dequantised values (fp32 before a cast to the compute dtype).
-            largest = max(
-                (size(value.meta["val"]) for value in chain if isinstance(value.meta.get("val"), torch.Tensor)),
-                default=size(buffer.meta["val"]),
-            )
-            intervals.append((position[node], last_use([buffer], chain), largest))
+            pieces = flat_gather_pieces(buffer)
+            if not pieces:
+                chain = chain_of([buffer])
+                intervals.append((position[node], last_use([buffer], chain), largest(chain, buffer)))
+                continue
+            # A flat gather of several parameters: its buffer lives until the last read of a
+            # view of it (the copies out), each parameter's copy until its own last use.
+            views, frontier = [], [buffer]
+            while frontier:
+                value = frontier.pop()
+                views.append(value)
+                frontier.extend(
+                    user for user in derived.get(value, ()) if _aliases(user) or user.target is funcol.wait_tensor.default
+                )
+            intervals.append((position[node], last_use([buffer], views), size(buffer.meta["val"])))
+            in_views = set(views)
+            for piece in pieces:
+                copies = [value for value in chain_of([piece]) if value not in in_views]
+                intervals.append((position[node], last_use([piece], copies or [piece]), largest(copies, piece)))
     # A backward's kept inputs are alive from its start; one buffer per parameter, though the
     # forward may have saved it in two shapes.
     kept: dict[str, list[fx.Node]] = {}

@@ -64,7 +64,8 @@ def lower_markers(
             bucket,
             bucket[0],
             lambda *shards: gather_bucket(
-                list(shards), shapes, first.group_name, first.world_size, first.compute_dtype, first.gather_quant_block
+                list(shards), shapes, first.group_name, first.world_size, first.reduce_scatter, first.compute_dtype,
+                first.gather_quant_block,
             ),
         )
         (gathers_up_front if up_front else gathers).append(spliced)
@@ -138,7 +139,10 @@ def _bucket_key(node: fx.Node) -> tuple:
     """Markers may share a collective only with the same stage, groups, dtypes and quantisation."""
     if is_unshard(node):
         marker = unshard_args(node)
-        return marker.stage, marker.group_name, marker.world_size, node.meta["val"].dtype, marker.gather_quant_block
+        return (
+            marker.stage, marker.group_name, marker.world_size, marker.reduce_scatter, node.meta["val"].dtype,
+            marker.gather_quant_block,
+        )
     marker = reduce_grad_args(node)
     return (
         marker.stage, marker.group_name, marker.world_size, marker.reduce_scatter, marker.reduce_dtype,

@@ -52,14 +52,18 @@ def pack(
     """
     blocks = []
     for tensor, row_numel in zip(tensors, row_numels):
-        flat = tensor.reshape(-1) if dtype is None else tensor.reshape(-1).to(dtype)
+        flat = tensor.reshape(-1)
         padding = rows * row_numel - flat.numel()
         if padding:
             flat = torch.nn.functional.pad(flat, [0, padding])
         blocks.append(flat.view(rows, row_numel))
     if row_width > sum(row_numels):
         blocks.append(blocks[0].new_zeros(rows, row_width - sum(row_numels)))
-    return torch.cat(blocks, dim=1).reshape(-1)
+    # One cat, then one cast of the whole buffer: casting each tensor on its way in (or a cat
+    # into a buffer of another dtype, which copies input by input) dispatched a copy per
+    # parameter, and per-parameter host work is what keeps a GPU waiting (issue 54).
+    packed = torch.cat(blocks, dim=1).view(-1)
+    return packed if dtype in (None, packed.dtype) else packed.to(dtype)
 
 
 @pack.register_fake
@@ -196,36 +200,63 @@ def gather_bucket(
     shapes: list[list[int]],
     group_name: str,
     world_size: int,
+    flavour: str,
     dtype: torch.dtype | None = None,
     quant_block: int = 0,
 ) -> list[torch.Tensor]:
     """One all-gather for several parameters, in `dtype` (cast before sending: mixed precision
     halves the bytes), each cut to its numel (padding dropped) and viewed in its shape.
 
-    A coalesced all-gather: one collective call whose every shard lands in a full tensor of its
-    own, so nothing is copied out of a shared [rank, parameter] buffer afterwards. On NCCL that
-    is a group of all-gathers with no copy at all; gloo copies into the outputs as part of its
-    transfer. Measured on gloo (2 ranks, a 7 MB bucket of 8 parameters): 6.1 ms against 8.0 ms
-    for packing one buffer, gathering it and copying each parameter out; a 12m GPT's stage-3
-    step 3.7 % faster side by side.
+    The collective's layout follows the group's backend, told by `flavour` (how it
+    reduce-scatters, `zerocompile.distributed.reduce_scatter_flavour`: the one choice per backend):
+
+    - gloo (`ALL_TO_ALL_REDUCE_SCATTER`): a coalesced all-gather, one call whose every shard
+      lands in a full tensor of its own, which gloo fills as part of its transfer. Measured on
+      gloo (2 ranks, a 7 MB bucket of 8 parameters): 6.1 ms against 8.0 ms for packing one
+      buffer, gathering it and copying each parameter out; a 12m GPT's stage-3 step 3.7 % faster.
+    - every other backend (NCCL, the fake group that stands in for GPU runs): the shards packed
+      into one buffer by one op, one `all_gather_into_tensor`, one wait, and the parameters cut
+      out of the [rank, shard] rows (a view for a lone parameter; else copies that Inductor
+      writes as one kernel, or into the kernels that read them). A coalesced gather waits once per
+      output: one host call per parameter, where a GPU step is bound by the host's calls.
 
     With `quant_block`, each shard is sent as `quantise_int8`'s row and every rank dequantises
     all N rows (its own too, so all ranks compute with the same values); a shard too small for
     the row to save bytes is sent exact (`gathers_quantised`).
     """
+    coalesced = flavour == ALL_TO_ALL_REDUCE_SCATTER
     if quant_block:
-        return _gather_bucket_int8(shards, shapes, group_name, world_size, dtype, quant_block)
+        return _gather_bucket_int8(shards, shapes, group_name, world_size, coalesced, dtype, quant_block)
     numels = [shard.numel() for shard in shards]
+    if not coalesced:
+        sent = _packed(shards, 1, numels, dtype)
+        gathered = funcol.wait_tensor(funcol.all_gather_into_tensor(sent, world_size, group_name))
+        return _cut_out(_rows_of(gathered, world_size, numels), shapes)
     if dtype is None or all(shard.dtype == dtype for shard in shards):
         inputs = shards
     else:  # one opaque cast of the bucket (see `pack`), sent as views of its buffer
         inputs = list(pack(shards, 1, numels, dtype).split(numels))
     outputs = funcol.all_gather_into_tensor_coalesced(inputs, world_size, group_name)
-    fulls = [funcol.wait_tensor(output) for output in outputs]
-    return [
-        (full if full.numel() == math.prod(shape) else full[: math.prod(shape)]).view(shape)
-        for full, shape in zip(fulls, shapes)
-    ]
+    return _cut_out([funcol.wait_tensor(output) for output in outputs], shapes)
+
+
+def _rows_of(gathered: torch.Tensor, world_size: int, numels: list[int]) -> list[torch.Tensor]:
+    """A flat all-gather's output split into each shard's [rank, numel] rows; a lone shard's
+    output already is its parameter, padded."""
+    if len(numels) == 1:
+        return [gathered]
+    return list(gathered.view(world_size, -1).split(numels, dim=1))
+
+
+def _cut_out(fulls: list[torch.Tensor], shapes: list[list[int]]) -> list[torch.Tensor]:
+    """Each gathered parameter ([rank, shard] rows, or already flat) without its padding, in its
+    shape."""
+    cut = []
+    for full, shape in zip(fulls, shapes):
+        flat = full if full.dim() == 1 else full.reshape(-1)
+        numel = math.prod(shape)
+        cut.append((flat if flat.numel() == numel else flat[:numel]).view(shape))
+    return cut
 
 
 def _gather_bucket_int8(
@@ -233,28 +264,31 @@ def _gather_bucket_int8(
     shapes: list[list[int]],
     group_name: str,
     world_size: int,
+    coalesced: bool,
     dtype: torch.dtype | None,
     block: int,
 ) -> list[torch.Tensor]:
     """Each shard as one int8 row, or as its values' bytes where that is smaller
-    (`gathers_quantised`): one coalesced collective of int8 tensors either way."""
+    (`gathers_quantised`): one coalesced collective of int8 tensors, or (not `coalesced`) the rows
+    side by side in one all-gather, the same bytes."""
     dtypes = [dtype or shard.dtype for shard in shards]
     quantised = [gathers_quantised(shard.numel(), d.itemsize, block) for shard, d in zip(shards, dtypes)]
     rows = [
         quantise_int8(shard.reshape(1, -1), block).view(-1) if q else shard.reshape(-1).to(d).view(torch.int8)
         for shard, d, q in zip(shards, dtypes, quantised)
     ]
-    fulls = []
-    for output, shard, shape, d, q in zip(
-        funcol.all_gather_into_tensor_coalesced(rows, world_size, group_name), shards, shapes, dtypes, quantised
-    ):
-        received = funcol.wait_tensor(output)
-        if q:
-            full = dequantise_int8(received.view(world_size, -1), shard.numel(), block, d).reshape(-1)
-        else:
-            full = received.view(d)
-        fulls.append((full if full.numel() == math.prod(shape) else full[: math.prod(shape)]).view(shape))
-    return fulls
+    if coalesced:
+        outputs = funcol.all_gather_into_tensor_coalesced(rows, world_size, group_name)
+        received = [funcol.wait_tensor(output).view(world_size, -1) for output in outputs]
+    else:
+        sent = torch.cat(rows) if len(rows) > 1 else rows[0]
+        gathered = funcol.wait_tensor(funcol.all_gather_into_tensor(sent, world_size, group_name))
+        received = [row.view(world_size, -1) for row in _rows_of(gathered, world_size, [row.numel() for row in rows])]
+    fulls = [
+        dequantise_int8(row, shard.numel(), block, d) if q else row.view(d)
+        for row, shard, d, q in zip(received, shards, dtypes, quantised)
+    ]
+    return _cut_out(fulls, shapes)
 
 
 def _reduce_scatter_int8(rows: torch.Tensor, group_name: str, world_size: int, block: int) -> torch.Tensor:
@@ -299,8 +333,9 @@ def reduce_scatter_bucket(
             received = funcol.wait_tensor(funcol.all_to_all_single(flat, splits, splits, group_name))
             reduced = average_rows(received.view(world_size, shard_numel), world_size)
     reduced = _replica_mean(reduced, replica_group, replicas, replica_quant_block)
-    shards = reduced.split(shard_numels) if len(grads) > 1 else [reduced]
-    return [shard.to(grad_dtype) for shard in shards] if grad_dtype is not None else shards
+    if grad_dtype is not None:
+        reduced = reduced.to(grad_dtype)  # once for the bucket, not once per shard
+    return list(reduced.split(shard_numels)) if len(grads) > 1 else [reduced]
 
 
 def all_reduce_bucket(
@@ -347,7 +382,7 @@ def _all_reduce_int8(
     rows = _packed(grads, world_size, shard_numels, None, int8_row_width(row, block)).view(world_size, -1)
     mean = _reduce_scatter_int8(rows, group_name, world_size, block)[:row]
     mean = _replica_mean(mean, replica_group, replicas, replica_block)
-    (full,) = _gather_bucket_int8([mean], [[world_size, row]], group_name, world_size, torch.float32, block)
+    (full,) = _gather_bucket_int8([mean], [[world_size, row]], group_name, world_size, True, torch.float32, block)
     return [
         column.reshape(-1)[: grad.numel()].view(grad.shape)
         for column, grad in zip(full.split(shard_numels, dim=1), grads)
@@ -378,7 +413,7 @@ def _replica_mean(reduced: torch.Tensor, replica_group: str, replicas: int, bloc
     row = shard_numel(numel, replicas)
     rows = torch.nn.functional.pad(reduced.float(), [0, replicas * row - numel]).view(replicas, row)
     mean = _reduce_scatter_int8(rows, replica_group, replicas, block)
-    (full,) = _gather_bucket_int8([mean], [[replicas * row]], replica_group, replicas, torch.float32, block)
+    (full,) = _gather_bucket_int8([mean], [[replicas * row]], replica_group, replicas, True, torch.float32, block)
     return full[:numel].to(reduced.dtype)
 
 

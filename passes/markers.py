@@ -66,7 +66,7 @@ def unshard(
 ) -> torch.Tensor:
     if local or not stage_policy(stage).shards_parameters:
         return shard.to(compute_dtype or shard.dtype, copy=True)
-    return gather_bucket([shard], [shape], group_name, world_size, compute_dtype, gather_quant_block)[0]
+    return gather_bucket([shard], [shape], group_name, world_size, reduce_scatter, compute_dtype, gather_quant_block)[0]
 
 
 @unshard.register_fake

@@ -19,6 +19,7 @@ this module and destroyed at its end.
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 
@@ -82,8 +83,9 @@ def lower(gm: fx.GraphModule, **kwargs) -> dict[str, int]:
         val = node.meta.get("val")
         vals = val if isinstance(val, (list, tuple)) else [val]  # split_with_sizes: a list
         assert vals and all(isinstance(v, FakeTensor) for v in vals), f"{node.format_node()} has no fake val"
-    # every gather bucket, of one parameter or several, is lowered as a coalesced all-gather
-    assert find(gm.graph, funcol.all_gather_into_tensor.default) == []
+    # every gather bucket, of one parameter or several, is one all-gather: coalesced on gloo's
+    # layout, flat on the others'; never both in one graph of one group
+    assert not (find(gm.graph, funcol.all_gather_into_tensor.default) and find(gm.graph, AG))
     gm.recompile()
     return counts
 
@@ -182,19 +184,20 @@ def gathered_shards(graph: fx.Graph) -> list[list[str]]:
 
 
 def forward_model(
-    group_name: str, stage: int = 3, dtype=torch.float32, fqns=FQNS, compute_dtype=None
+    group_name: str, stage: int = 3, dtype=torch.float32, fqns=FQNS, compute_dtype=None, textbook: bool = False
 ) -> fx.GraphModule:
     """relu, w1 [3, 5] mm, relu, w2 [5, 4] mm, w3 [4, 2] mm, + bias [2]: four markers in a row.
 
-    Shards in `dtype`, gathered (and x given) in `compute_dtype` if set (mixed precision)."""
+    Shards in `dtype`, gathered (and x given) in `compute_dtype` if set (mixed precision). On
+    gloo's layout (coalesced gathers) unless `textbook`: the flat layout of every other backend."""
 
     def f(s1, s2, s3, s4, x):
         h = x.relu()
-        h = h @ UNSHARD(s1, SHAPES[0], stage, *on(group_name), fqns[0], compute_dtype)
+        h = h @ UNSHARD(s1, SHAPES[0], stage, *on(group_name, textbook), fqns[0], compute_dtype)
         h = h.relu()
-        h = h @ UNSHARD(s2, SHAPES[1], stage, *on(group_name), fqns[1], compute_dtype)
-        h = h @ UNSHARD(s3, SHAPES[2], stage, *on(group_name), fqns[2], compute_dtype)
-        return (h + UNSHARD(s4, SHAPES[3], stage, *on(group_name), fqns[3], compute_dtype),)
+        h = h @ UNSHARD(s2, SHAPES[1], stage, *on(group_name, textbook), fqns[1], compute_dtype)
+        h = h @ UNSHARD(s3, SHAPES[2], stage, *on(group_name, textbook), fqns[2], compute_dtype)
+        return (h + UNSHARD(s4, SHAPES[3], stage, *on(group_name, textbook), fqns[3], compute_dtype),)
 
     return trace(f, *[((n,), dtype) for n in SHARDS], ((2, 3), compute_dtype or dtype))
 
@@ -214,15 +217,15 @@ def backward_model(
     return trace(f, *[(tuple(s), dtype) for s in SHAPES])
 
 
-def gather_model(specs: list[tuple]) -> fx.GraphModule:
+def gather_model(specs: list[tuple], textbook: bool = False) -> fx.GraphModule:
     """One marker per spec (shape, stage, group, dtype, computed_shard), outputs the full values.
 
-    A computed shard is `shard * 2`, traced just before its marker."""
+    A computed shard is `shard * 2`, traced just before its marker. Layout as `forward_model`'s."""
 
     def f(*shards):
         outs = []
         for s, (full, stage, group, _, computed) in zip(shards, specs):
-            outs.append(UNSHARD(s * 2 if computed else s, list(full), stage, *on(group)))
+            outs.append(UNSHARD(s * 2 if computed else s, list(full), stage, *on(group, textbook)))
         return tuple(outs)
 
     def shard_numel(full, group):
@@ -854,6 +857,75 @@ def test_simulated_bucketed_gathers_rebuild_each_full_parameter(group_name, buck
         torch.testing.assert_close(y, expected)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("compute_dtype", [None, torch.float32], ids=["same", "cast"])
+@pytest.mark.parametrize("prefetch", [0, 1])
+@pytest.mark.parametrize("bucket_bytes", [0, 280, 10**9])  # float64: 120, 160, 64, 16 bytes
+def test_flat_gather_bucket_is_one_pack_one_all_gather_one_wait(group_name, bucket_bytes, prefetch, compute_dtype, stage):
+    """Every backend but gloo: a bucket's shards packed (and cast) by one op, one all-gather into
+    one buffer, one wait, the parameters cut out of its [rank, shard] rows; a lone parameter is
+    its buffer (no pack, no copy). Run by all ranks, each parameter comes back whole."""
+    fulls, per_rank, expected = _forward_inputs(compute_dtype=compute_dtype)
+    gm = forward_model(group_name, stage=stage, dtype=torch.float64, compute_dtype=compute_dtype, textbook=True)
+    sizes = {0: [1, 1, 1, 1], 280: [2, 2], 10**9: [4]}[bucket_bytes]
+    counts = lower(gm, bucket_bytes=bucket_bytes // 2 if compute_dtype else bucket_bytes, prefetch=prefetch)
+    assert counts == counts_of(gathers=4, gather_buckets=len(sizes))
+    gathers = find(gm.graph, funcol.all_gather_into_tensor.default)
+    assert find(gm.graph, AG) == [] and len(gathers) == len(sizes)
+    assert len(find(gm.graph, WAIT)) == len(sizes)  # one wait per bucket, not per parameter
+    packs = find(gm.graph, PACK)
+    assert len(packs) == sum(1 for n in sizes if n > 1 or compute_dtype)
+    for gather, size in zip(gathers, sizes):
+        (wait,) = gather.users
+        sent = gather.args[0]
+        if size > 1 or compute_dtype:
+            assert sent.target is PACK and len(sent.args[0]) == size and shape(gather) == (WORLD * shape(sent)[0],)
+        else:
+            assert sent.op == "placeholder"
+    # Copies out of shared rows: one per member of a bucket of several, but for the bias (shard of
+    # one element: its column of the rows is a strided view)
+    members = [list(range(start, start + n)) for start, n in zip([0, *itertools.accumulate(sizes)], sizes)]
+    copied = [i for bucket in members if len(bucket) > 1 for i in bucket if SHARDS[i] > 1]
+    assert len(find(gm.graph, aten.clone.default)) == len(copied)
+    _with_outputs(gm)
+    gm.graph.lint()
+
+    outs = run_ranks(gm.graph, per_rank)
+
+    for rank_outs in outs:
+        y, *params = rank_outs
+        for got, want in zip(params, fulls):
+            assert got.shape == want.shape and got.dtype == want.dtype and torch.equal(got, want)
+        torch.testing.assert_close(y, expected)
+
+
+def test_flat_gather_bucket_cuts_each_parameter_from_its_own_columns(group_name):
+    """Control for the test above: the rows of a flat gather hold every parameter's shard side by
+    side, so cutting a parameter out of the buffer as if it were contiguous (a wrong layout)
+    returns other parameters' values."""
+    fulls, per_rank, _ = _forward_inputs()
+    gm = forward_model(group_name, dtype=torch.float64, textbook=True)
+    lower(gm, bucket_bytes=10**9)
+    (split,) = find(gm.graph, SPLIT)
+    view = split.args[0]
+    wait = view.args[0]
+    with gm.graph.inserting_after(wait):  # the split now cuts the flat buffer, not its rows' columns
+        flat_split = gm.graph.call_function(SPLIT, (wait, [WORLD * n for n in SHARDS]))
+    for getitem in list(split.users):
+        with gm.graph.inserting_before(getitem):
+            piece = gm.graph.call_function(operator.getitem, (flat_split, getitem.args[1]))
+            rows = gm.graph.call_function(aten.view.default, (piece, [WORLD, SHARDS[getitem.args[1]]]))
+        getitem.replace_all_uses_with(rows)
+        gm.graph.erase_node(getitem)
+    gm.graph.erase_node(split)
+    _with_outputs(gm)
+
+    outs = run_ranks(gm.graph, per_rank)
+
+    _, *params = outs[0]
+    assert [torch.equal(got, want) for got, want in zip(params, fulls)] == [False] * 4
+
+
 def test_simulated_gather_bucket_depends_on_rank_order(group_name):
     """Control: the comparison above notices a wrong layout (two ranks' shards swapped)."""
     fulls, per_rank, _ = _forward_inputs()
@@ -903,12 +975,13 @@ def test_simulated_bucketed_reductions_match_per_parameter_reductions(group_name
 
 
 def _three_layer_stage3(group_name: str, computed_second: bool = False) -> fx.GraphModule:
-    """x @ w1 [3, 5] @ w2 [5, 4] @ w3 [4, 2]: three gathers separated by matmuls."""
+    """x @ w1 [3, 5] @ w2 [5, 4] @ w3 [4, 2]: three gathers separated by matmuls (gloo's layout)."""
+    group = on(group_name, textbook=False)
 
     def f(s1, s2, s3, x):
-        h = x @ UNSHARD(s1, [3, 5], 3, *on(group_name), "w1")
-        h = h @ UNSHARD(s2 * 2 if computed_second else s2, [5, 4], 3, *on(group_name), "w2")
-        return (h @ UNSHARD(s3, [4, 2], 3, *on(group_name), "w3"),)
+        h = x @ UNSHARD(s1, [3, 5], 3, *group, "w1")
+        h = h @ UNSHARD(s2 * 2 if computed_second else s2, [5, 4], 3, *group, "w2")
+        return (h @ UNSHARD(s3, [4, 2], 3, *group, "w3"),)
 
     return trace(f, (4,), (5,), (2,), (2, 3))
 

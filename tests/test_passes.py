@@ -35,9 +35,10 @@ aten = torch.ops.aten
 funcol = torch.ops._c10d_functional
 
 # Op sequences the lowering produces (make_fx traces `reshape(-1)` of a contiguous grad as a view).
-GATHER_OP = funcol.all_gather_into_tensor_coalesced.default
-GATHER = [GATHER_OP, operator.getitem, funcol.wait_tensor.default, aten.view.default]
-GATHER_PADDED = [GATHER_OP, operator.getitem, funcol.wait_tensor.default, aten.slice.Tensor, aten.view.default]
+# A lone parameter's gather: one all-gather into one buffer, which is the parameter (padded).
+GATHER_OP = funcol.all_gather_into_tensor.default
+GATHER = [GATHER_OP, funcol.wait_tensor.default, aten.view.default]
+GATHER_PADDED = [GATHER_OP, funcol.wait_tensor.default, aten.slice.Tensor, aten.view.default]
 REDUCE_SCATTER = [aten.view.default, funcol.reduce_scatter_tensor.default, funcol.wait_tensor.default]
 PACK = torch.ops.zerocompile.pack.default
 AVERAGE_ROWS = torch.ops.zerocompile.average_rows.default
@@ -273,10 +274,9 @@ def test_lower_markers_gathers_shapes_with_padding(group_name, stage):
     lower_markers(gm.graph)
 
     gathers = gm.graph.find_nodes(op="call_function", target=GATHER_OP)
-    assert [g.args for g in gathers] == [([s1], WORLD, group_name), ([s2], WORLD, group_name)]
+    assert [g.args for g in gathers] == [(s1, WORLD, group_name), (s2, WORLD, group_name)]
     # w1: 4 x 4 = 16 gathered, sliced to 15, viewed [3, 5]; w2: 4 x 5 = 20, viewed [5, 4] directly
-    (ag1, ag2) = (next(iter(gather.users)) for gather in gathers)  # each bucket's one output
-    assert ag1.target is operator.getitem and ag1.args[1] == 0
+    (ag1, ag2) = gathers  # a lone parameter's buffer is the parameter: no copy out
     wait1, wait2 = (next(iter(ag.users)) for ag in (ag1, ag2))
     slice1 = next(iter(wait1.users))
     view1, view2 = next(iter(slice1.users)), next(iter(wait2.users))
@@ -444,7 +444,7 @@ def test_lower_markers_stage12_keeps_program_order_of_moved_gathers(group_name, 
     lower_markers(gm.graph)
 
     gathers = gm.graph.find_nodes(op="call_function", target=GATHER_OP)
-    assert [g.args[0] for g in gathers] == [[s1], [s2]]
+    assert [g.args[0] for g in gathers] == [s1, s2]
 
 
 # -------------------------------------------------------------------------------------- analysis
@@ -627,7 +627,7 @@ def test_end_to_end_stage3_forward_saves_no_gathered_parameter(group_name):
         ("reduce_scatter", 44),
     ]
     (regather,) = bw.find_nodes(op="call_function", target=GATHER_OP)
-    assert [shard.op for shard in regather.args[0]] == ["placeholder"]
+    assert regather.args[0].op == "placeholder"
     assert analysis.peak_gathered_numel(bw) == 36
 
 

@@ -294,7 +294,9 @@ def test_tied_frozen_and_padded_counts_by_hand(capsys) -> None:
     At N = 4 each shard is a multiple of 16 elements, so the padded sizes are 128, 64, 64 and 64: 320
     elements gathered, 192 of them trainable.
     """
-    report = plan_json(["--model", "test_plan:tied_frozen_uneven", "--ranks", "4", "--param-dtype", "fp32"], capsys)
+    report = plan_json(
+        ["--model", "test_plan:tied_frozen_uneven", "--ranks", "4", "--param-dtype", "fp32", "--backend", "gloo"], capsys
+    )
     assert (report["params"], report["trainable_params"], report["frozen_params"]) == (160, 104, 56)
     assert report["tied"] == [["embed.weight", "head.weight"]]
     assert report["largest_param"] == {"fqn": "embed.weight", "numel": 91, "padded_numel": 128}

@@ -88,7 +88,11 @@ def test_passes_follow_the_table_without_a_process_group(stage: int, flavour: st
     gm.graph.lint()
 
     targets = call_targets(gm.graph)
-    gathers = gm.graph.find_nodes(op="call_function", target=funcol.all_gather_into_tensor_coalesced.default)
+    # One bucket: a coalesced all-gather on gloo's layout, one flat all-gather on the others'.
+    gather_op = (
+        funcol.all_gather_into_tensor_coalesced if flavour == ALL_TO_ALL_REDUCE_SCATTER else funcol.all_gather_into_tensor
+    )
+    gathers = gm.graph.find_nodes(op="call_function", target=gather_op.default)
     assert len(gathers) == (1 if policy.shards_parameters else 0)
     assert counts["identities"] == (0 if policy.shards_parameters else 2)
     for gather in gathers:

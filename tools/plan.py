@@ -271,6 +271,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "stages 1-3, each step sends their updates to an owner rank and back. The others: --optimizer-bytes "
         "(AdamW by default)",
     )
+    parser.add_argument(
+        "--backend",
+        default="nccl",
+        help="with --model, the process group's backend (default nccl): on gloo a bucket's parameters are "
+        "gathered each into its own buffer; on every other backend into one buffer they are copied out of, "
+        "which lives beside the copies for a moment, so stages 1-2's gathered bytes are then a lower bound too",
+    )
     parser.add_argument("--json", action="store_true", help="print exact byte counts as JSON instead of a table")
 
 
@@ -537,7 +544,11 @@ def count_model(model: nn.Module, spec: str) -> CountedModel:
 
 
 def model_plan(
-    counted: CountedModel, ranks: int, precision: ZeroPrecision, muon: Sequence[CountedParameter] = ()
+    counted: CountedModel,
+    ranks: int,
+    precision: ZeroPrecision,
+    muon: Sequence[CountedParameter] = (),
+    flat_gathers: bool = False,
 ) -> list[StagePlan]:
     """What zerocompile does with the model's parameters on N ranks, stage by stage.
 
@@ -556,7 +567,9 @@ def model_plan(
     per parameter than counted here), and stage 0's all-reduce is a quantised
     reduce-scatter plus an all-gather of the quantised means, (N-1)/N of the rows each.
     `muon`'s matrices hold Muon's one momentum instead, and at stages 1-3 each step adds Muon's
-    exchange, the busiest rank's (`muon_exchange`).
+    exchange, the busiest rank's (`muon_exchange`). `flat_gathers` (every backend but gloo): a
+    bucket is gathered into one buffer and its parameters copied out of it, so for a moment the
+    buffer lives beside the copies and the gathered bytes are a lower bound at every stage.
     """
     n = ranks
     spread = (n - 1) / n
@@ -605,7 +618,7 @@ def model_plan(
                 gathered_in_step=max(gathered) if stage == 3 else sum(gathered),
                 full_grads_in_step=sum(full_grads) if stage == 1 else max(full_grads, default=0),
                 # int8: dequantisation writes whole code planes before cutting them to the shard
-                gathered_is_lower_bound=stage == 3 or bool(precision.gather_quant_block),
+                gathered_is_lower_bound=stage == 3 or flat_gathers or bool(precision.gather_quant_block),
                 full_grads_is_lower_bound=stage > 1,
                 sent_is_upper_bound=stage == 3 or quantised,
             )
@@ -963,7 +976,7 @@ def plan(args: argparse.Namespace) -> str:
         reduce_quant_block=args.quant_block if args.reduce_quant else 0,
     )
     muon = muon_matrices(counted, args.muon) if args.muon is not None else []
-    plans = model_plan(counted, args.ranks, precision, muon)
+    plans = model_plan(counted, args.ranks, precision, muon, flat_gathers=args.backend != "gloo")
     if args.memory_budget is not None:
         plans.append(budget_plan(counted, args.ranks, precision, plans[2], plans[3], args.memory_budget))
     if args.json:
