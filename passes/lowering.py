@@ -50,19 +50,23 @@ def pack(
     is issued late, just before its wait: no prefetch, no early reduce-scatter, no overlap (seen in
     Inductor's output code). As an extern kernel it runs as soon as its inputs exist.
     """
-    blocks = []
-    for tensor, row_numel in zip(tensors, row_numels):
-        flat = tensor.reshape(-1)
-        padding = rows * row_numel - flat.numel()
-        if padding:
-            flat = torch.nn.functional.pad(flat, [0, padding])
-        blocks.append(flat.view(rows, row_numel))
-    if row_width > sum(row_numels):
-        blocks.append(blocks[0].new_zeros(rows, row_width - sum(row_numels)))
-    # One cat, then one cast of the whole buffer: casting each tensor on its way in (or a cat
-    # into a buffer of another dtype, which copies input by input) dispatched a copy per
-    # parameter, and per-parameter host work is what keeps a GPU waiting (issue 54).
-    packed = torch.cat(blocks, dim=1).view(-1)
+    flats = [tensor.reshape(-1) for tensor in tensors]
+    width = max(sum(row_numels), row_width)
+    if width == sum(row_numels) and all(f.numel() == rows * n for f, n in zip(flats, row_numels)):
+        packed = torch.cat([f.view(rows, n) for f, n in zip(flats, row_numels)], dim=1).view(-1)
+    else:
+        # Padding as slices of one zero tensor, the rows as one cat of contiguous pieces: a pad
+        # per tensor dispatched a fill and a copy each (2 ops per parameter of every bucket).
+        zeros = flats[0].new_zeros(max(*row_numels, width - sum(row_numels)))
+        pieces = []
+        for row in range(rows):
+            for flat, row_numel in zip(flats, row_numels):
+                part = flat[row * row_numel : (row + 1) * row_numel]
+                pieces += [part, zeros[: row_numel - part.numel()]]
+            pieces.append(zeros[: width - sum(row_numels)])
+        packed = torch.cat([piece for piece in pieces if piece.numel()])
+    # One cast of the whole buffer: a cast per tensor (or a cat into a buffer of another dtype,
+    # which copies input by input) dispatched a copy per parameter.
     return packed if dtype in (None, packed.dtype) else packed.to(dtype)
 
 
@@ -231,7 +235,7 @@ def gather_bucket(
     if not coalesced:
         sent = _packed(shards, 1, numels, dtype)
         gathered = funcol.wait_tensor(funcol.all_gather_into_tensor(sent, world_size, group_name))
-        return _cut_out(_rows_of(gathered, world_size, numels), shapes)
+        return _cut_out(_out_of_rows(gathered, world_size, numels), shapes)
     if dtype is None or all(shard.dtype == dtype for shard in shards):
         inputs = shards
     else:  # one opaque cast of the bucket (see `pack`), sent as views of its buffer
@@ -241,11 +245,40 @@ def gather_bucket(
 
 
 def _rows_of(gathered: torch.Tensor, world_size: int, numels: list[int]) -> list[torch.Tensor]:
-    """A flat all-gather's output split into each shard's [rank, numel] rows; a lone shard's
-    output already is its parameter, padded."""
+    """A flat all-gather's output as each shard's [rank, numel] rows; a lone shard's output
+    already is its parameter, padded."""
     if len(numels) == 1:
         return [gathered]
     return list(gathered.view(world_size, -1).split(numels, dim=1))
+
+
+def _out_of_rows(gathered: torch.Tensor, world_size: int, numels: list[int]) -> list[torch.Tensor]:
+    """Each gathered parameter (padded) of a flat all-gather: its column block of the rows, by
+    `unpack`; a lone shard's output already is its parameter."""
+    if len(numels) == 1:
+        return [gathered]
+    return unpack(gathered, world_size, numels)
+
+
+@torch.library.custom_op("zerocompile::unpack", mutates_args=())
+def unpack(gathered: torch.Tensor, rows: int, row_numels: list[int]) -> list[torch.Tensor]:
+    """`pack`'s inverse for a gather: `gathered` as `rows` rows of column blocks, block i of every
+    row, in row order, as a new flat tensor of its own (parameter i, padded).
+
+    One `split_with_sizes_copy`: on CUDA one kernel for the whole bucket, as FSDP2 copies out.
+    An opaque op on purpose. Written as copies of views, Inductor fused each copy into the kernels
+    that read the parameter, which then read the gathered rows at offsets of their own: no two
+    layers shared a kernel (an 8-layer GPT on a fake group of 8 compiled 50 C++ kernels instead of
+    22). Separate outputs let every layer's kernels read their parameters alike.
+    """
+    outputs = [gathered.new_empty(rows, numel) for numel in row_numels]
+    torch.split_with_sizes_copy(gathered.view(rows, -1), row_numels, dim=1, out=outputs)
+    return [output.view(-1) for output in outputs]
+
+
+@unpack.register_fake
+def _unpack_fake(gathered: torch.Tensor, rows: int, row_numels: list[int]) -> list[torch.Tensor]:
+    return [gathered.new_empty(rows * numel) for numel in row_numels]
 
 
 def _cut_out(fulls: list[torch.Tensor], shapes: list[list[int]]) -> list[torch.Tensor]:

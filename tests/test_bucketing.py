@@ -19,7 +19,6 @@ this module and destroyed at its end.
 
 from __future__ import annotations
 
-import itertools
 import math
 import operator
 
@@ -37,6 +36,7 @@ from zerocompile.passes.markers import REDUCE_GRAD, UNSHARD
 aten = torch.ops.aten
 funcol = torch.ops._c10d_functional
 PACK = torch.ops.zerocompile.pack.default
+UNPACK = torch.ops.zerocompile.unpack.default
 AVERAGE_ROWS = torch.ops.zerocompile.average_rows.default
 # A gather bucket is one coalesced all-gather: output i (a getitem) is parameter i, padded, gathered.
 AG, GI, WAIT = funcol.all_gather_into_tensor_coalesced.default, operator.getitem, funcol.wait_tensor.default
@@ -882,11 +882,10 @@ def test_flat_gather_bucket_is_one_pack_one_all_gather_one_wait(group_name, buck
             assert sent.target is PACK and len(sent.args[0]) == size and shape(gather) == (WORLD * shape(sent)[0],)
         else:
             assert sent.op == "placeholder"
-    # Copies out of shared rows: one per member of a bucket of several, but for the bias (shard of
-    # one element: its column of the rows is a strided view)
-    members = [list(range(start, start + n)) for start, n in zip([0, *itertools.accumulate(sizes)], sizes)]
-    copied = [i for bucket in members if len(bucket) > 1 for i in bucket if SHARDS[i] > 1]
-    assert len(find(gm.graph, aten.clone.default)) == len(copied)
+    # One copy out of the shared rows per bucket of several: unpack(buffer, ranks, shard numels).
+    unpacks = find(gm.graph, UNPACK)
+    assert [(len(u.args[2]), u.args[1]) for u in unpacks] == [(n, WORLD) for n in sizes if n > 1]
+    assert all(u.args[0].target is WAIT for u in unpacks)
     _with_outputs(gm)
     gm.graph.lint()
 
@@ -901,23 +900,14 @@ def test_flat_gather_bucket_is_one_pack_one_all_gather_one_wait(group_name, buck
 
 def test_flat_gather_bucket_cuts_each_parameter_from_its_own_columns(group_name):
     """Control for the test above: the rows of a flat gather hold every parameter's shard side by
-    side, so cutting a parameter out of the buffer as if it were contiguous (a wrong layout)
+    side, so cutting the buffer as if it held one parameter after another (a wrong layout)
     returns other parameters' values."""
     fulls, per_rank, _ = _forward_inputs()
     gm = forward_model(group_name, dtype=torch.float64, textbook=True)
     lower(gm, bucket_bytes=10**9)
-    (split,) = find(gm.graph, SPLIT)
-    view = split.args[0]
-    wait = view.args[0]
-    with gm.graph.inserting_after(wait):  # the split now cuts the flat buffer, not its rows' columns
-        flat_split = gm.graph.call_function(SPLIT, (wait, [WORLD * n for n in SHARDS]))
-    for getitem in list(split.users):
-        with gm.graph.inserting_before(getitem):
-            piece = gm.graph.call_function(operator.getitem, (flat_split, getitem.args[1]))
-            rows = gm.graph.call_function(aten.view.default, (piece, [WORLD, SHARDS[getitem.args[1]]]))
-        getitem.replace_all_uses_with(rows)
-        gm.graph.erase_node(getitem)
-    gm.graph.erase_node(split)
+    (unpack,) = find(gm.graph, UNPACK)
+    unpack.target = SPLIT  # the buffer cut as if parameter after parameter
+    unpack.args = (unpack.args[0], [WORLD * n for n in SHARDS])
     _with_outputs(gm)
 
     outs = run_ranks(gm.graph, per_rank)

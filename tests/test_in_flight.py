@@ -19,7 +19,7 @@ from torch._inductor.utils import run_and_get_code
 
 import zerocompile as zc
 
-GATHER = re.compile(r"^\s*(\w+) = torch\.ops\._c10d_functional\.all_gather_into_tensor_coalesced\.")
+GATHER = re.compile(r"^\s*(\w+) = torch\.ops\._c10d_functional\.all_gather_into_tensor(?:_coalesced)?\.")
 COLLECTIVE = re.compile(r"^\s*(\w+) = torch\.ops\._c10d_functional\.(?!wait_tensor)\w+\.default\(")
 OUTPUT = re.compile(r"^\s*(\w+) = (\w+)\[\d+\]")
 WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((\w+)\)")

@@ -109,10 +109,13 @@ def collectives_match_simulation(rank: int, world_size: int, block: int) -> dict
     errors = {}
     # Gathers: every rank must see every rank's quantised shard, cut to the parameter.
     shards_of = lambda r: [_rank_tensor(r, (n,), salt) for salt, n in enumerate(shard_numels)]  # noqa: E731
-    fulls = lowering.gather_bucket(shards_of(rank), shapes, group_name, world_size, torch.float32, block)
-    for i, (shape, full) in enumerate(zip(shapes, fulls)):
-        rows = _simulated_rows([shards_of(r)[i] for r in range(world_size)], block)
-        errors[f"gather {shape}"] = (full - rows.reshape(-1)[: full.numel()].view(shape)).abs().max().item()
+    # Both layouts: gloo's coalesced gather, and the one flat all-gather of every other backend.
+    for flavour in (lowering.ALL_TO_ALL_REDUCE_SCATTER, lowering.NATIVE_REDUCE_SCATTER):
+        fulls = lowering.gather_bucket(shards_of(rank), shapes, group_name, world_size, flavour, torch.float32, block)
+        for i, (shape, full) in enumerate(zip(shapes, fulls)):
+            rows = _simulated_rows([shards_of(r)[i] for r in range(world_size)], block)
+            error = (full - rows.reshape(-1)[: full.numel()].view(shape)).abs().max().item()
+            errors[f"gather {shape} {flavour}"] = error
     # Reductions: row o of every rank's [N, S] bucket (each gradient in its N shards) is bound
     # for rank o, which averages the N quantised rows it receives.
     grads_of = lambda r: [_rank_tensor(r, tuple(shape), 10 + salt) for salt, shape in enumerate(shapes)]  # noqa: E731
@@ -144,17 +147,18 @@ def small_shards_gather_exact(rank: int, world_size: int) -> tuple[bool, bool]:
     group_name = dist.group.WORLD.group_name
     shards_of = lambda r: [_rank_tensor(r, (16,), 0), _rank_tensor(r, (1024,), 1)]  # noqa: E731
     checks = []
-    for dtype in (torch.float32, torch.bfloat16):
-        shapes = [[16 * world_size], [1024 * world_size]]
-        small, big = lowering.gather_bucket(shards_of(rank), shapes, group_name, world_size, dtype, 64)
-        exact = torch.cat([shards_of(r)[0] for r in range(world_size)]).to(dtype)
-        quantised = _simulated_rows([shards_of(r)[1] for r in range(world_size)], 64).reshape(-1).to(dtype)
-        checks.append(torch.equal(small, exact) and torch.equal(big, quantised))
+    for flavour in (lowering.ALL_TO_ALL_REDUCE_SCATTER, lowering.NATIVE_REDUCE_SCATTER):  # both layouts
+        for dtype in (torch.float32, torch.bfloat16):
+            shapes = [[16 * world_size], [1024 * world_size]]
+            small, big = lowering.gather_bucket(shards_of(rank), shapes, group_name, world_size, flavour, dtype, 64)
+            exact = torch.cat([shards_of(r)[0] for r in range(world_size)]).to(dtype)
+            quantised = _simulated_rows([shards_of(r)[1] for r in range(world_size)], 64).reshape(-1).to(dtype)
+            checks.append(torch.equal(small, exact) and torch.equal(big, quantised))
     return tuple(checks)
 
 
 def test_a_shard_smaller_than_its_int8_row_is_gathered_exact():
-    assert run_on_ranks(2, small_shards_gather_exact) == [(True, True)] * 2
+    assert run_on_ranks(2, small_shards_gather_exact) == [(True,) * 4] * 2
 
 
 # -- training -----------------------------------------------------------------------------------
@@ -288,13 +292,13 @@ class TestInt8Graphs(FakeGroupTestCase):
         # fc1.weight: 91 elements, shards of 32 (aligned): 8 blocks of 4 (two in each of the 4
         # planes), so a row of 8 scales' bytes (32) and 32 codes; 4 rows gathered.
         self.assertIn(
-            "all_gather_into_tensor_coalesced: (int8[256]) = _c10d_functional.all_gather_into_tensor_coalesced("
-            "[view_6], 4, WORLD)  # param: fc1.weight",
+            "all_gather_into_tensor: int8[256] = _c10d_functional.all_gather_into_tensor(view_6, 4, WORLD)  "
+            "# param: fc1.weight",
             forward,
         )
         for graph in (forward, backward):  # stage 3 re-gathers in the backward: int8 too
-            gathers = [line for line in graph.splitlines() if "all_gather_into_tensor_coalesced(" in line]
-            assert gathers and all(": (int8[" in line for line in gathers), gathers
+            gathers = [line for line in graph.splitlines() if "all_gather_into_tensor(" in line]
+            assert gathers and all(": int8[" in line for line in gathers), gathers
         reductions = [line for line in backward.splitlines() if "all_to_all_single(" in line]
         assert len(reductions) == 6 and all(": int8[" in line for line in reductions), reductions
         assert "reduce_scatter_tensor(" not in backward

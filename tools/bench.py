@@ -14,7 +14,8 @@ every device starts from the same ones.
                    replica, nothing is sent): the reference for compile time
   zero-redundancy  torch.distributed.optim.ZeroRedundancyOptimizer + DDP, eager
   fsdp2            fully_shard on every Block and on the root, eager
-  fsdp2-compile    the same + torch.compile
+  fsdp2-compile    the same, each Block compiled on its own (Module.compile) inside FSDP2's hooks,
+                   as torchtitan compiles FSDP2; the embeddings, final norm and head run eagerly
   zero0 .. zero3   zerocompile.shard(model, stage=s) + torch.compile(model, backend="zero")
   zero0-bf16 ..    the same with param_dtype=torch.bfloat16 (fp32 master shards, bf16 on the
   zero3-bf16       wire and in compute)
@@ -22,8 +23,8 @@ every device starts from the same ones.
                    int8 blocks of 256 on the wire, fp32 master shards and compute)
   zero2-int8       the same at stage 2: parameters gathered once, at the forward's start, and
                    kept for the backward (2Φ(N-1)/N int8 bytes a step instead of 3Φ)
-  fsdp2-hsdp-compile  FSDP2 with a 2-D mesh (replicate across nodes, shard inside one: HSDP) +
-                   torch.compile; nodes as the launcher counts them (--nodes), one node otherwise
+  fsdp2-hsdp-compile  FSDP2 with a 2-D mesh (replicate across nodes, shard inside one: HSDP),
+                   blocks compiled as fsdp2-compile's; nodes as the launcher counts them (--nodes), one node otherwise
   zero3-hybrid     stage 3 with shard_size="node": sharded inside a node, replicas across nodes
   zero3-hpz        stage 3 with secondary_shard_size="node" (hpZ): the backward gathers inside a node
   zero3-hybrid-int8, zero3-hpz-int8  the same with int8 where bytes cross nodes
@@ -174,7 +175,7 @@ from zerocompile import torch_support
 from zerocompile.distributed import default_backend
 from zerocompile.hybrid import ranks_per_node
 from zerocompile.tools import gpt as gpt_module
-from zerocompile.tools import link_budget, netsim, spawn
+from zerocompile.tools import dispatched, link_budget, netsim, spawn
 from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
 from zerocompile.tools.rss import reset_peak_rss, status_bytes
 from zerocompile.tools.train import add_device_argument, chosen_device
@@ -363,10 +364,14 @@ def _fsdp2(
             mesh = init_device_mesh(device_type, (dist.get_world_size(),))
         for block in model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+            if compiled:
+                # As torchtitan compiles FSDP2: each block on its own, FSDP2's hooks around it. The
+                # whole model under torch.compile broke its graph at GPT.forward's loop over the
+                # blocks and ran mostly eagerly.
+                block.compile()
         fully_shard(model, mesh=mesh, mp_policy=mp_policy)
         optimizers = _optimizers(model, optimizer, _FullTensorMuon)
-        runner = torch.compile(model) if compiled else model
-        return Prepared(runner, optimizers, _plainly_held(model, optimizers))
+        return Prepared(model, optimizers, _plainly_held(model, optimizers))
 
     return build
 
@@ -699,6 +704,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "built and sharded to the end, compile included; steps = reset before the timed steps; null on the CPU",
             "sent": "largest rank's median over timed steps of the /proc/self/io wchar delta around a step",
             "model_state": "largest rank, after the last optimizer step, gradients still held",
+            "ops_per_step": "rank 0's kernel-like ops dispatched by one more step under torch.profiler (operators "
+            "and Inductor kernels doing work: no views, allocations or queries; a collective once), the host work a "
+            "GPU step of small kernels is bound by; kernels/step: the kernels its device ran (tools/dispatched.py)",
             "final_loss": "mean over ranks of the last timed step's loss",
             "loss_vs_ddp": "largest relative difference from ddp's mean loss over all steps, warm-up included",
             "load": "the machine's 1-minute load average before the timed steps (our own ranks add about N)",
@@ -951,7 +959,8 @@ def _measure_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
     interface = link_budget.link_interface() if settings.link else None
     compile_timers.clear()  # a mode has processes of its own: what is timed from here on is its compile
     _reset_device_peak(device)
-    with zc.record_graphs() as graphs:
+    # Inductor's C++ kernels record themselves for the profiled step's count (`dispatched`).
+    with zc.record_graphs() as graphs, dispatched.kernel_profiling():
         warmup = [_one_step(prepared, batches, interface) for _ in range(settings.warmup)]
     compiled = {name: [len(spans), sum(spans)] for name, spans in compile_timers.items()}
     warmup_device_peak = _device_peak(device)
@@ -961,6 +970,7 @@ def _measure_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
     load = os.getloadavg()[0]
     timed = [_one_step(prepared, batches, interface) for _ in range(settings.steps)]
     steps_device_peak = _device_peak(device)
+    host_work = dispatched.dispatched_per_step(lambda: _training_step(prepared, batches), device)
     held = prepared.state_bytes()  # the last step's gradients are still there
     if rss_source == "VmHWM":
         peak = status_bytes("VmHWM")
@@ -977,6 +987,7 @@ def _measure_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
         "link_sent": [step.link_sent for step in timed],
         "predicted": _predicted_bytes(graphs, prepared.optimizers, settings),
         "losses": [step.loss.item() for step in warmup + timed],
+        "dispatched": host_work,
         "held": held,
         "peak_rss": peak,
         "device_peak_run": None if steps_device_peak is None else max(warmup_device_peak, steps_device_peak),
@@ -1077,6 +1088,15 @@ def _one_step(prepared: Prepared, batches: _RandomBatches, interface: str | None
     return Step(end - start, _cpu_seconds() - cpu_start, phases, _wchar() - written, loss.detach(), waiting, link_sent)
 
 
+def _training_step(prepared: Prepared, batches: _RandomBatches) -> None:
+    """A step as `_one_step` runs it, without its clocks and barriers (what `dispatched` counts)."""
+    for optimizer in prepared.optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    prepared.runner(*batches.next()).backward()
+    for optimizer in prepared.optimizers:
+        optimizer.step()
+
+
 def _cpu_seconds() -> float:
     times = os.times()
     return times.user + times.system + times.children_user + times.children_system
@@ -1144,6 +1164,8 @@ def _summarise(name: str, per_rank: list[dict[str, Any]], nodes: int = 1) -> dic
         **_link_figures([m["waiting"] for m in per_rank], [m["link_sent"] for m in per_rank], nodes),
         "link_bytes_predicted": _link_prediction([m["predicted"] for m in per_rank], nodes),
         "model_state_bytes": largest_held,
+        "dispatched_ops_per_step": per_rank[0]["dispatched"]["ops"],
+        "device_kernels_per_step": per_rank[0]["dispatched"]["kernels"],
         "final_loss": statistics.fmean(m["losses"][-1] for m in per_rank),
         "losses": [statistics.fmean(step) for step in zip(*(m["losses"] for m in per_rank))],
         "per_rank": per_rank,
@@ -1279,7 +1301,8 @@ def markdown_table(summary: dict[str, Any]) -> str:
     columns = [
         "mode", "step s", "compile s (CPU s)", "RSS between steps MB", "peak RSS MB",
         *(["device peak MB run / steps"] if device_peaks else []),
-        "sent MB/step/rank", "params / grads / optim MB per rank", "final loss", "vs ddp", "load",
+        "sent MB/step/rank", "params / grads / optim MB per rank", "ops/step",
+        *(["kernels/step"] if device_peaks else []), "final loss", "vs ddp", "load",
     ]  # fmt: skip
     lines = [
         f"`zerocompile bench` on {machine['node']} ({machine['cpu_count']} CPUs, torch {machine['torch']}), "
@@ -1319,6 +1342,8 @@ def markdown_table(summary: dict[str, Any]) -> str:
             + (f"{_device_peaks(mode)} | " if device_peaks else "")
             + f"{_megabytes(mode['sent_bytes_per_step'], 2)} | "
             f"{held['params'] / MB:.1f} / {held['grads'] / MB:.1f} / {held['optimizer'] / MB:.1f} | "
+            f"{mode['dispatched_ops_per_step']} | "
+            + (f"{mode['device_kernels_per_step']} | " if device_peaks else "")
             + ("n/a | n/a" if fake else f"{mode['final_loss']:.4f} | {_loss_difference(mode, ddp)}")
             + f" | {mode['load_avg_1min']:.1f} |"
         )
