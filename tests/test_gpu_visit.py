@@ -99,3 +99,31 @@ def test_kernel_families_and_the_side_by_side_table() -> None:
     # A family one mode never launched shows as zero kernels there, not as a missing cell.
     assert "| matmul: ms (kernels) | 1.0 (2) | 0 (0) |" in lines
     assert "| copy / fill: ms (kernels) | 0 (0) | 0.5 (3) |" in lines
+
+
+@pytest.mark.fast
+def test_targets_say_met_or_missed_per_group() -> None:
+    def report(mode: str, group: str, step: float, kernels: float, busy: float | None, collectives: int = 0) -> dict:
+        families = {"collective": {"kernels": collectives, "device_ms": 0.0}} if collectives else {}
+        return {"mode": mode, "group": group, "step_s": step, "kernels_per_step": kernels, "device_busy": busy,
+                "families": families}
+
+    reports = [
+        report("compile-bf16", "fake", 0.100, 1000, 0.9),
+        report("fsdp2-compile-bf16", "fake", 0.200, 3000, 0.5),
+        report("zero3-bf16", "fake", 0.110, 1300, 0.8, collectives=10),  # 1.10x, 0.55x, 1.3 / 1.01
+        report("compile-bf16", "nccl", 0.040, 1000, 0.9),
+        report("zero3-bf16", "nccl", 0.100, 2000, 0.3),
+        report("fsdp2-compile-bf16", "nccl", 0.100, 3000, 0.5),  # 2.5x, 1.0x, 2.0, busy 0.3: all missed
+    ]
+    lines = gpu_visit.target_lines(reports)
+    fake = [line for line in lines if line.startswith("- fake group")]
+    real = [line for line in lines if line.startswith("- one real rank")]
+    assert len(fake) == len(real) == 4
+    assert all(line.endswith(": met") for line in fake), fake
+    assert all(line.endswith(": MISSED") for line in real), real
+    assert "step vs compile-bf16: 2.50 (<= 1.15)" in real[0]
+    assert gpu_visit.target_lines(reports[:2]) == [
+        "- fake group: not all of compile-bf16, zero3-bf16, fsdp2-compile-bf16 were profiled",
+        "- one real rank: not all of compile-bf16, zero3-bf16, fsdp2-compile-bf16 were profiled",
+    ]

@@ -6,12 +6,16 @@ Device time is scarce (minutes per session), so everything a visit should learn 
 in order of what matters most, each step in a process of its own with its own time limit: a step
 that fails or hangs is reported with its output and the next one runs. What each step does:
 
+  profile  each of --profile-modes (plain compile, stage 3 and FSDP2 compiled per block, bf16) on the
+           fake group of 8 and on one real rank (--profile-group): forward / backward / optimizer
+           seconds, ops dispatched per step, then torch.profiler's kernels and device time per
+           family; the summary judges stage 3 against its targets (step <= 1.15x plain compile's
+           and <= 0.85x FSDP2's, kernels <= 1.3x plain compile's plus the collectives, device busy
+           >= 70 %); on a GPU, compile-bf16 and zero3-bf16 again with Inductor's CUDA-graph trees
   check    `zerocompile check --device <dev> --json ...`: a small GPT under DDP and under stages 0-3,
            eager compiler and Inductor, gradients, parameters, model-state bytes, bytes sent and
            step time against DDP's (see zerocompile/tools/check.py for what runs on one GPU, on
            several, and on the CPU)
-  profile  each of --profile-modes (plain compile and stage 3, bf16) on the same fake group and GPT as
-           the bench below: forward / backward / optimizer seconds, then torch.profiler over a few steps
   trace    a stage-3 compile of a small GPT on the fake group under TORCH_TRACE (for tlparse), and
            the code Inductor generated for its forward and backward
   bench    `zerocompile bench --fake-ranks 8`, bf16: stage 3 against plain torch.compile and
@@ -99,12 +103,18 @@ def run_profile(args: argparse.Namespace) -> int:
     from torch.profiler import ProfilerActivity, profile
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from torch._dynamo.utils import counters
+
     from zerocompile.distributed import default_backend
-    from zerocompile.tools import bench
+    from zerocompile.tools import bench, dispatched
     from zerocompile.tools.gpt import SIZES, GPT
     from zerocompile.tools.spawn import free_loopback_port
 
     device = torch.device(args.device)
+    if args.cudagraphs:
+        # This process only (a step of its own): Inductor's CUDA-graph trees for every graph it
+        # compiles, stage 3's included (what mode="reduce-overhead" turns on for plain compile).
+        torch._inductor.config.triton.cudagraphs = True
     if args.real_group:
         # One real rank: the device's own backend, whose collectives at N = 1 are a copy at most.
         # The fake backend instead copies every gathered input into each of its N chunks, one
@@ -127,9 +137,11 @@ def run_profile(args: argparse.Namespace) -> int:
     def step() -> tuple[float, float, float]:
         return bench._one_step(prepared, batches).phases
 
-    for _ in range(args.warmup):
-        step()
+    with dispatched.kernel_profiling():
+        for _ in range(args.warmup):
+            step()
     phases = [step() for _ in range(args.steps)]
+    host = dispatched.dispatched_per_step(lambda: bench._training_step(prepared, batches), device)
     on_device = device.type != "cpu"
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])]
     with profile(activities=activities) as profiler:
@@ -150,10 +162,14 @@ def run_profile(args: argparse.Namespace) -> int:
         "step_s": round(sum(median), 4), "forward_s": round(median[0], 4), "backward_s": round(median[1], 4),
         "optimizer_s": round(median[2], 4), "kernels_per_step": len(kernels) / args.steps,
         "device_ms_per_step": round(sum(k.device_time_total for k in kernels) / args.steps / 1000, 3),
+        "ops_per_step": host["ops"], "cudagraphs": args.cudagraphs,
+        # Why Inductor ran a graph without its CUDA graph, if it did (its own counter).
+        "cudagraph_skips": dict(counters["inductor"]) if args.cudagraphs else {},
         "families": per_step,
     }
+    report["device_busy"] = round(report["device_ms_per_step"] / 1000 / report["step_s"], 3) if on_device else None
     out = Path(args.out)
-    name = profile_name(args.mode, args.real_group)
+    name = profile_name(args.mode, args.real_group, args.cudagraphs)
     (out / f"{name}.json").write_text(json.dumps(report, indent=1))
     sort_by = "self_device_time_total" if on_device else "self_cpu_time_total"
     table = profiler.key_averages().table(sort_by=sort_by, row_limit=args.rows, max_name_column_width=70)
@@ -164,25 +180,64 @@ def run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def profile_name(mode: str, real_group: bool) -> str:
+def profile_name(mode: str, real_group: bool, cudagraphs: bool = False) -> str:
     """The step's and its files' name: a real one-rank group's profile beside the fake group's."""
-    return f"profile-{mode}" + ("-one-real-rank" if real_group else "")
+    return f"profile-{mode}" + ("-one-real-rank" if real_group else "") + ("-cudagraphs" if cudagraphs else "")
 
 
 def profile_details(reports: list[dict[str, Any]]) -> list[str]:
     """The profiled modes side by side: phases, then device time and kernels per family."""
     if not reports:
         return []
-    names = [f"{report['mode']} ({report['group']} x{report['ranks']})" for report in reports]
+    names = [
+        f"{report['mode']} ({report['group']} x{report['ranks']}{', CUDA graphs' if report.get('cudagraphs') else ''})"
+        for report in reports
+    ]
     lines = ["| per step | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    for key in ("step_s", "forward_s", "backward_s", "optimizer_s", "kernels_per_step", "device_ms_per_step"):
-        lines.append(f"| {key} | " + " | ".join(str(report[key]) for report in reports) + " |")
+    keys = ("step_s", "forward_s", "backward_s", "optimizer_s", "ops_per_step", "kernels_per_step",
+            "device_ms_per_step", "device_busy")
+    for key in keys:
+        lines.append(f"| {key} | " + " | ".join(str(report.get(key)) for report in reports) + " |")
     families = sorted({family for report in reports for family in report["families"]})
     for family in families:
         cells = [report["families"].get(family, {"kernels": 0, "device_ms": 0}) for report in reports]
         lines.append(f"| {family}: ms (kernels) | "
                      + " | ".join(f"{cell['device_ms']} ({cell['kernels']:g})" for cell in cells) + " |")
     return [*lines, ""]
+
+
+# Stage 3 on a GPU against plain torch.compile and FSDP2 (per-block compile), bf16, per group:
+# (what, the bound, how the figure is worked out from the profiles).
+TARGETS = (
+    ("step vs compile-bf16", 1.15, lambda z, c, f: z["step_s"] / c["step_s"]),
+    ("step vs fsdp2-compile-bf16", 0.85, lambda z, c, f: z["step_s"] / f["step_s"]),
+    # Kernels beyond plain compile's collectives included: stage 3's own collectives may add.
+    (
+        "kernels vs compile-bf16's + stage 3's collectives",
+        1.3,
+        lambda z, c, f: z["kernels_per_step"] / (c["kernels_per_step"] + z["families"].get("collective", {}).get("kernels", 0)),
+    ),
+)
+MIN_DEVICE_BUSY = 0.70
+
+
+def target_lines(reports: list[dict[str, Any]]) -> list[str]:
+    """Each group's stage-3 profile against the targets: met or missed, with the figure."""
+    lines = []
+    for real in (False, True):
+        by_mode = {r["mode"]: r for r in reports if (r["group"] != "fake") == real and not r.get("cudagraphs")}
+        zero3, plain, fsdp2 = (by_mode.get(m) for m in ("zero3-bf16", "compile-bf16", "fsdp2-compile-bf16"))
+        where = "one real rank" if real else "fake group"
+        if zero3 is None or plain is None or fsdp2 is None:
+            lines.append(f"- {where}: not all of compile-bf16, zero3-bf16, fsdp2-compile-bf16 were profiled")
+            continue
+        for name, bound, figure in TARGETS:
+            value = figure(zero3, plain, fsdp2)
+            lines.append(f"- {where}, {name}: {value:.2f} (<= {bound}): {'met' if value <= bound else 'MISSED'}")
+        busy = zero3.get("device_busy")
+        if busy is not None:
+            lines.append(f"- {where}, device busy: {busy:.2f} (>= {MIN_DEVICE_BUSY}): {'met' if busy >= MIN_DEVICE_BUSY else 'MISSED'}")
+    return lines
 
 
 # ----------------------------------------------------------------------------------------- visit
@@ -250,8 +305,10 @@ class Visit:
         ]
         profiled = sorted((self.work / "profile").glob("profile-*.json")) if (self.work / "profile").exists() else []
         if profiled:
+            reports = [json.loads(path.read_text()) for path in profiled]
+            lines += ["## Stage 3 against its targets", "", *target_lines(reports), ""]
             lines += ["## Profiled modes side by side", ""]
-            lines += profile_details([json.loads(path.read_text()) for path in profiled])
+            lines += profile_details(reports)
         for record in self.steps:
             lines += [f"## {record['name']}: exit {record['returncode']}, {record['seconds']} s", ""]
             lines += self.details(record)
@@ -313,25 +370,33 @@ def run_visit(args: argparse.Namespace) -> int:
     sizes = [("tiny", "8")] if quick else [("400m", "64"), *([("1.3b", "64")] if args.large else [])]
     work = visit.work
     try:
-        # Most important first: does it compute the right thing on this device at all.
+        # Most important first: stage 3 against its targets (its correctness on a GPU was shown
+        # on earlier visits, and `check` follows).
+        size, batch = sizes[0]
+        (work / "profile").mkdir()
+
+        def profile(mode: str, real_group: bool, cudagraphs: bool = False) -> None:
+            visit.step(
+                profile_name(mode, real_group, cudagraphs),
+                [me, "profile", "--device", args.device, "--mode", mode, "--model-size", size,
+                 "--batch-size", str(int(batch) // 8) if real_group else batch,
+                 *(["--real-group"] if real_group else []), *(["--cudagraphs"] if cudagraphs else []),
+                 *(["--warmup", "1", "--steps", "1"] if quick else []), "--out", str(work / "profile")],
+                timeout=150 if gpu else 600,
+            )
+
+        for real_group in {"fake": [False], "real": [True], "both": [False, True]}[args.profile_group]:
+            for mode in args.profile_modes.split(","):
+                profile(mode, real_group)
+        if gpu:  # do Inductor's CUDA-graph trees take stage 3's graphs (one real rank, as a user runs it)?
+            for mode in ("compile-bf16", "zero3-bf16"):
+                profile(mode, True, cudagraphs=True)
         visit.step(
             "check",
             ["zerocompile.tools.cli", "check", "--device", args.device, *check_narrowing,
              "--json", str(work / "check.json")],
             timeout=240 if gpu else 900,
         )
-        size, batch = sizes[0]
-        (work / "profile").mkdir()
-        for real_group in {"fake": [False], "real": [True], "both": [False, True]}[args.profile_group]:
-            for mode in args.profile_modes.split(","):
-                visit.step(
-                    profile_name(mode, real_group),
-                    [me, "profile", "--device", args.device, "--mode", mode, "--model-size", size,
-                     "--batch-size", str(int(batch) // 8) if real_group else batch,
-                     *(["--real-group"] if real_group else []),
-                     *(["--warmup", "1", "--steps", "1"] if quick else []), "--out", str(work / "profile")],
-                    timeout=150 if gpu else 600,
-                )
         (work / "trace").mkdir()
         visit.step(
             "trace",
@@ -368,9 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--large", action="store_true", help="also the 1.3B GPT (about 3 more minutes on an H200)")
     parser.add_argument("--budget", type=float, default=float("inf"),
                         help="seconds for the whole visit: steps are cut to fit, later ones skipped")
-    parser.add_argument("--profile-modes", default="compile-bf16,zero3-bf16",
+    parser.add_argument("--profile-modes", default="compile-bf16,zero3-bf16,fsdp2-compile-bf16",
                         help="bench modes to profile kernel by kernel (comma-separated)")
-    parser.add_argument("--profile-group", choices=("fake", "real", "both"), default="fake",
+    parser.add_argument("--profile-group", choices=("fake", "real", "both"), default="both",
                         help="profile on the fake group of 8 (as the bench), on one real rank with one rank's "
                         "batch (collectives at N = 1: what the passes cost without the fake group's copies), or both")
     steps = parser.add_subparsers(dest="step")
@@ -389,6 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
     profiled.add_argument("--warmup", type=int, default=2)
     profiled.add_argument("--steps", type=int, default=3)
     profiled.add_argument("--rows", type=int, default=25, help="rows of the kernel table")
+    profiled.add_argument("--cudagraphs", action="store_true",
+                          help="compile with Inductor's CUDA-graph trees (triton.cudagraphs) in this process")
     profiled.add_argument("--out", required=True)
     return parser
 
