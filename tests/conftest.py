@@ -62,18 +62,28 @@ def group_name():
             dist.destroy_process_group()
 
 
-@pytest.fixture
-def fake_two_ranks():
-    """Rank 0 of a fake process group of 2 in this process (shapes only, nothing sent), destroyed
-    after the test. A group left by an earlier test is that test's bug: asserted, not skipped."""
+def _fake_group(world_size: int):
+    """Rank 0 of a fake process group of `world_size` in this process (shapes only, nothing sent),
+    destroyed after the test. A group left by an earlier test is that test's bug: asserted, not skipped."""
     assert not dist.is_initialized(), f"a {dist.get_backend()} process group was left initialised by an earlier test"
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     torch._dynamo.reset()
     try:
         yield
     finally:
         torch._dynamo.reset()
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def fake_two_ranks():
+    yield from _fake_group(2)
+
+
+@pytest.fixture
+def fake_eight_ranks():
+    """As a GPU job's rank 0 of 8 sees its group (the layout every backend but gloo takes)."""
+    yield from _fake_group(8)
 
 
 @pytest.fixture
