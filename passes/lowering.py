@@ -50,23 +50,18 @@ def pack(
     is issued late, just before its wait: no prefetch, no early reduce-scatter, no overlap (seen in
     Inductor's output code). As an extern kernel it runs as soon as its inputs exist.
     """
-    flats = [tensor.reshape(-1) for tensor in tensors]
-    width = max(sum(row_numels), row_width)
-    if width == sum(row_numels) and all(f.numel() == rows * n for f, n in zip(flats, row_numels)):
-        packed = torch.cat([f.view(rows, n) for f, n in zip(flats, row_numels)], dim=1).view(-1)
-    else:
-        # Padding as slices of one zero tensor, the rows as one cat of contiguous pieces: a pad
-        # per tensor dispatched a fill and a copy each (2 ops per parameter of every bucket).
-        zeros = flats[0].new_zeros(max(*row_numels, width - sum(row_numels)))
-        pieces = []
-        for row in range(rows):
-            for flat, row_numel in zip(flats, row_numels):
-                part = flat[row * row_numel : (row + 1) * row_numel]
-                pieces += [part, zeros[: row_numel - part.numel()]]
-            pieces.append(zeros[: width - sum(row_numels)])
-        packed = torch.cat([piece for piece in pieces if piece.numel()])
-    # One cast of the whole buffer: a cast per tensor (or a cat into a buffer of another dtype,
-    # which copies input by input) dispatched a copy per parameter.
+    blocks = []
+    for tensor, row_numel in zip(tensors, row_numels):
+        flat = tensor.reshape(-1)
+        padding = rows * row_numel - flat.numel()
+        if padding:  # a fill and a copy for this tensor: sizes that shard evenly into 16s need none
+            flat = torch.nn.functional.pad(flat, [0, padding])
+        blocks.append(flat.view(rows, row_numel))
+    if row_width > sum(row_numels):
+        blocks.append(blocks[0].new_zeros(rows, row_width - sum(row_numels)))
+    # One cat, then one cast of the whole buffer: a cast per tensor (or a cat into a buffer of
+    # another dtype, which copies input by input) dispatched a copy per parameter.
+    packed = torch.cat(blocks, dim=1).view(-1)
     return packed if dtype in (None, packed.dtype) else packed.to(dtype)
 
 
