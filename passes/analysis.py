@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from .lowering import pack
+from .lowering import pack, unpack
 from .recompute_gathers import KEPT, _is_view_or_cast
 
 funcol = torch.ops._c10d_functional
@@ -126,14 +126,16 @@ def _parameter_of(value: fx.Node, gathered: set[fx.Node]) -> str:
         if _is_gather(value):
             return value.meta["zero_params"][0][0]
         source = next(arg for arg in value.all_input_nodes if arg in gathered)
-        if value.target is operator.getitem and (_is_gather(source) or source.target is _SPLIT):
+        if value.target is operator.getitem and (_is_gather(source) or source.target in _PIECES):
             # Output i of a coalesced gather, or piece i of a flat gather's rows: parameter i.
             return source.meta["zero_params"][value.args[1]][0]
         value = source
     return value.meta[KEPT]
 
 
-_SPLIT = torch.ops.aten.split_with_sizes.default
+# What cuts a flat gather's rows into its parameters: the copy out (`unpack`), or a split of the
+# rows into views (a hand-built graph's).
+_PIECES = frozenset({torch.ops.aten.split_with_sizes.default, unpack._opoverload})
 
 
 def _aliases(node: fx.Node) -> bool:
@@ -143,13 +145,13 @@ def _aliases(node: fx.Node) -> bool:
 
 
 def flat_gather_pieces(buffer: fx.Node) -> list[fx.Node]:
-    """The per-parameter pieces (getitems of a split) a flat all-gather's rows are cut into, in
-    bucket order; [] for a buffer that is one parameter (coalesced, or a bucket of one)."""
+    """The per-parameter pieces (getitems of an `unpack` or a split) a flat all-gather's rows are
+    cut into, in bucket order; [] for a buffer that is one parameter (coalesced, or a bucket of one)."""
     frontier, pieces = [buffer], []
     while frontier:
         node = frontier.pop()
         for user in node.users:
-            if user.target is _SPLIT and _spliced(user):
+            if user.target in _PIECES and _spliced(user):
                 pieces.extend(sorted(user.users, key=lambda n: n.args[1]))
             elif user.target is funcol.wait_tensor.default or (_aliases(user) and _spliced(user)):
                 frontier.append(user)

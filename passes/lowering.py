@@ -214,10 +214,11 @@ def gather_bucket(
       gloo (2 ranks, a 7 MB bucket of 8 parameters): 6.1 ms against 8.0 ms for packing one
       buffer, gathering it and copying each parameter out; a 12m GPT's stage-3 step 3.7 % faster.
     - every other backend (NCCL, the fake group that stands in for GPU runs): the shards packed
-      into one buffer by one op, one `all_gather_into_tensor`, one wait, and the parameters cut
-      out of the [rank, shard] rows (a view for a lone parameter; else copies that Inductor
-      writes as one kernel, or into the kernels that read them). A coalesced gather waits once per
-      output: one host call per parameter, where a GPU step is bound by the host's calls.
+      into one buffer by one op, one `all_gather_into_tensor`, one wait, and the parameters copied
+      out of the [rank, shard] rows by one `unpack` (a lone parameter's buffer is used as it is).
+      A coalesced gather waits once per output: one host call per parameter, where a GPU step of
+      small kernels is bound by the host's calls (a fake group of 8, GPT 24 x 128, bf16: stage 3
+      dispatched 1.96x plain compile's ops per step coalesced, 0.99x flat).
 
     With `quant_block`, each shard is sent as `quantise_int8`'s row and every rank dequantises
     all N rows (its own too, so all ranks compute with the same values); a shard too small for
@@ -237,14 +238,6 @@ def gather_bucket(
         inputs = list(pack(shards, 1, numels, dtype).split(numels))
     outputs = funcol.all_gather_into_tensor_coalesced(inputs, world_size, group_name)
     return _cut_out([funcol.wait_tensor(output) for output in outputs], shapes)
-
-
-def _rows_of(gathered: torch.Tensor, world_size: int, numels: list[int]) -> list[torch.Tensor]:
-    """A flat all-gather's output as each shard's [rank, numel] rows; a lone shard's output
-    already is its parameter, padded."""
-    if len(numels) == 1:
-        return [gathered]
-    return list(gathered.view(world_size, -1).split(numels, dim=1))
 
 
 def _out_of_rows(gathered: torch.Tensor, world_size: int, numels: list[int]) -> list[torch.Tensor]:
@@ -311,7 +304,11 @@ def _gather_bucket_int8(
     else:
         sent = torch.cat(rows) if len(rows) > 1 else rows[0]
         gathered = funcol.wait_tensor(funcol.all_gather_into_tensor(sent, world_size, group_name))
-        received = [row.view(world_size, -1) for row in _rows_of(gathered, world_size, [row.numel() for row in rows])]
+        # Each shard's rows into a buffer of its own first, as the coalesced gather leaves them:
+        # dequantised straight from the shared rows, every layer's kernels would read at offsets
+        # of their own (see `unpack`).
+        pieces = _out_of_rows(gathered, world_size, [row.numel() for row in rows])
+        received = [piece.view(world_size, -1) for piece in pieces]
     fulls = [
         dequantise_int8(row, shard.numel(), block, d) if q else row.view(d)
         for row, shard, d, q in zip(received, shards, dtypes, quantised)
@@ -410,7 +407,7 @@ def _all_reduce_int8(
     rows = _packed(grads, world_size, shard_numels, None, int8_row_width(row, block)).view(world_size, -1)
     mean = _reduce_scatter_int8(rows, group_name, world_size, block)[:row]
     mean = _replica_mean(mean, replica_group, replicas, replica_block)
-    (full,) = _gather_bucket_int8([mean], [[world_size, row]], group_name, world_size, True, torch.float32, block)
+    (full,) = _gather_bucket_int8([mean], [[world_size, row]], group_name, world_size, coalesced=True, dtype=torch.float32, block=block)
     return [
         column.reshape(-1)[: grad.numel()].view(grad.shape)
         for column, grad in zip(full.split(shard_numels, dim=1), grads)
@@ -441,7 +438,7 @@ def _replica_mean(reduced: torch.Tensor, replica_group: str, replicas: int, bloc
     row = shard_numel(numel, replicas)
     rows = torch.nn.functional.pad(reduced.float(), [0, replicas * row - numel]).view(replicas, row)
     mean = _reduce_scatter_int8(rows, replica_group, replicas, block)
-    (full,) = _gather_bucket_int8([mean], [[replicas * row]], replica_group, replicas, True, torch.float32, block)
+    (full,) = _gather_bucket_int8([mean], [[replicas * row]], replica_group, replicas, coalesced=True, dtype=torch.float32, block=block)
     return full[:numel].to(reduced.dtype)
 
 

@@ -898,6 +898,25 @@ def test_flat_gather_bucket_is_one_pack_one_all_gather_one_wait(group_name, buck
         torch.testing.assert_close(y, expected)
 
 
+def test_flat_gather_pieces_name_their_own_parameters_and_live_apart(group_name):
+    """The analysis of a flat bucket: each piece of the copy out is its own parameter (not the
+    bucket's first), the gathered buffer dies at the copy out, each copy at its own last use."""
+    gm = forward_model(group_name, dtype=torch.float64, textbook=True)
+    lower(gm, bucket_bytes=10**9)
+    _with_outputs(gm)  # every full parameter returned: saved, as a forward keeping them would
+    kept = analysis.kept_params(gm.graph)
+    assert sorted(kept) == sorted(FQNS)
+    assert [kept[fqn] for fqn in FQNS] == [2 * n for n in FULL_BYTES_F32]  # float64
+    (gather,) = find(gm.graph, funcol.all_gather_into_tensor.default)
+    intervals = analysis.gathered_live_intervals(gm.graph)
+    position = node_index(gm.graph)
+    (unpack,) = find(gm.graph, UNPACK)
+    buffer = [i for i in intervals if i[2] == WORLD * sum(SHARDS)]
+    assert buffer == [(position[gather], position[unpack], WORLD * sum(SHARDS))]
+    copies = [size for interval in intervals if interval not in buffer for size in interval[2:]]
+    assert sorted(copies) == sorted(WORLD * n for n in SHARDS)  # each padded parameter's own copy
+
+
 def test_flat_gather_bucket_cuts_each_parameter_from_its_own_columns(group_name):
     """Control for the test above: the rows of a flat gather hold every parameter's shard side by
     side, so cutting the buffer as if it held one parameter after another (a wrong layout)
