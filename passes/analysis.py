@@ -126,36 +126,39 @@ def _parameter_of(value: fx.Node, gathered: set[fx.Node]) -> str:
         if _is_gather(value):
             return value.meta["zero_params"][0][0]
         source = next(arg for arg in value.all_input_nodes if arg in gathered)
-        if value.target is operator.getitem and (_is_gather(source) or source.target in _PIECES):
+        if value.target is operator.getitem and (_is_gather(source) or source.target is _UNPACK):
             # Output i of a coalesced gather, or piece i of a flat gather's rows: parameter i.
             return source.meta["zero_params"][value.args[1]][0]
         value = source
     return value.meta[KEPT]
 
 
-# What cuts a flat gather's rows into its parameters: the copy out (`unpack`), or a split of the
-# rows into views (a hand-built graph's).
-_PIECES = frozenset({torch.ops.aten.split_with_sizes.default, unpack._opoverload})
+_UNPACK = unpack._opoverload
 
 
 def _aliases(node: fx.Node) -> bool:
-    """The node's value shares its input's memory (a getitem of a split, a view)."""
+    """The node's value is its input's memory: a wait on it, a view, a getitem."""
     target = node.target
-    return target is operator.getitem or (isinstance(target, torch._ops.OpOverload) and target.is_view)
+    return (
+        target is operator.getitem
+        or target is funcol.wait_tensor.default
+        or (isinstance(target, torch._ops.OpOverload) and target.is_view)
+    )
 
 
-def flat_gather_pieces(buffer: fx.Node) -> list[fx.Node]:
-    """The per-parameter pieces (getitems of an `unpack` or a split) a flat all-gather's rows are
-    cut into, in bucket order; [] for a buffer that is one parameter (coalesced, or a bucket of one)."""
-    frontier, pieces = [buffer], []
+def flat_gather_parts(buffer: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(the gathered buffer and its views, the per-parameter pieces `unpack` copies out of it in
+    bucket order); no pieces for a buffer that is one parameter (coalesced, or a bucket of one)."""
+    views, pieces, frontier = [], [], [buffer]
     while frontier:
         node = frontier.pop()
+        views.append(node)
         for user in node.users:
-            if user.target in _PIECES and _spliced(user):
+            if user.target is _UNPACK:
                 pieces.extend(sorted(user.users, key=lambda n: n.args[1]))
-            elif user.target is funcol.wait_tensor.default or (_aliases(user) and _spliced(user)):
+            elif _aliases(user) and _spliced(user):
                 frontier.append(user)
-    return pieces
+    return views, pieces
 
 
 def _numel(value: torch.Tensor) -> int:
@@ -206,25 +209,17 @@ def gathered_live_intervals(graph: fx.Graph, size: Callable[[torch.Tensor], int]
         if not _is_gather(node):
             continue
         for buffer in outputs_of(node):
-            pieces = flat_gather_pieces(buffer)
+            views, pieces = flat_gather_parts(buffer)
             if not pieces:
                 chain = chain_of([buffer])
                 intervals.append((position[node], last_use([buffer], chain), largest(chain, buffer)))
                 continue
-            # A flat gather of several parameters: its buffer lives until the last read of a
-            # view of it (the copies out), each parameter's copy until its own last use.
-            views, frontier = [], [buffer]
-            while frontier:
-                value = frontier.pop()
-                views.append(value)
-                frontier.extend(
-                    user for user in derived.get(value, ()) if _aliases(user) or user.target is funcol.wait_tensor.default
-                )
+            # A flat gather of several parameters: its buffer lives until `unpack` copies it out,
+            # each parameter's copy until its own last use.
             intervals.append((position[node], last_use([buffer], views), size(buffer.meta["val"])))
-            in_views = set(views)
             for piece in pieces:
-                copies = [value for value in chain_of([piece]) if value not in in_views]
-                intervals.append((position[node], last_use([piece], copies or [piece]), largest(copies, piece)))
+                copies = chain_of([piece])
+                intervals.append((position[node], last_use([piece], copies), largest(copies, piece)))
     # A backward's kept inputs are alive from its start; one buffer per parameter, though the
     # forward may have saved it in two shapes.
     kept: dict[str, list[fx.Node]] = {}

@@ -224,7 +224,7 @@ def gather_bucket(
     all N rows (its own too, so all ranks compute with the same values); a shard too small for
     the row to save bytes is sent exact (`gathers_quantised`).
     """
-    coalesced = flavour == ALL_TO_ALL_REDUCE_SCATTER
+    coalesced = gathers_coalesced(flavour)
     if quant_block:
         return _gather_bucket_int8(shards, shapes, group_name, world_size, coalesced, dtype, quant_block)
     numels = [shard.numel() for shard in shards]
@@ -238,6 +238,12 @@ def gather_bucket(
         inputs = list(pack(shards, 1, numels, dtype).split(numels))
     outputs = funcol.all_gather_into_tensor_coalesced(inputs, world_size, group_name)
     return _cut_out([funcol.wait_tensor(output) for output in outputs], shapes)
+
+
+def gathers_coalesced(flavour: str) -> bool:
+    """Whether a group of this flavour gathers a bucket coalesced, each parameter into a buffer of
+    its own (gloo's), rather than flat into one buffer it is copied out of (`gather_bucket`)."""
+    return flavour == ALL_TO_ALL_REDUCE_SCATTER
 
 
 def _out_of_rows(gathered: torch.Tensor, world_size: int, numels: list[int]) -> list[torch.Tensor]:

@@ -64,7 +64,8 @@ from torch import nn
 
 from zerocompile.config import ZeroConfig
 from zerocompile.optim import muon_exchange_bytes
-from zerocompile.passes.lowering import gathers_quantised, int8_row_bytes
+from zerocompile.distributed import flavour_of_backend
+from zerocompile.passes.lowering import gathers_coalesced, gathers_quantised, int8_row_bytes
 from zerocompile.passes.stages import padded_numel, shard_numel
 
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -976,7 +977,7 @@ def plan(args: argparse.Namespace) -> str:
         reduce_quant_block=args.quant_block if args.reduce_quant else 0,
     )
     muon = muon_matrices(counted, args.muon) if args.muon is not None else []
-    plans = model_plan(counted, args.ranks, precision, muon, flat_gathers=args.backend != "gloo")
+    plans = model_plan(counted, args.ranks, precision, muon, flat_gathers=not gathers_coalesced(flavour_of_backend(args.backend)))
     if args.memory_budget is not None:
         plans.append(budget_plan(counted, args.ranks, precision, plans[2], plans[3], args.memory_budget))
     if args.json:

@@ -186,11 +186,15 @@ def backend_for(group: dist.ProcessGroup, device: torch.device) -> str:
 
 
 def reduce_scatter_flavour(group: dist.ProcessGroup, device: torch.device) -> str:
-    """How gradients reduce-scatter on `group` for tensors of `device` (see
-    `zerocompile.passes.lowering`): gloo's own reduce-scatter sends twice the textbook bytes."""
-    if backend_for(group, device) == "gloo":
-        return ALL_TO_ALL_REDUCE_SCATTER
-    return NATIVE_REDUCE_SCATTER
+    """How gradients reduce-scatter on `group` for tensors of `device`: `flavour_of_backend`."""
+    return flavour_of_backend(backend_for(group, device))
+
+
+def flavour_of_backend(backend: str) -> str:
+    """How a backend ("gloo", "nccl", ...) reduce-scatters, which also decides how buckets are
+    gathered (`zerocompile.passes.lowering.gathers_coalesced`): gloo's own reduce-scatter sends
+    twice the textbook bytes."""
+    return ALL_TO_ALL_REDUCE_SCATTER if backend == "gloo" else NATIVE_REDUCE_SCATTER
 
 
 def runs_on_gloo(group: dist.ProcessGroup) -> bool:
