@@ -3,8 +3,8 @@
 One process, rank 0 of a fake process group of `--ranks` (the layout a GPU backend takes, nothing
 sent), a deep narrow GPT in bf16, fused AdamW, one step under torch.profiler after two warm-up
 steps, counted by `zerocompile.tools.dispatched` (what `zerocompile bench` reports as ops/step):
-plain torch.compile under autocast, stage 3 with param_dtype=bf16, and FSDP2 compiled per block
-with bf16 MixedPrecisionPolicy. A GPU step of small kernels is bound by these calls.
+bench's compile-bf16, zero3-bf16 and fsdp2-compile-bf16 modes. A GPU step of small kernels is
+bound by these calls.
 
     python -m benchmarks.host_ops --layers 24 --width 128
 """
@@ -17,42 +17,22 @@ import json
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import zerocompile as zc
 from zerocompile.passes import analysis
+from zerocompile.tools import bench
 from zerocompile.tools.dispatched import dispatched_per_step, kernel_profiling
 from zerocompile.tools.gpt import GPT, GPTConfig
 
 MODES = ("compile-bf16", "zero3-bf16", "fsdp2-compile-bf16")
 
 
-def _prepared(mode: str, config: GPTConfig):
+def measure(mode: str, config: GPTConfig, batch: int) -> dict:
+    """`mode` as `zerocompile bench` builds it, stepped with fused AdamW instead of bench's."""
     torch.manual_seed(0)
     model = GPT(config)
-    if mode == "compile-bf16":
-        compiled = torch.compile(model)
-
-        def forward(x, y):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                return compiled(x, y)
-
-    elif mode == "zero3-bf16":
-        zc.shard(model, stage=3, param_dtype=torch.bfloat16)
-        forward = torch.compile(model, backend="zero")
-    else:
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-        for block in model.blocks:
-            fully_shard(block, mp_policy=policy)
-            block.compile()
-        fully_shard(model, mp_policy=policy)
-        forward = model
-    return model, forward
-
-
-def measure(mode: str, config: GPTConfig, batch: int) -> dict:
-    model, forward = _prepared(mode, config)
+    forward = bench.MODES[mode].build(model, "adamw").runner
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     tokens = torch.randint(config.vocab_size, (batch, config.block_size + 1), generator=torch.Generator().manual_seed(0))
 
