@@ -1,0 +1,277 @@
+"""Fine-tune a "pretrained" Llama with Hugging Face's `Trainer`: DDP, FSDP2 (accelerate's plugin) or
+zerocompile's `ZeroTrainer`, optionally with a PEFT LoRA adapter: docs/finetune.md's recipe and table.
+
+    python -m benchmarks.finetune compare --size small --nproc 2 --steps 30   # docs/finetune.md's table
+    python -m benchmarks.finetune prepare --size small --out /tmp/llama        # random weights, 2+ files
+    torchrun --nproc_per_node 2 -m benchmarks.finetune train --pretrained /tmp/llama --mode zero \
+        --stage 3 --out /tmp/run --report /tmp/run.json
+    accelerate launch --multi_gpu --num_processes 2 -m benchmarks.finetune train ...   # the same
+
+Nothing is downloaded: `prepare` writes a randomly initialised model with `save_pretrained`, and the
+data are random tokens (seed 5; held out for evaluation: seed 6), so losses are comparable run to
+run, not meaningful. Rank 0 writes the report: the loss of every optimizer step, the evaluation
+loss every `--save-steps`, the time from this module's import to the end of the first optimizer
+step, tokens per second over the later steps, each rank's peak RSS (VmHWM), and, for ZeroTrainer,
+how far `save_model`'s files (read back by `from_pretrained`, or `PeftModel.from_pretrained` for an
+adapter) are from the gathered trained weights.
+"""
+
+from __future__ import annotations
+
+import time
+
+STARTED = time.perf_counter()
+
+import argparse  # noqa: E402  (the clock starts before the imports, which are part of the start)
+import json  # noqa: E402
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+SIZES = {
+    # test_hf_models' tiny Llama (the tests), initialised 5x wider than Llama's default so the
+    # gradient norm (~2) exceeds the clip of 1.0 and clipping is exercised
+    "tiny": dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1, seq_len=16),
+    # docs/finetune.md's table: ~6M parameters
+    "small": dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, seq_len=128),
+}  # fmt: skip
+SAMPLES = 96
+LORA_TARGETS = ["q_proj", "v_proj"]
+
+
+def prepare(size: str, out: str) -> None:
+    """A randomly initialised Llama (seed 0) saved by `save_pretrained` in at least two files."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    settings = dict(SIZES[size])
+    seq_len = settings.pop("seq_len")
+    config = LlamaConfig(**settings, max_position_embeddings=seq_len, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.save_pretrained(out, max_shard_size=max(nbytes // 2, 1))
+    Path(out, "seq_len").write_text(str(seq_len))
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    def __init__(self, vocab: int, seq_len: int, samples: int = SAMPLES, seed: int = 5) -> None:
+        self.ids = torch.randint(0, vocab, (samples, seq_len), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+def _arguments(options: argparse.Namespace) -> Any:
+    from transformers import TrainingArguments
+
+    fsdp = {}
+    if options.mode == "fsdp2":
+        fsdp = dict(
+            fsdp="full_shard",
+            fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "reshard_after_forward": True},
+        )
+    return TrainingArguments(
+        output_dir=options.out, per_device_train_batch_size=options.per_device, gradient_accumulation_steps=options.accum,
+        max_grad_norm=1.0, max_steps=options.steps, logging_steps=1, save_steps=options.save_steps,
+        learning_rate=options.lr, seed=0, report_to=[], use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
+        save_only_model=False, eval_strategy="steps", eval_steps=options.save_steps, per_device_eval_batch_size=2, **fsdp,
+    )  # fmt: skip
+
+
+def _model(options: argparse.Namespace) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(options.pretrained)
+    if options.lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(0)  # the adapter's initial values, alike on every rank and in every mode
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights="gaussian"))
+    return model
+
+
+class _Clock:
+    """`TrainerCallback` timing each optimizer step's end."""
+
+    def __init__(self) -> None:
+        from transformers import TrainerCallback
+
+        clock = self
+
+        class Callback(TrainerCallback):
+            def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                clock.step_ends.append(time.perf_counter())
+
+        self.step_ends: list[float] = []
+        self.callback = Callback()
+
+
+def train(options: argparse.Namespace) -> dict[str, Any] | None:
+    from transformers import Trainer, default_data_collator
+
+    from zerocompile.hf import ZeroTrainer
+
+    seq_len = int(Path(options.pretrained, "seq_len").read_text())
+    model = _model(options)
+    dataset = RandomTokens(model.config.vocab_size, seq_len)
+    clock = _Clock()
+    held_out = RandomTokens(model.config.vocab_size, seq_len, samples=8, seed=6)
+    common = dict(
+        model=model, args=_arguments(options), train_dataset=dataset, eval_dataset=held_out,
+        data_collator=default_data_collator, callbacks=[clock.callback],
+    )  # fmt: skip
+    if options.mode == "zero":
+        compile_options = {"compiler": options.compiler}
+        trainer = ZeroTrainer(**common, zero_config=options.stage, compile_options=compile_options)
+    else:
+        trainer = Trainer(**common)
+    trainer.train(resume_from_checkpoint=options.resume)
+    final = os.path.join(options.out, "final")
+    trainer.save_model(final)
+    saved_error = _saved_error(trainer.model, final, options) if options.mode == "zero" else None
+    peaks = [None] * dist.get_world_size() if dist.is_initialized() else [None]
+    peak = _peak_rss()
+    if dist.is_initialized():
+        dist.all_gather_object(peaks, peak)
+    else:
+        peaks = [peak]
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    tokens_per_step = options.per_device * options.accum * world_size * seq_len
+    later = clock.step_ends[1:]
+    report = {
+        "mode": options.mode, "stage": options.stage if options.mode == "zero" else None, "lora": options.lora,
+        "world_size": world_size,
+        "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
+        "eval_losses": [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry],
+        "first_step_s": clock.step_ends[0] - STARTED if clock.step_ends else None,
+        "tokens_per_s": (len(later) - 1) * tokens_per_step / (later[-1] - later[0]) if len(later) > 1 else None,
+        "peak_rss": peaks,
+        "saved_error": saved_error,
+    }  # fmt: skip
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        Path(options.report).write_text(json.dumps(report))
+        return report
+    return None
+
+
+def _peak_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _saved_error(model: torch.nn.Module, final: str, options: argparse.Namespace) -> float | None:
+    """Largest difference between what `save_model` wrote (read back as users read it) and the trained
+    weights gathered from the shards; collective, the number on rank 0."""
+    import zerocompile as zc
+
+    if options.lora:
+        from zerocompile.hf import trainable_state_dict
+
+        trained = trainable_state_dict(model)
+    else:
+        trained = zc.full_state_dict(model)
+    if dist.get_rank() != 0:
+        return None
+    from transformers import AutoModelForCausalLM
+
+    if options.lora:
+        from peft import PeftModel
+
+        loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(options.pretrained), final)
+    else:
+        loaded = AutoModelForCausalLM.from_pretrained(final)
+    state = loaded.state_dict()
+    if set(trained) - set(state):
+        raise AssertionError(f"not in the saved model: {sorted(set(trained) - set(state))[:5]}")
+    return max((trained[name] - state[name]).abs().max().item() for name in trained)
+
+
+# The modes of docs/finetune.md's table: (label, train arguments).
+COMPARED = (
+    ("Trainer + DDP", ["--mode", "ddp"]),
+    ("Trainer + FSDP2 (accelerate's plugin)", ["--mode", "fsdp2"]),
+    ("ZeroTrainer, stage 3", ["--mode", "zero", "--stage", "3"]),
+    ("ZeroTrainer, stage 2", ["--mode", "zero", "--stage", "2"]),
+)
+
+
+def compare(size: str, nproc: int, steps: int, work: str) -> str:
+    """Each of COMPARED in turn under torchrun on the same pretrained model and data: a Markdown table."""
+    import subprocess
+    import sys
+
+    from zerocompile.tools.spawn import free_loopback_port
+
+    pretrained = os.path.join(work, "pretrained")
+    prepare(size, pretrained)
+    rows = []
+    for index, (label, mode) in enumerate(COMPARED):
+        report = os.path.join(work, f"run{index}.json")
+        command = [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+            f"--master-port={free_loopback_port()}", "-m", "benchmarks.finetune", "train", "--pretrained", pretrained,
+            "--steps", str(steps), "--save-steps", str(10 * steps), "--out", os.path.join(work, f"run{index}"),
+            "--report", report, *mode,
+        ]  # fmt: skip
+        with open(os.path.join(work, f"run{index}.log"), "w") as log:
+            subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=True)
+        result = json.loads(Path(report).read_text())
+        rows.append(
+            f"| {label} | {result['first_step_s']:.1f} s | {max(result['peak_rss']) / 2**20:.0f} MiB "
+            f"| {result['tokens_per_s']:.0f} | {result['losses'][-1]:.4f} |"
+        )
+    header = "| route | start to first step | peak RSS per rank (max) | tokens/s | loss at the last step |\n|---|---|---|---|---|"
+    return "\n".join([header, *rows])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    made = commands.add_parser("prepare", help="write a random 'pretrained' Llama")
+    made.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    made.add_argument("--out", required=True)
+    table = commands.add_parser("compare", help="DDP, FSDP2 and ZeroTrainer side by side: a Markdown table")
+    table.add_argument("--size", choices=sorted(SIZES), default="small")
+    table.add_argument("--nproc", type=int, default=2)
+    table.add_argument("--steps", type=int, default=30)
+    table.add_argument("--work", default=None, help="directory for the runs (default: a temporary one)")
+    run = commands.add_parser("train", help="fine-tune it with Trainer (under torchrun or accelerate launch)")
+    run.add_argument("--pretrained", required=True)
+    run.add_argument("--mode", choices=("ddp", "fsdp2", "zero"), required=True)
+    run.add_argument("--stage", type=int, default=3)
+    run.add_argument("--compiler", choices=("eager", "inductor"), default="inductor")
+    run.add_argument("--lora", action="store_true")
+    run.add_argument("--steps", type=int, default=20)
+    run.add_argument("--save-steps", type=int, default=10)
+    run.add_argument("--per-device", type=int, default=2)
+    run.add_argument("--accum", type=int, default=2)
+    run.add_argument("--lr", type=float, default=1e-3)
+    run.add_argument("--resume", default=None)
+    run.add_argument("--out", required=True)
+    run.add_argument("--report", required=True)
+    options = parser.parse_args(argv)
+    if options.command == "prepare":
+        prepare(options.size, options.out)
+    elif options.command == "compare":
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as scratch:
+            print(compare(options.size, options.nproc, options.steps, options.work or scratch))
+    else:
+        train(options)
+        if dist.is_initialized():
+            dist.destroy_process_group()  # before the interpreter's teardown, as torch asks
+
+
+if __name__ == "__main__":
+    main()
