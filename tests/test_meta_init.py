@@ -1,11 +1,13 @@
 """A model built on the meta device and sharded with `shard(init=...)` equals, bitwise, the same
-model built whole and initialised with `model.apply(init)` from the same random state.
+model built whole and initialised with `model.apply(init)` from group rank 0's random state.
 
 Each rank compares what it keeps (its padded slice, or at stage 0 the whole tensor) with the slice
 of a reference built the ordinary way in the same process: equality is exact because both draw the
 same numbers from the same generator in the same order, and slicing moves values unchanged. The
 generator's state afterwards must match too: an extra or missing draw would shift every later
-model's values. One spawn per world size runs every case.
+model's values. Ranks seeded differently (by rank, or some not seeded at all) still hold slices of
+rank 0's model, and each gets its own generator state back. One spawn per world size runs every
+case.
 """
 
 from __future__ import annotations
@@ -86,19 +88,38 @@ def _apply_reference_init(name: str, model: nn.Module) -> None:
             model.apply(init)
 
 
-def _compare(name: str, stage: int, rank: int, world_size: int) -> list[str]:
+# How the ranks seed before shard(): all alike (1), each its own (seed = rank), or only rank 0 (1;
+# the others keep whatever state their previous case left).
+SEEDINGS = ("alike", "by_rank", "unseeded")
+
+
+def _seed(seeding: str, rank: int) -> int | None:
+    if seeding == "alike" or (seeding == "unseeded" and rank == 0):
+        return 1
+    return rank if seeding == "by_rank" else None
+
+
+def _compare(name: str, stage: int, rank: int, world_size: int, seeding: str = "alike") -> list[str]:
     torch.manual_seed(0)
     with torch.device("meta"):
         model = _build(name)
-    torch.manual_seed(1)
+    seed, rank0_seed = _seed(seeding, rank), _seed(seeding, 0)
+    if seed is not None:
+        torch.manual_seed(seed)
+    rng_before = torch.random.get_rng_state()
+    follows_rank0 = torch.equal(rng_before, torch.Generator().manual_seed(rank0_seed).get_state())
+    problems = [] if follows_rank0 == (seeding == "alike" or rank == 0) else ["generators not seeded as the case means"]
     zc.shard(model, stage=stage, init=_init_of(name, model))
     rng_after = torch.random.get_rng_state()
 
     torch.manual_seed(0)
     reference = _build(name)
-    torch.manual_seed(1)
+    torch.manual_seed(rank0_seed)
     _apply_reference_init(name, reference)
-    problems = [] if torch.equal(rng_after, torch.random.get_rng_state()) else ["random draws differ in number"]
+    # Alike: advanced as rank 0's; differing: its own state back.
+    expected_after = torch.random.get_rng_state() if follows_rank0 else rng_before
+    if not torch.equal(rng_after, expected_after):
+        problems.append("random draws differ in number" if follows_rank0 else "own generator state not given back")
 
     expected = dict(reference.named_parameters())
     for fqn, param in model.named_parameters():
@@ -113,9 +134,19 @@ def _compare(name: str, stage: int, rank: int, world_size: int) -> list[str]:
     return problems
 
 
+def _cases(world_size: int) -> list[tuple[str, str, int]]:
+    """Every model at every stage seeded alike; with more than one rank, seeded differently at the
+    stages that shard parameters."""
+    cases = [("alike", name, stage) for name in MODELS for stage in STAGES]
+    if world_size > 1:
+        cases += [(seeding, name, stage) for seeding in SEEDINGS[1:] for name in MODELS for stage in (1, 2, 3)]
+    return cases
+
+
 def _compare_all(rank: int, world_size: int) -> dict:
-    cases = [((name, stage), lambda n=name, s=stage: _compare(n, s, rank, world_size)) for name in MODELS for stage in STAGES]
-    return run_cases(cases)
+    return run_cases(
+        [(case, lambda c=case: _compare(c[1], c[2], rank, world_size, c[0])) for case in _cases(world_size)]
+    )
 
 
 @pytest.fixture(scope="module", params=(1, 2, 4))
@@ -128,7 +159,21 @@ def report(request):
 def test_meta_init_equals_apply_on_whole_model(report, name, stage):
     world_size, reports = report
     for rank, per_rank in enumerate(reports):
-        assert per_rank[(name, stage)] == [], f"N={world_size} rank {rank}: {per_rank[(name, stage)]}"
+        problems = per_rank[("alike", name, stage)]
+        assert problems == [], f"N={world_size} rank {rank}: {problems}"
+
+
+@pytest.mark.parametrize("seeding", SEEDINGS[1:])
+@pytest.mark.parametrize("stage", (1, 2, 3))
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("report", (2, 4), indirect=True)  # the same spawns as above
+def test_ranks_seeded_differently_hold_group_rank0s_model(report, name, stage, seeding):
+    """And each rank's generator afterwards: rank 0's advanced as by the plain init, the others'
+    as they were before shard()."""
+    world_size, reports = report
+    for rank, per_rank in enumerate(reports):
+        problems = per_rank[(seeding, name, stage)]
+        assert problems == [], f"N={world_size} rank {rank}: {problems}"
 
 
 # --- what must be refused, naming the tensor and the fix, with the model left on meta -----------
@@ -169,10 +214,10 @@ def _meta(build) -> nn.Module:
         return build()
 
 
-def _refusal(build, init, match: str, seed_of_rank=lambda rank: 0):
+def _refusal(build, init, match: str):
     def case(rank: int) -> str:
         model = _meta(build)
-        torch.manual_seed(seed_of_rank(rank))
+        torch.manual_seed(0)
         try:
             zc.shard(model, stage=3, init=init)
         except (ValueError, RuntimeError) as error:
@@ -203,7 +248,6 @@ def _refusals(rank: int, world_size: int) -> dict:
         "unwritten_param_reset_route": _refusal(WithNorm, None, "'ln.weight' (4,)"),
         "meta_buffer": _refusal(WithMask, _linear_only, "'mask' (4, 4)"),
         "partly_written": _refusal(WithNorm, half_written, "'fc.weight' (4, 4)"),
-        "seeds_differ": _refusal(WithNorm, _linear_only, "group ranks [1]", seed_of_rank=lambda rank: rank),
         "real_buffer_kept": lambda rank: real_buffer_kept(),
     }
     return run_cases([(key, lambda case=case: case(rank)) for key, case in cases.items()])
@@ -215,7 +259,7 @@ def refusals():
 
 
 @pytest.mark.parametrize(
-    "case", ["unwritten_param", "unwritten_param_reset_route", "meta_buffer", "partly_written", "seeds_differ", "real_buffer_kept"]
+    "case", ["unwritten_param", "unwritten_param_reset_route", "meta_buffer", "partly_written", "real_buffer_kept"]
 )
 def test_meta_refusals(refusals, case):
     for rank, per_rank in enumerate(refusals):

@@ -16,6 +16,7 @@ from zerocompile.gathered import gathered
 from zerocompile.graph_records import record_graphs
 from zerocompile.grad_scaler import ShardedGradScaler
 from zerocompile import optim
+from zerocompile.pretrained import from_pretrained
 from zerocompile.sharding import full_numel, full_shape, model_state_bytes, shard
 from zerocompile.weights import LoadResult, load_weights, save_weights
 
@@ -25,6 +26,7 @@ __all__ = [
     "ShardedGradScaler",
     "ZeroConfig",
     "clip_grad_norm_",
+    "from_pretrained",
     "full_numel",
     "full_shape",
     "full_state_dict",

@@ -7,6 +7,13 @@ when the call returns, this rank keeps its slice and drops the rest. Every rank 
 numbers from the same generator state, so no values travel between ranks and the result equals,
 bitwise, `model.apply(fn)` on the whole model.
 
+Whose generator state: group rank 0's, on every rank (as DTensor's random ops follow one rank).
+Group rank 0 broadcasts its CPU generator's state (and its accelerator's, where the shards live on
+one) before the walk. A rank whose generator already equals rank 0's draws from its own and ends
+advanced exactly as rank 0's is, so ranks seeded alike stay alike. A rank whose generator differs
+draws the walk's numbers from rank 0's state and gets its own state back afterwards, so a stream
+seeded per rank (dropout, data order) is left where it was.
+
 How: the parameters and buffers stay meta tensors (full shape) for the whole walk, so model code
 and `fn` see the model they expect. A `TorchDispatchMode` watches every operation `fn` runs; one
 that touches a meta parameter's storage (directly, through `.data`, or a view) gets a real tensor
@@ -16,13 +23,19 @@ parameter left partly unwritten. A parameter touched again after its call ended 
 attention re-initialises its child projection) is gathered back from the ranks' slices unless
 the operation overwrites it whole. Anything `fn` leaves on meta, or only partly writes, is an
 error naming it: never uninitialised memory handed to training.
+
+With weight files (`shard(weights=...)`), what they hold is read into this rank's part before the
+walk, and no init runs on it: a module whose tensors all come from the files is not called, and in
+the other calls an operation writing a loaded tensor is skipped before anything is computed (its
+schema says which arguments it writes), while a view of one stays a meta tensor until something
+reads its values.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import hashlib
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -66,6 +79,7 @@ class _Tracked:
     full: torch.Tensor | None = None  # the whole storage, flat, while some call uses it
     kept: torch.Tensor | None = None  # what this rank keeps: its padded slice, or the whole tensor
     partly_written: bool = False  # NaN left in the whole tensor when its last user returned
+    loaded: bool = False  # `kept` was read from weight files: init's writes to it are skipped
 
     @property
     def storage_numel(self) -> int:
@@ -93,6 +107,12 @@ def check_meta_model(model: nn.Module) -> None:
 _TRIM_AFTER_BYTES = 2**20
 
 
+# What `shard(weights=...)` hands the walk for each tensor its files hold (a parameter under any of
+# its names, a persistent buffer): a function reading this rank's part of it, given its shard size
+# (None: the whole tensor), this rank's place in the group and the device.
+PartReader = Callable[[int | None, int, torch.device], torch.Tensor]
+
+
 def materialise_sharded(
     model: nn.Module,
     init: Callable[[nn.Module], Any] | None,
@@ -102,20 +122,55 @@ def materialise_sharded(
     device: torch.device,
     agree_over: dist.ProcessGroup | None = None,
     trim: bool = False,
+    loaded: Mapping[torch.Tensor, PartReader] | None = None,
 ) -> tuple[dict[nn.Parameter, torch.Tensor], dict[tuple[nn.Module, str], torch.Tensor]]:
     """Run `model.apply(init)` (or each module's `reset_parameters()`) on the meta `model`.
 
     `shard_numels` is each distinct parameter's shard size over `group` as `shard()` decided it
     (None: kept whole, as at stage 0). `agree_over` (default `group`) is every rank that must hold
-    the same values: with hybrid sharding the replicas of the shard group too. `trim` hands
-    glibc's free heap pages back after each module on the CPU (see `zerocompile.heap`).
+    the same values, whose group rank 0's generators the walk follows: with hybrid sharding the
+    replicas of the shard group too. `trim` hands glibc's free heap pages back after each module on
+    the CPU (see `zerocompile.heap`).
+
+    `loaded` (from `shard(weights=...)`): tensors read from files instead of written by `init`,
+    straight into this rank's part. A module whose tensors, its own and its submodules', all come
+    from the files is not passed to `init`; in the other calls an operation writing a loaded tensor
+    is skipped (nothing computed, no random number drawn) and one reading it sees the loaded values.
 
     Returns what this rank keeps of each distinct parameter (its padded flat slice at stages 1-3,
     the whole tensor at stage 0) and each buffer's value by (module, name). The model is not
     changed: the caller installs them once everything has succeeded.
     """
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-    _check_generators_agree(agree_over if agree_over is not None else group, device)
+    loaded = loaded or {}
+    tracked = _tracked_tensors(model, shard_numels)
+    read_buffers = _read_loaded(loaded, tracked, rank, device)
+    covered = {StorageWeakRef(tensor.untyped_storage()) for tensor in loaded}
+    skipped = _fully_loaded_modules(model, covered) if covered else set()
+    walk = _ShardedWalk(tracked, covered, group, rank, world_size, device)
+    call = init if init is not None else _reset_own_state
+
+    def one_module(module: nn.Module) -> None:
+        if module in skipped:
+            return
+        with walk:
+            call(module)
+        walk.keep_slices()
+        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        if trim and device.type == "cpu" and sum(t.numel() * t.element_size() for t in own) >= _TRIM_AFTER_BYTES:
+            # Each module's full tensors are freed between the slices kept of it and of the next:
+            # glibc would keep those holes resident, and the build's peak would grow with the model
+            # (101M GPT, 2 ranks: 268-303 MB held after shard() against 193 MB of shards).
+            trim_heap()
+
+    with torch.no_grad(), _following_group_rank0_generators(agree_over if agree_over is not None else group, device):
+        model.apply(one_module)
+    _raise_if_unwritten(list(tracked.values()), init is None)
+    return _kept(model, tracked, read_buffers, device)
+
+
+def _tracked_tensors(model: nn.Module, shard_numels: dict[nn.Parameter, int | None]) -> dict[StorageWeakRef, _Tracked]:
+    """Every meta parameter and buffer by storage: tied names share one entry."""
     tracked: dict[StorageWeakRef, _Tracked] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         if param.storage_offset() != 0 or param.untyped_storage().nbytes() != param.numel() * param.element_size():
@@ -131,33 +186,52 @@ def materialise_sharded(
     for name, buffer in model.named_buffers(remove_duplicate=False):
         if buffer.is_meta:
             tracked.setdefault(StorageWeakRef(buffer.untyped_storage()), _Tracked([], buffer, None)).names.append(name)
+    return tracked
 
-    walk = _ShardedWalk(tracked, group, rank, world_size, device)
-    call = init if init is not None else _reset_own_state
 
-    def one_module(module: nn.Module) -> None:
-        with walk:
-            call(module)
-        walk.keep_slices()
-        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-        if trim and device.type == "cpu" and sum(t.numel() * t.element_size() for t in own) >= _TRIM_AFTER_BYTES:
-            # Each module's full tensors are freed between the slices kept of it and of the next:
-            # glibc would keep those holes resident, and the build's peak would grow with the model
-            # (101M GPT, 2 ranks: 268-303 MB held after shard() against 193 MB of shards).
-            trim_heap()
+def _read_loaded(
+    loaded: Mapping[torch.Tensor, PartReader], tracked: dict[StorageWeakRef, _Tracked], rank: int, device: torch.device
+) -> dict[StorageWeakRef, torch.Tensor]:
+    """This rank's part of each loaded tensor, read before the walk so that a call reading one sees
+    the files' values. A buffer built off the meta device is read whole into a new tensor,
+    returned by its storage, which replaces it once everything has succeeded."""
+    read_buffers = {}
+    for tensor, read in loaded.items():
+        key = StorageWeakRef(tensor.untyped_storage())
+        entry = tracked.get(key)
+        if entry is None:
+            read_buffers[key] = read(None, rank, device)
+        else:
+            entry.kept = read(entry.shard_numel, rank, device).reshape(-1)
+            entry.loaded = True
+    return read_buffers
 
-    with torch.no_grad():
-        model.apply(one_module)
-    _raise_if_unwritten(list(tracked.values()), init is None)
 
+def _fully_loaded_modules(model: nn.Module, covered: set[StorageWeakRef]) -> set[nn.Module]:
+    """Modules `init` could write nothing in: every tensor in them and below them comes from the
+    files. A parent of a tensor the files lack is still called: its init may be what writes it
+    (GPT-2's attention initialises its child projection)."""
+    return {
+        module
+        for module in model.modules()
+        if all(StorageWeakRef(t.untyped_storage()) in covered for t in [*module.parameters(), *module.buffers()])
+    }
+
+
+def _kept(
+    model: nn.Module, tracked: dict[StorageWeakRef, _Tracked], read_buffers: dict[StorageWeakRef, torch.Tensor], device: torch.device
+) -> tuple[dict[nn.Parameter, torch.Tensor], dict[tuple[nn.Module, str], torch.Tensor]]:
     local = {param: entry.kept for entry in tracked.values() if isinstance(param := entry.meta, nn.Parameter)}
     buffers: dict[tuple[nn.Module, str], torch.Tensor] = {}
     for module in model.modules():
         for name, buffer in module._buffers.items():
             if buffer is None:
                 continue
-            entry = tracked.get(StorageWeakRef(buffer.untyped_storage())) if buffer.is_meta else None
-            buffers[(module, name)] = entry.kept.view(buffer.shape) if entry is not None else buffer.to(device)
+            key = StorageWeakRef(buffer.untyped_storage())
+            if buffer.is_meta:
+                buffers[(module, name)] = tracked[key].kept.view(buffer.shape)
+            else:
+                buffers[(module, name)] = read_buffers.get(key, buffer).to(device)
     return local, buffers
 
 
@@ -169,23 +243,37 @@ def _reset_own_state(module: nn.Module) -> None:
         module.reset_running_stats()
 
 
-def _check_generators_agree(group: dist.ProcessGroup, device: torch.device) -> None:
-    """The walk needs every rank to draw the same numbers; a rank seeded differently would silently
-    hold slices of a different model. One small all-gather of a digest of each generator state."""
-    states = [torch.random.get_rng_state()]
+@contextlib.contextmanager
+def _following_group_rank0_generators(group: dist.ProcessGroup, device: torch.device) -> Iterator[None]:
+    """Inside: this rank's generators hold group rank 0's state (see the module docstring).
+
+    One broadcast of the states' bytes (5 KB for the CPU generator), made by every rank of `group`
+    alike: on the group's device, since NCCL carries device tensors only.
+    """
+    generators = _generators(device)
+    own = [get() for get, _set in generators]
+    packed = torch.cat(own).to(device)
+    dist.broadcast(packed, src=dist.get_global_rank(group, 0), group=group)
+    restore = []
+    for (_get, set_state), mine, theirs in zip(generators, own, packed.cpu().split([s.numel() for s in own])):
+        if not torch.equal(mine, theirs):
+            set_state(theirs.clone())  # a state of its own, not a view into the broadcast bytes
+            restore.append((set_state, mine))
+    try:
+        yield
+    finally:
+        for set_state, mine in restore:
+            set_state(mine)
+
+
+def _generators(device: torch.device) -> list[tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], None]]]:
+    """(get state, set state) of each generator the walk may draw from: the CPU's, and the device's
+    where the shards live on an accelerator."""
+    generators = [(torch.random.get_rng_state, torch.random.set_rng_state)]
     if device.type != "cpu":
-        states.append(torch.get_device_module(device.type).get_rng_state(device).cpu())
-    digest = hashlib.sha256(b"".join(s.numpy().tobytes() for s in states)).digest()[:8]
-    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    differing = [r for r, value in enumerate(every) if not torch.equal(value, every[0])]
-    if differing:
-        raise RuntimeError(
-            f"the random number generators of group ranks {differing} differ from group rank 0's before "
-            "zerocompile.shard(init=...): every rank computes the same initial values itself, so seed every "
-            "rank alike (torch.manual_seed(seed)) before shard(), and seed per rank (dropout, data) after it"
-        )
+        module = torch.get_device_module(device.type)
+        generators.append((lambda: module.get_rng_state(device).cpu(), lambda state: module.set_rng_state(state, device)))
+    return generators
 
 
 class _ShardedWalk(TorchDispatchMode):
@@ -194,22 +282,36 @@ class _ShardedWalk(TorchDispatchMode):
     def __init__(
         self,
         tracked: dict[StorageWeakRef, _Tracked],
+        loaded: set[StorageWeakRef],
         group: dist.ProcessGroup,
         rank: int,
         world_size: int,
         device: torch.device,
     ) -> None:
         super().__init__()
-        self.tracked = tracked
+        self.tracked, self.loaded = tracked, loaded
         self.group, self.rank, self.world_size, self.device = group, rank, world_size, device
         self.in_use: list[_Tracked] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if self.loaded:
+            written = _written(func, args, kwargs)
+            if written and all(self._is_loaded(t) for t in written):
+                return _skipped(func, args, kwargs)
+            if any(self._is_loaded(t) for t in written):
+                raise RuntimeError(_mixed_write_message(func))
+            if func.is_view and args and self._is_loaded(args[0]):
+                # Stays a meta view: a later write through it is recognised and skipped, and only
+                # a read gathers the loaded values.
+                return func(*args, **kwargs)
         if func in _OVERWRITES and args and self._covers_whole(args[0]):
             self._materialise(self.tracked[StorageWeakRef(args[0].untyped_storage())], overwritten=True)
         args, kwargs = tree_map(self._real, (args, kwargs))
         return func(*args, **kwargs)
+
+    def _is_loaded(self, value: torch.Tensor) -> bool:
+        return value.layout == torch.strided and StorageWeakRef(value.untyped_storage()) in self.loaded
 
     def _entry(self, value: Any) -> _Tracked | None:
         if isinstance(value, torch.Tensor) and value.is_meta:
@@ -251,6 +353,9 @@ class _ShardedWalk(TorchDispatchMode):
     def keep_slices(self) -> None:
         """After one module's call: keep this rank's slice of every parameter it used, drop the rest."""
         for entry in self.in_use:
+            if entry.loaded:  # only read: this rank's part from the files stays as it is
+                entry.full = None
+                continue
             # Judged on the whole tensor, which every rank holds alike, so all ranks agree.
             entry.partly_written = entry.full.is_floating_point() and bool(entry.full.isnan().any())
             if entry.shard_numel is None:
@@ -259,6 +364,49 @@ class _ShardedWalk(TorchDispatchMode):
                 entry.kept = local_slice(entry.full, entry.shard_numel, self.rank)
             entry.full = None
         self.in_use = []
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an operation writes: the arguments its schema marks mutable (`Tensor(a!)`)."""
+    written = []
+    for argument, value in _bound(func, args, kwargs):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            values = value if isinstance(value, (list, tuple)) else [value]
+            written += [v for v in values if isinstance(v, torch.Tensor)]
+    return written
+
+
+def _bound(func: Any, args: tuple, kwargs: dict) -> list[tuple[Any, Any]]:
+    """Each argument of `func`'s schema with the value passed for it (None where left out)."""
+    return [
+        (argument, args[i] if i < len(args) else kwargs.get(argument.name))
+        for i, argument in enumerate(func._schema.arguments)
+    ]
+
+
+def _skipped(func: Any, args: tuple, kwargs: dict) -> Any:
+    """What a skipped write returns: the arguments its results alias (the tensor an in-place op
+    returns, an `out=`), as running it would have returned them."""
+    by_alias = {
+        frozenset(argument.alias_info.before_set): value
+        for argument, value in _bound(func, args, kwargs)
+        if argument.alias_info is not None
+    }
+    results = []
+    for result in func._schema.returns:
+        if result.alias_info is None:  # a value of its own too: skipping would leave it uncomputed
+            raise RuntimeError(_mixed_write_message(func))
+        results.append(by_alias[frozenset(result.alias_info.before_set)])
+    return None if not results else results[0] if len(results) == 1 else tuple(results)
+
+
+def _mixed_write_message(func: Any) -> str:
+    return (
+        f"init ran {func} on a tensor zerocompile.shard(weights=...) loads from the files, together with "
+        "tensors it does not load or computing a new value: shard() skips init's writes to loaded tensors "
+        "and cannot skip half an operation. Write each tensor with an operation of its own "
+        "(torch.nn.init.normal_(module.weight), module.bias.zero_()). Nothing was changed."
+    )
 
 
 def local_slice(flat: torch.Tensor, shard_numel: int, rank: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
+import os
 import warnings
 from collections.abc import Sequence
 from typing import Any, Callable
@@ -30,7 +31,7 @@ from zerocompile.config import (
 )
 from zerocompile.distributed import backend_for, group_device, reduce_scatter_flavour
 from zerocompile.hybrid import hybrid_groups
-from zerocompile.meta_init import built_on_meta, check_meta_model, local_slice, materialise_sharded
+from zerocompile.meta_init import PartReader, built_on_meta, check_meta_model, local_slice, materialise_sharded
 from zerocompile.optimizers import optimizer_list, refuse_unsupported_optimizer, replicated_state_keys
 from zerocompile.passes.markers import UNSHARD, MarkerArgs
 from zerocompile.passes.stages import StagePolicy, stage_policy
@@ -121,6 +122,8 @@ def shard(
     group: dist.ProcessGroup | None = None,
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     init: Callable[[nn.Module], Any] | None = None,
+    weights: str | os.PathLike | None = None,
+    weights_strict: bool = True,
     **settings: Any,
 ) -> nn.Module:
     """Shard `model` in place for ZeRO `stage` (0-3) over `group`; returns `model`.
@@ -132,8 +135,19 @@ def shard(
     A model built under `with torch.device("meta"):` is materialised straight into this rank's
     shards, on the group's device: `init` runs as `model.apply(init)` would (default: each
     module's own `reset_parameters()`), one module's full parameters at a time, and the result
-    equals that on the unsharded model from the same random state (see `meta_init`). On a real
+    equals that on the unsharded model from group rank 0's random state (see `meta_init`). Every
+    rank draws from group rank 0's generator state: a rank whose generator equalled it ends
+    advanced as rank 0's is; a rank whose generator differed gets its own state back. On a real
     model, `init` runs as `model.apply(init)` before sharding.
+
+    `weights` (a meta-built model only): a directory `save_pretrained` or `save_weights` wrote (or
+    a `.safetensors` file). Every parameter and persistent buffer it holds (a tied parameter under
+    any of its names) is read straight into this rank's shard, and `init` gives values only to the
+    rest: a module whose tensors all come from the files is not passed to `init`, and a write to
+    a loaded tensor in any other call is skipped. Names and shapes are checked before anything is
+    read; names in the files the model lacks raise unless `weights_strict=False`, which ignores
+    them (as `from_pretrained` ignores another task's head). A model with real parameters is
+    refused: call `load_weights` after `shard()`. On any failure the model stays on meta.
     """
     base = stage if isinstance(stage, ZeroConfig) else None
     if group is not None:
@@ -141,6 +155,7 @@ def shard(
     config = config_from_kwargs(base, None if isinstance(stage, ZeroConfig) else stage, settings)
     on_meta = built_on_meta(model)
     _check_can_shard(model, on_meta)
+    loaded = _weight_readers(model, weights, weights_strict, on_meta) if weights is not None else None
     from zerocompile.optim import SHARDED_EQUIVALENTS, take_over  # optim builds on this module
 
     optimizers = optimizer_list(optimizer)
@@ -187,7 +202,7 @@ def shard(
         shard_numels = {param: info.shard_numel if policy.shards_parameters else None for param, info in infos.items()}
         local, buffers = materialise_sharded(
             model, init, shard_numels=shard_numels, group=hybrid.shard, device=group_device(group), agree_over=group,
-            trim=config.trim_heap,
+            trim=config.trim_heap, loaded=loaded,
         )
         _install_materialised(local, buffers, policy)
     else:
@@ -219,6 +234,21 @@ def shard(
         module._zero_prefix = prefix  # what the registration guard names; its mark of a sharded model
     WHILE_SHARDED.hold(model)
     return model
+
+
+def _weight_readers(
+    model: nn.Module, weights: str | os.PathLike, strict: bool, on_meta: bool
+) -> dict[torch.Tensor, PartReader]:
+    if not on_meta:
+        raise ValueError(
+            f"shard(weights={str(weights)!r}) fills a model built on the meta device, whose tensors hold no "
+            "values yet; this model's parameters are real tensors, already initialised. Call "
+            "zerocompile.load_weights(model, path) after shard() instead, or build the model under "
+            "`with torch.device('meta'):`"
+        )
+    from zerocompile.weights import file_readers  # weights builds on this module
+
+    return file_readers(model, weights, strict=strict)
 
 
 def _cast_floating_inputs(module: nn.Module, args: tuple, kwargs: dict, *, dtype: torch.dtype) -> tuple | None:

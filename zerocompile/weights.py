@@ -7,6 +7,8 @@ bytes in the file: each rank reads only that run, through the `safetensors` libr
 rank ever holds a full tensor it does not own. Every file header and shape is checked before the
 first value is read, so a bad file or a model of other sizes fails with the model unchanged; the
 checks read the same files on every rank and decide the same, and loading needs no collective.
+`file_readers` makes the same checks for `shard(model, weights=path)` on a meta-built model, and
+gives the walk of `meta_init` the same reads, each into a new tensor of this rank's part.
 
 `save_weights(model, path)` writes the same layout back. Group rank 0 writes; it streams one
 tensor at a time, receiving a sharded parameter shard by shard (point to point, unpadded) and
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -34,6 +37,7 @@ from torch import nn
 
 from zerocompile.checkpoint import _is_sharded, _persistent_buffers, _resolve, _valid_numel, parameter_names, unwrap_model
 from zerocompile.checkpoint_files import SAFETENSORS_DTYPES, _fsync_directory, write_json
+from zerocompile.meta_init import PartReader
 from zerocompile.sharding import ShardInfo, shard_info
 
 SINGLE_FILE = "model.safetensors"
@@ -121,6 +125,39 @@ def load_weights(model: nn.Module, path: str | os.PathLike, strict: bool = True)
             for target, source in pairs:
                 _read_into(target, source)
     return None if strict else LoadResult(missing, unexpected)
+
+
+def file_readers(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> dict[torch.Tensor, PartReader]:
+    """For `shard(model, weights=path)` on a meta-built model: each tensor of `model` the files at
+    `path` hold (a parameter under any of its names, a persistent buffer), with a function reading
+    this rank's part of it. Checked as `load_weights` checks, from headers, nothing read: a damaged
+    file or a wrong shape raises; names the model lacks raise with `strict`; tensors the files lack
+    are left to `init`. Files that hold none of the model's tensors raise: another model's weights.
+    """
+    targets = _model_tensors(model)
+    with contextlib.ExitStack() as opened:
+        stored = _stored_tensors(Path(path), opened)
+    pairs, missing, unexpected = _match(targets, stored)
+    _check_shapes(pairs)
+    if not pairs:
+        raise RuntimeError(_names_mismatch(Path(path), type(model).__name__, missing, unexpected, 0, _OTHER_MODEL_ADVICE))
+    if strict and unexpected:
+        raise RuntimeError(_names_mismatch(Path(path), type(model).__name__, [], unexpected, len(pairs), _SHARD_ADVICE))
+    return {target.tensor: functools.partial(_read_part, source, target.shape, target.tensor.dtype) for target, source in pairs}
+
+
+def _read_part(
+    source: _Stored, shape: tuple[int, ...], dtype: torch.dtype, shard_numel: int | None, rank: int, device: torch.device
+) -> torch.Tensor:
+    """`source` read into a new tensor of `dtype` on `device`: whole (`shard_numel` None), or the
+    padded flat shard of `shard_numel` elements that group rank `rank` holds."""
+    if shard_numel is None:
+        whole = torch.empty(shape, dtype=dtype, device=device)
+        _read_whole(whole, source)
+        return whole
+    flat = torch.empty(shard_numel, dtype=dtype, device=device)
+    _read_flat_range(flat, source, shape, rank * shard_numel)
+    return flat
 
 
 def _stored_tensors(path: Path, opened: contextlib.ExitStack) -> dict[str, _Stored]:
@@ -221,16 +258,25 @@ def _check_shapes(pairs: list[tuple[_ModelTensor, _Stored]]) -> None:
         )
 
 
-def _names_mismatch(path: Path, model: str, missing: list[str], unexpected: list[str], matched: int) -> str:
+_LOAD_ADVICE = (
+    "Load weights saved from this model, or pass strict=False to load the tensors whose names match "
+    "and get the missing and unexpected keys back"
+)
+_OTHER_MODEL_ADVICE = "Pass the weights of this model"
+_SHARD_ADVICE = (
+    "Load weights saved from this model (tensors they lack are left to init), or pass weights_strict=False "
+    "to shard() to ignore the names the model lacks (as from_pretrained ignores the head of another task)"
+)
+
+
+def _names_mismatch(
+    path: Path, model: str, missing: list[str], unexpected: list[str], matched: int, advice: str = _LOAD_ADVICE
+) -> str:
     found = []
     if missing:
         found.append(f"missing keys {_listed(missing)}")
     if unexpected:
         found.append(f"unexpected keys {_listed(unexpected)}")
-    advice = (
-        "Load weights saved from this model, or pass strict=False to load the tensors whose names match "
-        "and get the missing and unexpected keys back"
-    )
     if not matched:
         advice = (
             "None of the model's tensors is in it: it holds the weights of another model (or its names "
@@ -248,17 +294,27 @@ def _read_into(target: _ModelTensor, source: _Stored) -> None:
     of file pages at the peak, measured 2026-11-25).
     """
     info = target.info
+    if _is_sharded(info):
+        _read_flat_range(target.tensor.view(-1), source, info.shape, info.shard_offset)
+    else:
+        _read_whole(target.tensor, source)
+
+
+def _read_whole(tensor: torch.Tensor, source: _Stored) -> None:
     with safe_open(str(source.file), framework="pt") as handle:
-        if not _is_sharded(info):
-            target.tensor.copy_(handle.get_tensor(source.name))
-            return
-        flat = target.tensor.view(-1)
-        start, valid = info.shard_offset, _valid_numel(info)
-        position = 0
-        for piece in _flat_range(handle.get_slice(source.name), info.shape, start, start + valid):
+        tensor.copy_(handle.get_tensor(source.name))
+
+
+def _read_flat_range(flat: torch.Tensor, source: _Stored, shape: tuple[int, ...], start: int) -> None:
+    """`flat` filled from the elements of `source` (of `shape`, row-major) from `start` on; where
+    `flat` reaches past the tensor's last element it is padding, zeroed as shard() leaves it."""
+    valid = max(0, min(flat.numel(), math.prod(shape) - start))
+    position = 0
+    with safe_open(str(source.file), framework="pt") as handle:
+        for piece in _flat_range(handle.get_slice(source.name), shape, start, start + valid):
             flat[position : position + piece.numel()].copy_(piece)
             position += piece.numel()
-        flat[position:].zero_()  # the padding, as shard() left it
+    flat[position:].zero_()
 
 
 def _flat_range(
