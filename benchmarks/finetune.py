@@ -1,7 +1,11 @@
-"""Fine-tune a "pretrained" Llama with Hugging Face's `Trainer`: DDP, FSDP2 (accelerate's plugin) or
-zerocompile's `ZeroTrainer`, optionally with a PEFT LoRA adapter: docs/finetune.md's recipe and table.
+"""Fine-tune a "pretrained" Llama with Hugging Face's `Trainer`: DDP, FSDP2 or zerocompile's
+`ZeroTrainer`, optionally with a PEFT LoRA adapter: docs/finetune.md's recipe and table.
 
-    python -m benchmarks.finetune compare --size small --nproc 2 --steps 30   # docs/finetune.md's table
+FSDP2 is transformers' own (`from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=N))`,
+each rank loading its shards): accelerate's FSDP plugin enables FSDP only for GPU-like devices, and
+on CPU ranks Trainer then trains with DDP without a word (DDP's reducer warnings in the log show it).
+
+    python -m benchmarks.finetune compare --size medium --nproc 2 --steps 20  # docs/finetune.md's table
     python -m benchmarks.finetune prepare --size small --out /tmp/llama        # random weights, 2+ files
     torchrun --nproc_per_node 2 -m benchmarks.finetune train --pretrained /tmp/llama --mode zero \
         --stage 3 --out /tmp/run --report /tmp/run.json
@@ -10,10 +14,10 @@ zerocompile's `ZeroTrainer`, optionally with a PEFT LoRA adapter: docs/finetune.
 Nothing is downloaded: `prepare` writes a randomly initialised model with `save_pretrained`, and the
 data are random tokens (seed 5; held out for evaluation: seed 6), so losses are comparable run to
 run, not meaningful. Rank 0 writes the report: the loss of every optimizer step, the evaluation
-loss every `--save-steps`, the time from this module's import to the end of the first optimizer
-step, tokens per second over the later steps, each rank's peak RSS (VmHWM), and, for ZeroTrainer,
-how far `save_model`'s files (read back by `from_pretrained`, or `PeftModel.from_pretrained` for an
-adapter) are from the gathered trained weights.
+loss every `--eval-steps`, the time from this module's import to the end of the first optimizer
+step, tokens per second over the later steps, each rank's peak RSS (VmHWM) up to the first step's
+end and over the later steps, and, for ZeroTrainer, how far `save_model`'s files (read back by
+`from_pretrained`, or `PeftModel.from_pretrained` for an adapter) are from the gathered weights.
 """
 
 from __future__ import annotations
@@ -36,9 +40,12 @@ SIZES = {
     # gradient norm (~2) exceeds the clip of 1.0 and clipping is exercised
     "tiny": dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1, seq_len=16),
-    # docs/finetune.md's table: ~6M parameters
+    # ~6M parameters: a quick look
     "small": dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, seq_len=128),
+    # docs/finetune.md's table: ~40M parameters, optimizer state large beside torch's own memory
+    "medium": dict(vocab_size=16000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                   num_attention_heads=8, num_key_value_heads=4, seq_len=128),
 }  # fmt: skip
 SAMPLES = 96
 LORA_TARGETS = ["q_proj", "v_proj"]
@@ -72,23 +79,35 @@ class RandomTokens(torch.utils.data.Dataset):
 def _arguments(options: argparse.Namespace) -> Any:
     from transformers import TrainingArguments
 
-    fsdp = {}
-    if options.mode == "fsdp2":
-        fsdp = dict(
-            fsdp="full_shard",
-            fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "reshard_after_forward": True},
-        )
+    extra: dict[str, Any] = {}
+    if options.mode == "ddp-compile":
+        extra = dict(torch_compile=True)
     return TrainingArguments(
         output_dir=options.out, per_device_train_batch_size=options.per_device, gradient_accumulation_steps=options.accum,
         max_grad_norm=1.0, max_steps=options.steps, logging_steps=1, save_steps=options.save_steps,
         learning_rate=options.lr, seed=0, report_to=[], use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
-        save_only_model=False, eval_strategy="steps", eval_steps=options.save_steps, per_device_eval_batch_size=2, **fsdp,
+        # transformers cannot checkpoint the optimizer of a model it sharded at load time (it refuses).
+        save_only_model=options.mode == "fsdp2", eval_strategy="steps" if options.eval_steps else "no", eval_steps=options.eval_steps or None,
+        per_device_eval_batch_size=2, **extra,
     )  # fmt: skip
 
 
 def _model(options: argparse.Namespace) -> torch.nn.Module:
+    """ZeroTrainer's model comes sharded from `zc.from_pretrained` (each rank reads its shards, nothing
+    initialised twice); a LoRA adapter is attached to a whole base, which ZeroTrainer then shards (a
+    sharded model takes no new modules); DDP's and FSDP2's from transformers' `from_pretrained`."""
     from transformers import AutoModelForCausalLM
 
+    if options.mode == "zero" and not options.lora:
+        import zerocompile as zc
+
+        zc.init_distributed()
+        return zc.from_pretrained(options.pretrained, stage=options.stage)
+    if options.mode == "fsdp2":
+        from transformers.distributed import DistributedConfig
+
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        return AutoModelForCausalLM.from_pretrained(options.pretrained, distributed_config=DistributedConfig(fsdp_size=world_size))
     model = AutoModelForCausalLM.from_pretrained(options.pretrained)
     if options.lora:
         from peft import LoraConfig, get_peft_model
@@ -99,18 +118,25 @@ def _model(options: argparse.Namespace) -> torch.nn.Module:
 
 
 class _Clock:
-    """`TrainerCallback` timing each optimizer step's end."""
+    """`TrainerCallback` timing each optimizer step's end; at the first, the peak RSS so far (start,
+    load, compile) is noted and the peak restarted, so the steps after it are measured alone."""
 
     def __init__(self) -> None:
         from transformers import TrainerCallback
+
+        from zerocompile.tools.rss import reset_peak_rss, status_bytes
 
         clock = self
 
         class Callback(TrainerCallback):
             def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
                 clock.step_ends.append(time.perf_counter())
+                if len(clock.step_ends) == 1:
+                    clock.first_step_peak = status_bytes("VmHWM")
+                    reset_peak_rss()
 
         self.step_ends: list[float] = []
+        self.first_step_peak = 0
         self.callback = Callback()
 
 
@@ -118,6 +144,7 @@ def train(options: argparse.Namespace) -> dict[str, Any] | None:
     from transformers import Trainer, default_data_collator
 
     from zerocompile.hf import ZeroTrainer
+    from zerocompile.tools.rss import status_bytes
 
     seq_len = int(Path(options.pretrained, "seq_len").read_text())
     model = _model(options)
@@ -130,15 +157,17 @@ def train(options: argparse.Namespace) -> dict[str, Any] | None:
     )  # fmt: skip
     if options.mode == "zero":
         compile_options = {"compiler": options.compiler}
-        trainer = ZeroTrainer(**common, zero_config=options.stage, compile_options=compile_options)
+        stage = options.stage if options.lora else None  # else from_pretrained sharded it
+        trainer = ZeroTrainer(**common, zero_config=stage, compile_options=compile_options)
     else:
         trainer = Trainer(**common)
     trainer.train(resume_from_checkpoint=options.resume)
+    # Training's: the check of the saved files below holds two whole models on rank 0.
+    peak = (clock.first_step_peak, status_bytes("VmHWM"))
     final = os.path.join(options.out, "final")
     trainer.save_model(final)
     saved_error = _saved_error(trainer.model, final, options) if options.mode == "zero" else None
     peaks = [None] * dist.get_world_size() if dist.is_initialized() else [None]
-    peak = _peak_rss()
     if dist.is_initialized():
         dist.all_gather_object(peaks, peak)
     else:
@@ -153,20 +182,14 @@ def train(options: argparse.Namespace) -> dict[str, Any] | None:
         "eval_losses": [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry],
         "first_step_s": clock.step_ends[0] - STARTED if clock.step_ends else None,
         "tokens_per_s": (len(later) - 1) * tokens_per_step / (later[-1] - later[0]) if len(later) > 1 else None,
-        "peak_rss": peaks,
+        "peak_rss": [first for first, _later in peaks],  # to the end of the first step
+        "steady_rss": [later for _first, later in peaks],  # the later steps' peak
         "saved_error": saved_error,
     }  # fmt: skip
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(options.report).write_text(json.dumps(report))
         return report
     return None
-
-
-def _peak_rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _saved_error(model: torch.nn.Module, final: str, options: argparse.Namespace) -> float | None:
@@ -196,21 +219,27 @@ def _saved_error(model: torch.nn.Module, final: str, options: argparse.Namespace
     return max((trained[name] - state[name]).abs().max().item() for name in trained)
 
 
-# The modes of docs/finetune.md's table: (label, train arguments).
+# The modes of docs/finetune.md's table: (label, train arguments). Micro-batches of 2 sequences,
+# 2 per step; the last two rows take the same 4 sequences per rank in one micro-batch, which shows
+# what ZeroTrainer's reduction per micro-step costs.
 COMPARED = (
     ("Trainer + DDP", ["--mode", "ddp"]),
-    ("Trainer + FSDP2 (accelerate's plugin)", ["--mode", "fsdp2"]),
+    ("Trainer + DDP, `torch_compile=True`", ["--mode", "ddp-compile"]),
+    ("Trainer + FSDP2 (transformers' `distributed_config`)", ["--mode", "fsdp2"]),
     ("ZeroTrainer, stage 3", ["--mode", "zero", "--stage", "3"]),
     ("ZeroTrainer, stage 2", ["--mode", "zero", "--stage", "2"]),
+    ("Trainer + DDP, `torch_compile=True`, 4 x 1", ["--mode", "ddp-compile", "--per-device", "4", "--accum", "1"]),
+    ("ZeroTrainer, stage 3, 4 x 1", ["--mode", "zero", "--stage", "3", "--per-device", "4", "--accum", "1"]),
 )
 
 
-def compare(size: str, nproc: int, steps: int, work: str) -> str:
-    """Each of COMPARED in turn under torchrun on the same pretrained model and data: a Markdown table."""
+def compare(size: str, nproc: int, steps: int, work: str, allocator: str) -> str:
+    """Each of COMPARED in turn under torchrun on the same pretrained model and data, the ranks'
+    malloc `allocator` (as `zerocompile bench`'s): a Markdown table."""
     import subprocess
     import sys
 
-    from zerocompile.tools.spawn import free_loopback_port
+    from zerocompile.tools.spawn import child_environment, find_allocator, free_loopback_port
 
     pretrained = os.path.join(work, "pretrained")
     prepare(size, pretrained)
@@ -220,39 +249,49 @@ def compare(size: str, nproc: int, steps: int, work: str) -> str:
         command = [
             sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
             f"--master-port={free_loopback_port()}", "-m", "benchmarks.finetune", "train", "--pretrained", pretrained,
-            "--steps", str(steps), "--save-steps", str(10 * steps), "--out", os.path.join(work, f"run{index}"),
+            # No checkpoints and no evaluation: the steps alone (an evaluation compiles graphs of its own).
+            "--steps", str(steps), "--save-steps", str(10 * steps), "--eval-steps", "0", "--out", os.path.join(work, f"run{index}"),
             "--report", report, *mode,
         ]  # fmt: skip
+        # A cold Inductor cache for each run, as a first run of a job has: its compile is part of its start.
+        env = child_environment({"TORCHINDUCTOR_CACHE_DIR": os.path.join(work, f"run{index}-inductor-cache")}, find_allocator(allocator))
         with open(os.path.join(work, f"run{index}.log"), "w") as log:
-            subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=True)
+            subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=True, env=env)
         result = json.loads(Path(report).read_text())
         rows.append(
             f"| {label} | {result['first_step_s']:.1f} s | {max(result['peak_rss']) / 2**20:.0f} MiB "
-            f"| {result['tokens_per_s']:.0f} | {result['losses'][-1]:.4f} |"
+            f"| {max(result['steady_rss']) / 2**20:.0f} MiB | {result['tokens_per_s']:.0f} | {result['losses'][-1]:.4f} |"
         )
-    header = "| route | start to first step | peak RSS per rank (max) | tokens/s | loss at the last step |\n|---|---|---|---|---|"
+    header = (
+        "| route | start to first step | peak RSS to the first step | peak RSS of the later steps | tokens/s "
+        "| loss at the last step |\n|---|---|---|---|---|---|"
+    )
     return "\n".join([header, *rows])
 
 
 def main(argv: list[str] | None = None) -> None:
+    from zerocompile.tools.spawn import add_allocator_argument
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     made = commands.add_parser("prepare", help="write a random 'pretrained' Llama")
     made.add_argument("--size", choices=sorted(SIZES), default="tiny")
     made.add_argument("--out", required=True)
     table = commands.add_parser("compare", help="DDP, FSDP2 and ZeroTrainer side by side: a Markdown table")
-    table.add_argument("--size", choices=sorted(SIZES), default="small")
+    table.add_argument("--size", choices=sorted(SIZES), default="medium")
     table.add_argument("--nproc", type=int, default=2)
     table.add_argument("--steps", type=int, default=30)
     table.add_argument("--work", default=None, help="directory for the runs (default: a temporary one)")
+    add_allocator_argument(table)
     run = commands.add_parser("train", help="fine-tune it with Trainer (under torchrun or accelerate launch)")
     run.add_argument("--pretrained", required=True)
-    run.add_argument("--mode", choices=("ddp", "fsdp2", "zero"), required=True)
+    run.add_argument("--mode", choices=("ddp", "ddp-compile", "fsdp2", "zero"), required=True)
     run.add_argument("--stage", type=int, default=3)
     run.add_argument("--compiler", choices=("eager", "inductor"), default="inductor")
     run.add_argument("--lora", action="store_true")
     run.add_argument("--steps", type=int, default=20)
     run.add_argument("--save-steps", type=int, default=10)
+    run.add_argument("--eval-steps", type=int, default=10, help="evaluate every this many steps and at the end (0: never)")
     run.add_argument("--per-device", type=int, default=2)
     run.add_argument("--accum", type=int, default=2)
     run.add_argument("--lr", type=float, default=1e-3)
@@ -266,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
         import tempfile
 
         with tempfile.TemporaryDirectory() as scratch:
-            print(compare(options.size, options.nproc, options.steps, options.work or scratch))
+            print(compare(options.size, options.nproc, options.steps, options.work or scratch, options.allocator))
     else:
         train(options)
         if dist.is_initialized():
