@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from zerocompile.tools.spawn import free_loopback_port
 
@@ -155,15 +156,48 @@ def test_lora_adapter_trains_like_ddp_and_saves_as_peft(runs):
 def test_refuses_what_accelerate_would_have_done(tmp_path, setting, match):
     """Trainer's DDP route does these through accelerate's wrapping of the model, which ZeroTrainer
     bypasses: silently, the model would train uncompiled by zero, or in fp32."""
-    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+    from transformers import TrainingArguments
 
     from zerocompile.hf import ZeroTrainer
 
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **setting)
     with pytest.raises(ValueError, match=match):
-        ZeroTrainer(model=LlamaForCausalLM(config), args=args)
+        ZeroTrainer(model=_tiny_llama(), args=args)
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def test_bf16_shards_with_bf16_compute(single_rank, tmp_path):
+    """`bf16=True` becomes the shard's param_dtype (fp32 master shards, bf16 compute): accelerate's
+    autocast, DDP's route to it, never sees a model ZeroTrainer keeps from it."""
+    from transformers import TrainingArguments
+
+    from zerocompile.hf import ZeroTrainer
+    from zerocompile.sharding import shard_info
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16=True)
+    trainer = ZeroTrainer(model=_tiny_llama(), args=args)
+    infos = [shard_info(p) for p in trainer.model.parameters()]
+    assert all(info is not None and info.config.param_dtype == torch.bfloat16 for info in infos)
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+
+
+def test_sharded_without_bf16_refuses_bf16(single_rank, tmp_path):
+    from transformers import TrainingArguments
+
+    import zerocompile as zc
+    from zerocompile.hf import ZeroTrainer
+
+    model = zc.shard(_tiny_llama(), stage=3)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16=True)
+    with pytest.raises(ValueError, match="sharded without param_dtype"):
+        ZeroTrainer(model=model, args=args)
 
 
 @pytest.mark.fast
