@@ -31,9 +31,6 @@ LOSS_TOLERANCE = 1e-5
 TIMEOUT = 300.0
 RESUMED_FROM = 10
 
-pytest.importorskip("peft")
-pytest.importorskip("accelerate")
-
 
 # A rank that finished its work sometimes aborts as the process exits (a C++ thread left joinable;
 # issue 56, open: 2 of ~40 launches of this file's runs under a loaded pytest, 0 of 20 alone).
