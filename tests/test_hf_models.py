@@ -9,6 +9,7 @@ traced too. One 2-rank spawn trains every case and reports; the tests assert on 
 from __future__ import annotations
 
 import traceback
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -50,6 +51,14 @@ def build_model(name: str) -> nn.Module:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, attn_implementation="sdpa",
     )  # fmt: skip
     return LlamaForCausalLM(config)
+
+
+def report_offline(report: Callable[..., Any], root: str) -> list[Any]:
+    """`report(rank, world_size, root)` on 2 ranks that may download nothing (HF_HUB_OFFLINE,
+    inherited by the ranks): the pretrained-model tests' one spawn."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        return run_on_ranks(2, report, root, timeout=600)
 
 
 def local_batch(step: int, rank: int, world_size: int) -> dict[str, torch.Tensor]:

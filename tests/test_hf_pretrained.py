@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocompile as zc
-from ranks import run_cases, run_on_ranks
-from test_hf_models import EAGER_TOLERANCE, VOCAB, _train, build_model
+from ranks import run_cases
+from test_hf_models import EAGER_TOLERANCE, VOCAB, _train, build_model, report_offline
 
 LOGIT_TOLERANCE = 1e-6
 MODELS = ("gpt2", "llama")
@@ -106,10 +106,7 @@ def _report(rank: int, world_size: int, root: str) -> dict:
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> list[dict]:
-    root = str(tmp_path_factory.mktemp("hf-pretrained"))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HF_HUB_OFFLINE", "1")  # inherited by the ranks: nothing may be downloaded
-        return run_on_ranks(2, _report, root, timeout=600)
+    return report_offline(_report, str(tmp_path_factory.mktemp("hf-pretrained")))
 
 
 def _facts(report: list[dict], key: tuple, rank: int = 0) -> dict:

@@ -25,8 +25,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zerocompile as zc
-from ranks import run_cases, run_on_ranks
-from test_hf_models import VOCAB, build_model
+from ranks import run_cases
+from test_hf_models import VOCAB, build_model, report_offline
 from test_hf_pretrained import LOGIT_TOLERANCE
 
 MODELS = ("gpt2", "llama")
@@ -290,10 +290,7 @@ def _report(rank: int, world_size: int, root: str) -> dict:
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> list[dict]:
-    root = str(tmp_path_factory.mktemp("load-without-init"))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HF_HUB_OFFLINE", "1")  # inherited by the ranks: nothing may be downloaded
-        return run_on_ranks(2, _report, root, timeout=600)
+    return report_offline(_report, str(tmp_path_factory.mktemp("load-without-init")))
 
 
 def _facts(report: list[dict], key: object, rank: int) -> dict:
