@@ -543,15 +543,23 @@ def load(
 
 
 def gathered_state_dict(
-    model: nn.Module, local: Callable[[nn.Parameter], torch.Tensor], rank0_only: bool, cpu: bool
+    model: nn.Module,
+    local: Callable[[nn.Parameter], torch.Tensor],
+    rank0_only: bool,
+    cpu: bool,
+    only: Callable[[nn.Parameter], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The model's state dict with full tensors, each parameter's values taken from `local(param)`
     (laid out like the parameter on this rank): the parameters themselves, or an EMA's shadows.
+    With `only`, just the parameters it accepts and no buffers (a LoRA adapter: nothing of the
+    frozen base is gathered).
 
     Gathers one parameter at a time, so a rank holds at most one full tensor beyond the result.
     """
     model = unwrap_model(model)
     params = parameter_names(model)
+    if only is not None:
+        params = {param: names for param, names in params.items() if only(param)}
     keep = not rank0_only or _rank_and_world()[0] == 0
     full: dict[str, torch.Tensor] = {}
     with torch.no_grad():
@@ -566,10 +574,9 @@ def gathered_state_dict(
                 full.update(dict.fromkeys(names, tensor))
         if not keep:
             return {}
-        for name, buffer in _persistent_buffers(model, params).items():
+        for name, buffer in _persistent_buffers(model, params).items() if only is None else ():
             full[name] = buffer.detach().clone().cpu() if cpu else buffer.detach().clone()
-    order = list(own_state_dict(model))
-    return {name: full[name] for name in order}
+    return {name: full[name] for name in own_state_dict(model) if only is None or name in full}
 
 
 def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu: bool = True) -> dict[str, torch.Tensor]:

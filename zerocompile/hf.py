@@ -28,7 +28,6 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 try:
@@ -40,7 +39,7 @@ except ImportError as error:
         f'zerocompile.hf needs transformers and accelerate ({error.name} is missing): pip install "zerocompile[hf]"'
     ) from error
 
-from zerocompile.checkpoint import load, save
+from zerocompile.checkpoint import gathered_state_dict, load, save
 from zerocompile.clipping import clip_grad_norm_
 from zerocompile.config import ZeroConfig, config_from_kwargs
 from zerocompile.distributed import init_distributed
@@ -198,15 +197,5 @@ def _is_peft(model: nn.Module) -> bool:
 
 def trainable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The trainable parameters (a LoRA adapter), whole, on rank 0 ({} elsewhere): gathered one at a
-    time, never the frozen base."""
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    state: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if not param.requires_grad:
-                continue
-            info = shard_info(param)
-            full = info.gather(param.detach()) if info is not None else param.detach()
-            if rank0:
-                state[name] = full.cpu().clone()
-    return state
+    time, never the frozen base. Collective."""
+    return gathered_state_dict(model, lambda param: param, rank0_only=True, cpu=True, only=lambda param: param.requires_grad)
