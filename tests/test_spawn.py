@@ -42,7 +42,7 @@ def _crash(rank: int) -> None:
 
 
 def test_a_rank_that_crashes_prints_its_python_stack(capfd: pytest.CaptureFixture) -> None:
-    with pytest.raises(Exception, match="status -11"):
+    with pytest.raises(spawn.RanksFailed, match=r"died of SIGSEGV \(signal 11, exit status -11\)"):
         spawn.spawn_ranks(_crash, 1, preload=None, timeout=120)
     printed = capfd.readouterr().err
     assert "Fatal Python error: Segmentation fault" in printed, printed[-2000:]

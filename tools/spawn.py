@@ -22,6 +22,7 @@ import argparse
 import faulthandler
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -219,11 +220,24 @@ def _received(outcomes: Connection, child: Child) -> tuple[str, Any]:
             code = child.process.wait(timeout=5)
         except subprocess.TimeoutExpired:
             code = None
-        return DIED, f"its process closed its pipe and exited with status {code} without a result"
+        return DIED, f"{_end_of(code)} without a result (its process closed its pipe)"
     try:
         return pickle.loads(data)
     except Exception:
         return RAISED, f"its result cannot be unpickled here:\n{traceback.format_exc()}"
+
+
+def _end_of(code: int | None) -> str:
+    """How a child ended, from its exit status (None: not yet); a signal by name, the first thing
+    `RanksFailed` says of the rank."""
+    if code is None:
+        return "was still running 5 s after it closed its pipe"
+    if code >= 0:
+        return f"exited with status {code}"
+    try:
+        return f"died of {signal.Signals(-code).name} (signal {-code}, exit status {code})"
+    except ValueError:  # a real-time signal has no name
+        return f"died of signal {-code} (exit status {code})"
 
 
 class RanksFailed(RuntimeError):
@@ -350,7 +364,6 @@ def die_with_the_parent() -> None:
     rather than leaving it to run its job to the end as an orphan."""
     if sys.platform.startswith("linux"):
         import ctypes
-        import signal
 
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
