@@ -315,9 +315,7 @@ def exit_spawned_rank() -> NoReturn:
     import torch.distributed as dist
 
     dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _leave(0)
 
 
 def leave_rank(failed: bool) -> NoReturn:
@@ -329,9 +327,18 @@ def leave_rank(failed: bool) -> NoReturn:
             exit_spawned_rank()
         except Exception:  # a peer left without the barrier: it failed, and has said so
             failed = True
+    _leave(1 if failed else 0)
+
+
+def _leave(status: int) -> NoReturn:
+    """`os._exit(status)`, which runs no finalizer: so first the death watch of a sharded model
+    still alive ends here (`zerocompile.rank_deaths`), as a normal end, which leaves no records."""
+    deaths = sys.modules.get("zerocompile.rank_deaths")
+    if deaths is not None:
+        deaths.RANK_DEATHS.stop()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1 if failed else 0)
+    os._exit(status)
 
 
 def _serve(jobs: Connection, outcomes: Connection) -> NoReturn:

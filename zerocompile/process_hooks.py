@@ -5,8 +5,8 @@ shards it cannot step on, or with state made for the full parameters, or while g
 pending under `no_sync` (optimizer step pre-hook); a Parameter or submodule assigned on a module
 of a sharded model (module registration hooks). `ProcessHooks` installs them with the first
 sharded model and removes them, by their handles, when the last one is collected, with any patch
-made through `patch` (the Inductor workaround of `zerocompile.upstream_fixes`): a process that
-holds no sharded model runs none of our code.
+made through `patch` (the Inductor workaround of `zerocompile.upstream_fixes`, the death watch of
+`zerocompile.rank_deaths`): a process that holds no sharded model runs none of our code.
 
 While one lives, every optimizer's step passes through `_before_step`. An optimizer is sorted once
 (and again when its parameter groups change): one that holds no sharded parameter is dismissed by

@@ -36,6 +36,7 @@ from zerocompile.optimizers import optimizer_list, refuse_unsupported_optimizer,
 from zerocompile.passes.markers import UNSHARD, MarkerArgs
 from zerocompile.passes.stages import StagePolicy, stage_policy
 from zerocompile.process_hooks import ProcessHooks
+from zerocompile.rank_deaths import RANK_DEATHS, watch_job, worth_watching
 
 @dataclasses.dataclass(frozen=True)
 class ShardInfo:
@@ -233,6 +234,9 @@ def shard(
     for prefix, module in model.named_modules():
         module._zero_prefix = prefix  # what the registration guard names; its mark of a sharded model
     WHILE_SHARDED.hold(model)
+    if worth_watching(group):
+        # Peers that can die: how this rank dies is recorded for them while a sharded model lives.
+        WHILE_SHARDED.patch(watch_job, RANK_DEATHS.stop)
     return model
 
 
