@@ -192,8 +192,15 @@ def test_rank_dependent_branch_fails_on_every_rank_naming_the_collective(reports
         assert "do not branch on dist.get_rank()" in message
 
 
-@pytest.mark.parametrize(("case", "kind"), [("stall in forward", "forward"), ("exit before backward", "backward")])
-def test_lost_peer_fails_with_an_explained_error(reports, case: str, kind: str) -> None:
+@pytest.mark.parametrize(
+    ("case", "kind", "peer"),
+    [
+        ("stall in forward", "forward", "rank 1 is alive here"),
+        # Its model was collected when it returned: it keeps no record, as a rank that ended normally.
+        ("exit before backward", "backward", "rank 1 has no record here: on another host"),
+    ],
+)
+def test_lost_peer_fails_with_an_explained_error(reports, case: str, kind: str, peer: str) -> None:
     survivor = _case(reports[0], case)
     message = survivor["error"]
     assert survivor["type"] == "CollectiveFailedError", message
@@ -201,6 +208,8 @@ def test_lost_peer_fails_with_an_explained_error(reports, case: str, kind: str) 
     assert f"in the {kind} of the zero-compiled graph of Dynamo frame 0/0" in message, message
     assert "stage 3" in message and "rank 0 of 2" in message
     assert f"timeout ({SHORT_TIMEOUT})" in message and "init_distributed(timeout=" in message
+    # Named first: no rank died on this host (rank_deaths looked), and what became of the peer.
+    assert message.startswith("no other rank of the group died on this host (") and peer in message, message
 
 
 # The comparison itself, on hand-built schedules.

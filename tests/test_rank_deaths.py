@@ -1,8 +1,9 @@
-"""How a rank dies is recorded for its peers (zerocompile/rank_deaths.py,
-zerocompile/_death_watcher.py).
+"""When a rank dies of a signal, its peers' error names it, the signal and where it was
+(zerocompile/rank_deaths.py, zerocompile/_death_watcher.py, the guard's CollectiveFailedError).
 
 The description is tested on hand-written faulthandler reports and job directories; the watcher
-as the process it is, fed through a pipe; the watch's life on spawned gloo ranks.
+as the process it is, fed through a pipe; the whole path on spawned gloo ranks, one of which dies
+mid-step inside a compiled graph of a SIGSEGV, SIGABRT or SIGKILL.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -28,11 +31,134 @@ import zerocompile as zc
 from ranks import run_on_ranks
 from zerocompile import _death_watcher, rank_deaths
 from zerocompile.rank_deaths import Frame, RankDeaths, crashing_frames, describe_deaths_in
+from zerocompile.tools import spawn
+
+PG_TIMEOUT = timedelta(seconds=60)
+
+# ------------------------------------------------------------------------------ a death mid-step
+
+# Set in a rank by its job: which rank dies at which step, and how.
+_DEATH: dict = {}
+_STEP = [0]
 
 
-def _line_of(text: str, function) -> int:
+@torch.library.custom_op("zc_test_rank_deaths::maybe_die", mutates_args=())
+def maybe_die(x: torch.Tensor) -> torch.Tensor:
+    """An op of the compiled graph: the identity, but on the chosen rank at the chosen step it dies."""
+    if _DEATH.get("rank") == dist.get_rank() and _STEP[0] == _DEATH["step"]:
+        if _DEATH["how"] == "SIGSEGV":
+            ctypes.string_at(0)  # reads address 0, as a kernel with a bad pointer
+        elif _DEATH["how"] == "SIGABRT":
+            os.abort()  # as a failed C++ assertion or std::terminate
+        else:
+            os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer
+    return x.clone()
+
+
+@maybe_die.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _line_of(text: str, function=maybe_die._init_fn) -> int:
     lines, first = inspect.getsourcelines(function)
     return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+class DyingModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(maybe_die(x)))).square().mean()
+
+
+def _train_until_a_peer_dies(rank: int, world_size: int, dying: int, how: str) -> dict:
+    """Stage 3 on gloo, compiled: rank `dying` dies at step 3; the others report their error."""
+    dist.init_process_group("gloo", timeout=PG_TIMEOUT)
+    torch.manual_seed(0)
+    compiled = torch.compile(zc.shard(DyingModel(), stage=3), backend="zero", options={"compiler": "eager"})
+    _DEATH.update(rank=dying, step=3, how=how)
+    for step in range(1, 6):
+        _STEP[0] = step
+        started = time.monotonic()
+        try:
+            compiled(torch.randn(4, 16)).backward()
+        except Exception as error:
+            return {
+                "type": type(error).__name__, "message": str(error), "seconds": time.monotonic() - started,
+                "directory": str(rank_deaths.RANK_DEATHS.directory),
+            }  # fmt: skip
+    return {"type": None}
+
+
+def _a_rank_dies(world_size: int, dying: int, how: str) -> tuple[dict, list[int]]:
+    """Each rank's outcome of `_train_until_a_peer_dies`, by rank, and the ranks' pids. Not
+    `spawn_ranks`, which keeps only the failures: the survivors' results are the point here."""
+    port = spawn.free_loopback_port()
+    children = [
+        spawn.Child(spawn.child_environment(spawn.loopback_rank_environment(rank, world_size, port)))
+        for rank in range(world_size)
+    ]
+    try:
+        for rank, child in enumerate(children):
+            child.submit(_train_until_a_peer_dies, (rank, world_size, dying, how))
+            child.stop()
+        outcomes = spawn.collect(children, timeout=600, grace=60)
+    finally:
+        for child in children:
+            child.reap(within=10)
+    for kind, value in outcomes.values():
+        if kind == spawn.RETURNED and value["type"] is not None:
+            # A crashed job leaves its directory (see rank_deaths): this one is the test's to remove.
+            for path in Path(value["directory"]).glob("*"):
+                path.unlink()
+            Path(value["directory"]).rmdir()
+            break
+    return outcomes, [child.process.pid for child in children]
+
+
+def _survivor(outcomes: dict, rank: int) -> dict:
+    kind, value = outcomes[rank]
+    assert kind == spawn.RETURNED, value
+    assert value["type"] == "CollectiveFailedError", value
+    # Failed on the closed connection, not at the process group's timeout.
+    assert value["seconds"] < PG_TIMEOUT.total_seconds() / 2, value
+    return value
+
+
+def test_a_rank_dying_of_sigsegv_is_named_with_the_signal_and_its_frame() -> None:
+    outcomes, pids = _a_rank_dies(2, dying=1, how="SIGSEGV")
+    message = _survivor(outcomes, 0)["message"]
+    first_line = message.splitlines()[0]
+    assert first_line.startswith(f"rank 1 of 2 (pid {pids[1]}) died of SIGSEGV (signal 11) while in: "), message
+    # The innermost frame is ctypes' own; the one the user can act on follows it.
+    line = _line_of("ctypes.string_at(0)")
+    assert f'called from File "{__file__}", line {line} in maybe_die: `ctypes.string_at(0)' in first_line, message
+    assert "a collective in the forward of the zero-compiled graph" in message, message  # the advice follows
+    kind, died = outcomes[1]
+    assert kind == spawn.DIED and died.startswith("died of SIGSEGV (signal 11, exit status -11)"), died
+
+
+def test_a_rank_killed_by_sigkill_is_named_as_gone_without_a_report() -> None:
+    outcomes, pids = _a_rank_dies(2, dying=1, how="SIGKILL")
+    message = _survivor(outcomes, 0)["message"]
+    assert message.startswith(
+        f"rank 1 of 2 (pid {pids[1]}) is gone without a fatal-error report: killed by a signal that cannot "
+        "be caught (SIGKILL"
+    ), message
+    assert outcomes[1] == (spawn.DIED, "died of SIGKILL (signal 9, exit status -9) without a result (its process closed its pipe)")
+
+
+def test_every_survivor_of_four_names_the_rank_that_aborted() -> None:
+    outcomes, pids = _a_rank_dies(4, dying=2, how="SIGABRT")
+    line = _line_of("os.abort()")
+    for rank in (0, 1, 3):
+        first_line = _survivor(outcomes, rank)["message"].splitlines()[0]
+        assert first_line.startswith(f"rank 2 of 4 (pid {pids[2]}) died of SIGABRT (signal 6) while in: "), first_line
+        assert f'line {line} in maybe_die: `os.abort()' in first_line, first_line
 
 
 # ------------------------------------------------------------------------------ while a model lives

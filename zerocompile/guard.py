@@ -55,6 +55,7 @@ from torch.distributed.distributed_c10d import _get_process_group_store, _resolv
 from zerocompile.distributed import process_group_timeout
 from zerocompile.passes.markers import is_reduce_grad, is_unshard, reduce_grad_args, unshard_args
 from zerocompile.passes.stages import stage_policy
+from zerocompile.rank_deaths import describe_dead_ranks
 
 log = logging.getLogger(__name__)
 
@@ -236,6 +237,7 @@ class GraphContext:
     group_name: str
     rank: int
     world_size: int
+    global_ranks: tuple[int, ...]  # of each group rank, for naming a dead rank's records
     stages: tuple[int, ...]
     timeout: timedelta
 
@@ -261,7 +263,8 @@ def check_ranks_agree(graph: fx.Graph, settings: dict[str, Any], compile_id: str
         _exchange_and_compare(group, group_name, schedule)
         context = context or GraphContext(
             compile_id, group_name, dist.get_rank(group), dist.get_world_size(group),
-            tuple(sorted({entry.stage for entry in entries})), process_group_timeout(group),
+            tuple(dist.get_process_group_ranks(group)), tuple(sorted({entry.stage for entry in entries})),
+            process_group_timeout(group),
         )
     return context
 
@@ -340,7 +343,8 @@ def explain_collective_failures(run: Callable, context: GraphContext, kind: str)
     """`run` (a compiled graph), raising `CollectiveFailedError` from a failed collective's error.
 
     Only errors that look like a lost or late peer (a `dist.DistError`, or a timeout / closed
-    connection in the message) are explained; any other error passes through untouched.
+    connection in the message) are explained; any other error passes through untouched. A peer
+    that died on this host is named first, with its signal and where it was (`rank_deaths`).
     """
 
     @functools.wraps(run)
@@ -353,8 +357,10 @@ def explain_collective_failures(run: Callable, context: GraphContext, kind: str)
             if not (isinstance(error, dist.DistError) or _PEER_FAILURE.search(str(error))):
                 raise
             stages = ", ".join(map(str, context.stages))
+            deaths = describe_dead_ranks(context.global_ranks, context.rank)
             raise CollectiveFailedError(
-                f"a collective in the {kind} of the zero-compiled graph of Dynamo frame "
+                (f"{deaths}.\n" if deaths else "")
+                + f"a collective in the {kind} of the zero-compiled graph of Dynamo frame "
                 f"{context.compile_id} (stage {stages}) failed on rank {context.rank} of "
                 f"{context.world_size} in group '{context.group_name}': another rank died or stalled "
                 f"for longer than the process group's timeout ({context.timeout}). Look at the other "
