@@ -45,6 +45,7 @@ from zerocompile.passes.ledger import GraphLedger
 from zerocompile.passes.lower_markers import lower_markers
 from zerocompile.passes.markers import UnshardArgs, is_reduce_grad, is_unshard, reduce_grad_args, unshard_args
 from zerocompile.passes.merge_unshards import merge_repeated_unshards
+from zerocompile.passes.gloo_release import hold_until_gloo_releases
 from zerocompile.passes.one_in_flight import wait_before_each_collective
 from zerocompile.passes.recompute_gathers import KEPT, tag_gathers_for_recompute
 from zerocompile.passes.recording import meta_like
@@ -312,7 +313,8 @@ class Lowering:
     directory: str | None
     bucket_bytes: int
     prefetch: int
-    # One collective in flight at a time (a group on gloo: see `passes.one_in_flight`).
+    # A group on gloo: one collective in flight at a time (`passes.one_in_flight`), and each
+    # collective's tensors held until gloo has let go of them (`passes.gloo_release`).
     one_in_flight: bool = False
     decompositions: dict | None = None  # Inductor's table on the Inductor path
     # The `record_graphs()` lists open where the compile started: each graph's record goes there.
@@ -330,6 +332,9 @@ def _lower_and_record(graph: fx.Graph, lowering: Lowering) -> None:
             dump.emit_graph(lowering.directory, kind, "before", "wait_before_each_collective", graph)
             wait_before_each_collective(graph)
             dump.emit_graph(lowering.directory, kind, "after", "wait_before_each_collective", graph)
+        with dynamo_timed("zerocompile.hold_until_gloo_releases", log_pt2_compile_event=True, metadata={"graph": kind}):
+            hold_until_gloo_releases(graph)
+            dump.emit_graph(lowering.directory, kind, "after", "hold_until_gloo_releases", graph)
     if not lowering.records and lowering.directory is None:
         # No record: only the structured trace (TORCH_TRACE, what tlparse reads) may want the ledger,
         # which `emit_ledger` works out only where that trace is on.
