@@ -140,9 +140,10 @@ class RankDeaths:
 
     def _at_exit(self) -> None:
         """A rank leaving on an uncaught exception tells its watcher so, else its peers would see
-        only a process gone without a report. (The interpreter set `sys.last_value` when it printed
-        the traceback; this runs before the models' finalizers, registered before it, which would
-        end the watch as a normal end.) The record stays: the note is its peers' to read."""
+        only a process gone without a report. The interpreter set `sys.last_value` when it printed
+        the traceback. This runs before the models' finalizers, which would end the watch as a
+        normal end: atexit runs the last registered first, and weakref.finalize registered its
+        hook with the first model's finalizer, before `start`. The record stays for the peers."""
         error = getattr(sys, "last_value", None)
         if not self.watching or error is None:
             return
