@@ -83,6 +83,10 @@ def test_dump_writes_each_graph_before_and_after_each_pass(dumped) -> None:
         "forward-after-wait_before_each_collective.py",
         "backward-before-wait_before_each_collective.py",
         "backward-after-wait_before_each_collective.py",
+        "forward-before-hold_until_gloo_releases.py",
+        "forward-after-hold_until_gloo_releases.py",
+        "backward-before-hold_until_gloo_releases.py",
+        "backward-after-hold_until_gloo_releases.py",
     }
     (joint,) = (directory / "rank0").glob("*-joint-after-tag_gathers_for_recompute.py")
     assert "MUST_RECOMPUTE" in joint.read_text()

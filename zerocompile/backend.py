@@ -333,6 +333,7 @@ def _lower_and_record(graph: fx.Graph, lowering: Lowering) -> None:
             wait_before_each_collective(graph)
             dump.emit_graph(lowering.directory, kind, "after", "wait_before_each_collective", graph)
         with dynamo_timed("zerocompile.hold_until_gloo_releases", log_pt2_compile_event=True, metadata={"graph": kind}):
+            dump.emit_graph(lowering.directory, kind, "before", "hold_until_gloo_releases", graph)
             hold_until_gloo_releases(graph)
             dump.emit_graph(lowering.directory, kind, "after", "hold_until_gloo_releases", graph)
     if not lowering.records and lowering.directory is None:
