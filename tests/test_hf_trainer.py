@@ -32,34 +32,23 @@ TIMEOUT = 300.0
 RESUMED_FROM = 10
 
 
-# A rank that finished its work sometimes aborts as the process exits (a C++ thread left joinable;
-# issue 56, open: 2 of ~40 launches of this file's runs under a loaded pytest, 0 of 20 alone).
-EXIT_ABORT = "terminate called without an active exception"
-
-
 def _launch(launcher: list[str], tmp: Path, name: str, *train_args: str) -> dict:
-    """One benchmarks.finetune run; its report. Run again once if it only aborted at exit (above):
-    any other failure, or that abort twice, fails the test."""
+    """One benchmarks.finetune run, its output in a log file; its report."""
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     report = tmp / f"{name}.json"
     command = [*launcher, "-m", "benchmarks.finetune", "train", "--pretrained", str(tmp / "pretrained"),
                "--compiler", "eager", "--out", str(tmp / name), "--report", str(report), *train_args]  # fmt: skip
-    for attempt in range(2):
-        report.unlink(missing_ok=True)
-        log = tmp / f"{name}.{attempt}.log"
-        # Output to a file, not a pipe: the exit abort came 8 times in 48 launches with a pipe (issue 56).
-        with log.open("w") as out:
-            process = subprocess.Popen(command, cwd=tmp, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                process.wait(timeout=TIMEOUT)
-            finally:
-                if process.poll() is None:
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.wait()
-        output = log.read_text()
-        if process.returncode == 0 or not (report.exists() and EXIT_ABORT in output):
-            break
+    log = tmp / f"{name}.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(command, cwd=tmp, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            process.wait(timeout=TIMEOUT)
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    output = log.read_text()
     assert process.returncode == 0, output[-6000:]
     return json.loads(report.read_text())
 

@@ -99,10 +99,10 @@ class RankDeaths:
             raise
         finally:
             os.close(read_fd)
-        if not self._hooked:  # neither can be removed: both do nothing while nothing is watched
+        if not self._hooked:  # os.register_at_fork has no undo: the hook does nothing unwatched
             os.register_at_fork(after_in_child=self._forget_in_child)
-            atexit.register(self._at_exit)
             self._hooked = True
+        atexit.register(self._at_exit)
         self._was_enabled = faulthandler.is_enabled()
         faulthandler.enable(file=write_fd, all_threads=True)
         self.directory, self.rank, self._write_fd = directory, rank, write_fd
@@ -112,6 +112,7 @@ class RankDeaths:
         this rank's record, and the directory if it was the last one there."""
         if not self.watching:
             return
+        atexit.unregister(self._at_exit)
         self._let_go()
         record = self.directory / f"rank-{self.rank}.json"
         try:
