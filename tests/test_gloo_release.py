@@ -19,10 +19,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch import nn
 from torch._inductor.utils import run_and_get_code
 
 import zerocompile as zc
+from test_in_flight import Layers
 from zerocompile.passes.gloo_release import hold_until_gloo_releases
 
 aten = torch.ops.aten
@@ -108,15 +108,6 @@ def test_a_tensor_gloo_held_is_freed_on_the_main_thread_after_the_release(single
         del sent, received
     time.sleep(0.1)  # a worker thread freeing one would run its finalizer by now
     assert freed_on == [True] * 20
-
-
-class Layers(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x).square().mean()
 
 
 ISSUE = re.compile(r"^\s*(\w+) = torch\.ops\._c10d_functional\.(?!wait_tensor)\w+\.default\(")
