@@ -29,6 +29,8 @@ aten = torch.ops.aten
 funcol = torch.ops._c10d_functional
 RELEASE = torch.ops.zerocompile.await_gloo_release.default
 
+pytestmark = pytest.mark.core  # which thread frees a collective's tensors is torch's choice
+
 
 def meta(*shape: int) -> torch.Tensor:
     return torch.empty(shape, device="meta")

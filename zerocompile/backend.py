@@ -139,6 +139,10 @@ def zero_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[st
         # Inductor's peak-memory reordering sinks each all-gather to its wait, undoing the prefetch
         # order lower_markers chose (which already bounds the gathered memory): keep our order.
         "reorder_for_peak_memory": False,
+        # torch 2.15's simple overlap (on by default; absent before) hoists collectives ahead of
+        # their use, past that order and past one_in_flight's: 4 all-gathers of a stage-3 forward
+        # in flight at once on gloo (test_in_flight), where two at once corrupt its heap.
+        "aten_distributed_optimizations.enable_simple_overlap": False,
     })
     if directory is None and not lowering.records:
         return _explained(compile_fx(gm, example_inputs, config_patches=config_patches), context, "forward")
