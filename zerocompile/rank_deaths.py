@@ -275,25 +275,28 @@ def _write_json(path: Path, value: dict) -> None:
     os.replace(partial, path)
 
 
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/`pid`/stat after the command name (state first), or None where the
+    process is gone or the system has no /proc."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def _start_time(pid: int) -> str | None:
     """When process `pid` started (Linux: clock ticks since boot), or None where unknown: a pid the
     kernel gave to a new process since has another."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
+    fields = _stat_fields(pid)
+    return None if fields is None else fields[19]
 
 
 def _gone(record: dict) -> bool:
     """Whether the process of a rank's record on this host has ended (a zombie has)."""
     pid = record["pid"]
     if record.get("start") is not None:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return True
-        return fields[0] in ("Z", "X") or fields[19] != record["start"]
+        fields = _stat_fields(pid)
+        return fields is None or fields[0] in ("Z", "X") or fields[19] != record["start"]
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
