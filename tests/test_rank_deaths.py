@@ -390,7 +390,7 @@ def test_a_rank_that_left_on_an_exception_is_described_by_it(tmp_path: Path) -> 
 
 
 def _record(pid: int, host: str | None = None) -> dict:
-    return {"rank": 1, "pid": pid, "host": host or rank_deaths.socket.gethostname(), "start": rank_deaths._start_time(pid)}
+    return {"rank": 1, "pid": pid, "host": host or rank_deaths.socket.gethostname(), "start": rank_deaths.process_start_time(pid)}
 
 
 @pytest.mark.fast

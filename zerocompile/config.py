@@ -7,6 +7,7 @@ backend="zero", options={...})` may override the compile-time fields for one com
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ GLOO_BUCKET_BYTES = 4 * 2**20
 ACCELERATOR_BUCKET_BYTES = 25 * 2**20
 QUANTISATIONS = (None, "int8")
 QUANT_SCOPES = ("all", "cross_node")
+OFFLOADS = (None, "disk")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +108,11 @@ class ZeroConfig:
         from those K ranks instead of from all N, so the backward's gathers stay inside a node;
         costs holding Φ/K instead of Φ/N from forward to backward. An int or "node"; None (the
         default): plain stage 3. Not together with shard_size.
+    offload: "disk" (stages 1-3): each rank keeps its optimizer state shaped like the parameters
+        (AdamW's moments, momentum) in a file under `offload_dir`, reserved by `shard()`, and the
+        optimizer steps bucket by bucket through it (`zerocompile.offload`); pass the optimizer to
+        `shard(..., optimizer=)`. None (the default): in memory.
+    offload_dir: the directory for `offload="disk"`, ideally on a local NVMe disk.
     broadcast_buffers: as DDP's (and its default): forwards first take group rank 0's buffers,
         inside the compiled graph, by DDP's rule (the first forward, and each after one that
         prepared a gradient reduction); False leaves each rank's buffers its own after `shard()`'s
@@ -130,6 +137,8 @@ class ZeroConfig:
     memory_budget: int | None = None
     shard_size: int | str | DeviceMesh | None = None
     secondary_shard_size: int | str | None = None
+    offload: str | None = None
+    offload_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -194,6 +203,21 @@ class ZeroConfig:
                     "shard_size and secondary_shard_size are two answers to one problem: hybrid sharding keeps "
                     "every gather inside a node, hpZ only the backward's. Give one of them"
                 )
+        if self.offload not in OFFLOADS:
+            raise ValueError(f"offload must be one of {list(OFFLOADS)}, got {self.offload!r}")
+        if self.offload == "disk":
+            if self.stage == 0:
+                raise ValueError(
+                    "offload='disk' keeps each rank's shard of the optimizer state on disk, and stage 0 does not "
+                    "shard it: use stage 1, 2 or 3"
+                )
+            if not isinstance(self.offload_dir, (str, os.PathLike)):
+                raise ValueError(
+                    f"offload='disk' needs offload_dir, the directory for the optimizer state files (a local "
+                    f"NVMe disk is best), got {self.offload_dir!r}"
+                )
+        elif self.offload_dir is not None:
+            raise ValueError(f"offload_dir={self.offload_dir!r} is only read with offload='disk': set offload='disk' too")
         if (self.bucket_bytes is not None and self.bucket_bytes < 0) or self.prefetch < 0:
             raise ValueError(
                 f"bucket_bytes and prefetch must be >= 0, got {self.bucket_bytes} and {self.prefetch}"

@@ -84,7 +84,7 @@ class RankDeaths:
         (directory / f"death-{rank}.json").unlink(missing_ok=True)
         host, pid = socket.gethostname(), os.getpid()
         record = directory / f"rank-{rank}.json"
-        _write_json(record, {"rank": rank, "pid": pid, "host": host, "start": _start_time(pid)})
+        _write_json(record, {"rank": rank, "pid": pid, "host": host, "start": process_start_time(pid)})
         read_fd, write_fd = os.pipe()
         try:
             self.watcher = subprocess.Popen(
@@ -284,7 +284,7 @@ def _stat_fields(pid: int) -> list[str] | None:
         return None
 
 
-def _start_time(pid: int) -> str | None:
+def process_start_time(pid: int) -> str | None:
     """When process `pid` started (Linux: clock ticks since boot), or None where unknown: a pid the
     kernel gave to a new process since has another."""
     fields = _stat_fields(pid)

@@ -32,6 +32,7 @@ from zerocompile.config import (
 from zerocompile.distributed import backend_for, group_device, reduce_scatter_flavour
 from zerocompile.hybrid import hybrid_groups
 from zerocompile.meta_init import PartReader, built_on_meta, check_meta_model, local_slice, materialise_sharded
+from zerocompile.offload import DiskState, disk_state
 from zerocompile.optimizers import optimizer_list, refuse_unsupported_optimizer, replicated_state_keys
 from zerocompile.passes.markers import UNSHARD, MarkerArgs
 from zerocompile.passes.stages import StagePolicy, stage_policy
@@ -199,6 +200,7 @@ def shard(
             secondary_group_name=secondary_name,
             secondary_size=secondary_size,
         )
+    disk_states = _reserve_disk_states(config, optimizers, infos, device)
     if on_meta:
         shard_numels = {param: info.shard_numel if policy.shards_parameters else None for param, info in infos.items()}
         local, buffers = materialise_sharded(
@@ -220,6 +222,8 @@ def shard(
         if policy.shards_parameters:
             take_over(passed)
         _shard_optimizer_state(passed)
+    for passed, disk in zip(optimizers, disk_states):
+        disk.install(passed)
     sync = GradientSync({shard_info(param).fqn: param for param in owners})
     notice = ShardedStateDictNotice()
     for module in {id(m): m for places in owners.values() for _p, m, _a in places}.values():
@@ -384,6 +388,37 @@ def _install_materialised(
         torch.utils.swap_tensors(param, fresh)
     for (module, name), value in buffers.items():
         module._buffers[name] = value
+
+
+def _reserve_disk_states(
+    config: ZeroConfig, optimizers: list[torch.optim.Optimizer], infos: dict[nn.Parameter, ShardInfo], device: torch.device
+) -> list[DiskState]:
+    """With `offload="disk"`, each optimizer's state file reserved (before anything changes)."""
+    if config.offload != "disk":
+        return []
+    if not optimizers:
+        raise ValueError(
+            "offload='disk' keeps the optimizer's state on disk, so shard() must know the optimizer: build it "
+            "on the model before shard() and pass it, zerocompile.shard(model, ..., optimizer=optimizer)"
+        )
+    for passed in optimizers:
+        foreign = [tuple(p.shape) for group in passed.param_groups for p in group["params"] if p not in infos]
+        if foreign:
+            raise ValueError(
+                f"the optimizer holds {len(foreign)} parameter(s) that are not the model's (shapes {foreign[:3]}): "
+                "with offload='disk' pass only the optimizers of the model being sharded"
+            )
+    return [
+        DiskState(
+            passed,
+            config.offload_dir,
+            local_numel=lambda p: infos[p].shard_numel,
+            full_ndim=lambda p: len(infos[p].shape),
+            device=device,
+            describe=lambda p: repr(infos[p].fqn),
+        )
+        for passed in optimizers
+    ]
 
 
 def _shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -605,6 +640,13 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     parameter, which means shard() came after the optimizer stepped (or built its state)."""
     sharded = [(p, info) for group in optimizer.param_groups for p in group["params"] if (info := shard_info(p)) is not None]
     refuse_unsupported_optimizer(optimizer, {info.stage for _param, info in sharded})
+    offloading = next((info for _param, info in sharded if info.config.offload == "disk"), None)
+    if offloading is not None and disk_state(optimizer) is None:
+        raise RuntimeError(
+            f"parameter '{offloading.fqn}' belongs to a model sharded with offload='disk', but this optimizer "
+            f"({type(optimizer).__name__}) keeps its state in memory: it was not passed to shard(). Build it "
+            "before shard() and pass it: zerocompile.shard(model, ..., optimizer=optimizer)"
+        )
     replicated = replicated_state_keys(optimizer)
     for param, info in sharded:
         for key, value in optimizer.state.get(param, {}).items():
@@ -640,18 +682,23 @@ def model_state_bytes(
     model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None
 ) -> dict[str, int]:
     """Bytes this rank holds in parameters, gradients and the state of `optimizer` (one or
-    several), tied parameters counted once."""
+    several), tied parameters counted once; where an optimizer's state is on disk
+    (`offload="disk"`), "optimizer_on_disk" counts what its files hold (not in "optimizer")."""
     params = list({id(p): p for p in model.parameters()}.values())
+    held = {"optimizer": 0, "optimizer_on_disk": 0}
+    for one in optimizer_list(optimizer):
+        disk = disk_state(one)
+        for param, state in one.state.items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    on_disk = disk is not None and disk.view(param, key) is value
+                    held["optimizer_on_disk" if on_disk else "optimizer"] += value.numel() * value.element_size()
+    if not any(disk_state(one) is not None for one in optimizer_list(optimizer)):
+        del held["optimizer_on_disk"]
     return {
         "params": sum(p.numel() * p.element_size() for p in params),
         "grads": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
-        "optimizer": sum(
-            v.numel() * v.element_size()
-            for one in optimizer_list(optimizer)
-            for state in one.state.values()
-            for v in state.values()
-            if isinstance(v, torch.Tensor) and v.dim() > 0
-        ),
+        **held,
     }
 
 

@@ -1,0 +1,242 @@
+"""Optimizer state on disk (`offload="disk"`, zerocompile.offload): the same training, bit for bit,
+with the state in a file that the process does not keep mapped between steps.
+
+Each case trains tests/matrix_optimizers.py's MuonGPT (a tied embedding, matrices whose shards end
+mid-row, a 1x3 with fewer elements than ranks) for 5 steps at N = 2, once with the state in memory
+and once on disk, from the same seed and batches, and compares every parameter shard and every
+state tensor with torch.equal: the offloaded step runs the optimizer's own code on the same values,
+so nothing may differ. The step buckets are made small (4 KiB of state) so that every step runs
+in many buckets, as a large model's does. After each step no page of the file may be resident in
+the rank (/proc/self/smaps): the state went back to the disk, not to memory.
+
+Bad input (one rank): no optimizer, a missing directory, a disk too small for the state (a file
+size limit: the reservation fails as on a full disk), a learning-rate scheduler built before
+`shard()`, an optimizer built after it: each a clear error, raised before the model changed.
+"""
+
+from __future__ import annotations
+
+import gc
+import resource
+import signal
+import socket
+import warnings
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+import zerocompile as zc
+import zerocompile.offload
+import zerocompile.optim
+from matrix_optimizers import STEPS, MuonGPT, train_step
+from models import global_batch
+from ranks import run_cases, run_on_ranks
+
+SMALL_BUCKETS = 4096
+
+
+def _optimizers(kind: str, model: nn.Module) -> list[torch.optim.Optimizer]:
+    """The optimizers of a case, built on the model before shard() (offload needs them there)."""
+    params = list(model.parameters())
+    if kind == "adamw":
+        return [torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)]
+    if kind == "sgd":  # plain SGD with momentum: a wrong scale of the state moves it
+        return [torch.optim.SGD(params, lr=0.1, momentum=0.9)]
+    if kind == "adafactor":
+        return [torch.optim.Adafactor(params, lr=1e-2)]
+    hidden = [p for name, p in model.named_parameters() if p.dim() == 2 and not name.startswith(("gpt.wte", "gpt.wpe"))]
+    rest = [p for p in params if all(p is not h for h in hidden)]
+    return [torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=1e-3)]
+
+
+def resident_bytes(path: Path) -> int:
+    """Bytes of `path`'s mapping resident in this process (/proc/self/smaps' Rss)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    total, inside = 0, False
+    for line in lines:
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+            inside = line.endswith(str(path))
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1]) * 1024
+    return total
+
+
+def _train(rank: int, world_size: int, kind: str, stage: int, directory: str | None) -> dict:
+    torch.manual_seed(0)
+    model = MuonGPT()
+    optimizers = _optimizers(kind, model)
+    settings = {"offload": "disk", "offload_dir": directory} if directory else {}
+    zc.shard(model, stage=stage, optimizer=optimizers, compiler="eager", **settings)
+    compiled = torch.compile(model, backend="zero")
+    resident = []
+    for step in range(STEPS):
+        train_step(compiled, model, optimizers, step, rank, world_size, "plain", None)
+        if directory:
+            resident.append(sum(resident_bytes(zerocompile.offload.disk_state(o).path) for o in optimizers))
+    names = {p: n for n, p in model.named_parameters()}
+    states = {
+        f"{names[p]}.{key}": value.clone()
+        for optimizer in optimizers
+        for p, state in optimizer.state.items()
+        for key, value in state.items()
+        if isinstance(value, torch.Tensor)
+    }
+    held = zc.model_state_bytes(model, optimizers)
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "states": states, "resident": resident, "held": held}
+
+
+CASES = [("adamw", 1), ("adamw", 2), ("adamw", 3), ("muon", 1), ("muon", 3), ("adafactor", 3), ("sgd", 2)]
+
+
+def _compare(rank: int, world_size: int, directory: str) -> dict:
+    def case(kind: str, stage: int) -> dict:
+        in_memory = _train(rank, world_size, kind, stage, None)
+        with mock.patch.object(zerocompile.offload, "STEP_BUCKET_BYTES", SMALL_BUCKETS):
+            on_disk = _train(rank, world_size, kind, stage, directory)
+        return {
+            "params_differ": sorted(n for n, p in in_memory["params"].items() if not torch.equal(p, on_disk["params"][n])),
+            "states_differ": sorted(k for k, v in in_memory["states"].items() if not torch.equal(v, on_disk["states"].get(k, torch.empty(0)))),
+            "states": len(in_memory["states"]),
+            "resident": on_disk["resident"],
+            "held_in_memory": in_memory["held"],
+            "held_on_disk": on_disk["held"],
+        }
+
+    return run_cases([((kind, stage), lambda kind=kind, stage=stage: case(kind, stage)) for kind, stage in CASES])
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> list[dict]:
+    return run_on_ranks(2, _compare, str(tmp_path_factory.mktemp("offload")))
+
+
+@pytest.mark.parametrize("kind, stage", CASES, ids=[f"{kind}-stage{stage}" for kind, stage in CASES])
+def test_state_on_disk_trains_bit_for_bit_as_in_memory(reports, kind: str, stage: int) -> None:
+    for rank, report in enumerate(reports):
+        result = report[(kind, stage)]
+        assert result["states"] > 0
+        assert not result["params_differ"], f"rank {rank}: parameters differ from the in-memory run: {result['params_differ']}"
+        assert not result["states_differ"], f"rank {rank}: optimizer state differs: {result['states_differ']}"
+
+
+@pytest.mark.parametrize("kind, stage", CASES, ids=[f"{kind}-stage{stage}" for kind, stage in CASES])
+def test_no_state_stays_in_memory_between_steps(reports, kind: str, stage: int) -> None:
+    for report in reports:
+        result = report[(kind, stage)]
+        assert result["resident"] == [0] * STEPS
+        memory, disk = result["held_in_memory"], result["held_on_disk"]
+        assert disk["optimizer_on_disk"] > 0
+        # What stays in memory is what is not shaped like a parameter (Adafactor's row/column means).
+        assert disk["optimizer"] + disk["optimizer_on_disk"] == memory["optimizer"]
+        if kind != "adafactor":
+            assert disk["optimizer"] == 0
+
+
+# Bad input, on one rank: a clear error before the model changed, and no file left behind.
+
+
+def _model_and_adamw() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = MuonGPT()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _unchanged(model: nn.Module) -> bool:
+    return not hasattr(model, "_zero_config") and model.gpt.wte.weight.dim() == 2
+
+
+def _our_directories(directory: Path) -> list[Path]:
+    return list(directory.glob("zerocompile-offload-*"))
+
+
+def test_offload_needs_the_optimizer(single_rank, tmp_path) -> None:
+    model, _optimizer = _model_and_adamw()
+    with pytest.raises(ValueError, match=r"pass it, zerocompile.shard\(model, ..., optimizer=optimizer\)"):
+        zc.shard(model, stage=3, offload="disk", offload_dir=str(tmp_path))
+    assert _unchanged(model) and not _our_directories(tmp_path)
+
+
+def test_offload_dir_must_exist(single_rank, tmp_path) -> None:
+    model, optimizer = _model_and_adamw()
+    with pytest.raises(FileNotFoundError, match="is not a directory: create it"):
+        zc.shard(model, stage=3, optimizer=optimizer, offload="disk", offload_dir=str(tmp_path / "absent"))
+    assert _unchanged(model)
+
+
+def test_a_disk_too_small_is_refused_before_anything_changes(single_rank, tmp_path) -> None:
+    model, optimizer = _model_and_adamw()
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    ignored = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the kernel signals a file past the limit
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, limit[1]))
+    try:
+        with pytest.raises(OSError, match=r"needs [\d,]+ bytes in .* could not reserve them .* free space there or choose another offload_dir"):
+            zc.shard(model, stage=3, optimizer=optimizer, offload="disk", offload_dir=str(tmp_path))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, ignored)
+    assert _unchanged(model)
+    assert not list(tmp_path.rglob("*.state"))
+
+
+def test_a_scheduler_built_before_shard_is_refused(single_rank, tmp_path) -> None:
+    model, optimizer = _model_and_adamw()
+    torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    with pytest.raises(ValueError, match=r"build the LR scheduler after shard\(\)"):
+        zc.shard(model, stage=3, optimizer=optimizer, offload="disk", offload_dir=str(tmp_path))
+    assert _unchanged(model)
+
+
+def test_an_optimizer_not_passed_to_shard_is_refused_at_its_step(single_rank, tmp_path) -> None:
+    model, optimizer = _model_and_adamw()
+    zc.shard(model, stage=3, optimizer=optimizer, offload="disk", offload_dir=str(tmp_path))
+    later = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(global_batch("tied_gpt", 0)).backward()
+    before = model.gpt.wte.weight.detach().clone()
+    with pytest.raises(RuntimeError, match=r"keeps its state in memory: it was not passed to shard\(\)"):
+        later.step()
+    assert torch.equal(model.gpt.wte.weight, before)
+
+
+def test_the_file_goes_with_the_optimizer_and_leftovers_of_dead_processes_are_removed(single_rank, tmp_path) -> None:
+    dead = tmp_path / f"zerocompile-offload-{socket.gethostname()}-{2**22 + 7}-123"  # no such pid
+    dead.mkdir()
+    (dead / "optimizer-x.state").write_bytes(b"\0" * 4096)
+    model, optimizer = _model_and_adamw()
+    with pytest.warns(UserWarning, match=r"removed .* \(4,096 bytes\), left by process 4194311"):
+        zc.shard(model, stage=3, optimizer=optimizer, offload="disk", offload_dir=str(tmp_path))
+    assert not dead.exists()
+    path = zerocompile.offload.disk_state(optimizer).path
+    assert path.is_file() and path.stat().st_size > 0
+    del optimizer
+    gc.collect()
+    assert not path.exists() and not _our_directories(tmp_path)
+
+
+def test_memory_backed_directory_gets_a_warning(single_rank) -> None:
+    if not Path("/dev/shm").is_dir() or zerocompile.offload._file_system(Path("/dev/shm")) != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm")
+    model, optimizer = _model_and_adamw()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zc.shard(model, stage=3, optimizer=optimizer, offload="disk", offload_dir="/dev/shm")
+    assert any("is on tmpfs, which keeps files in memory" in str(w.message) for w in caught)
+    del optimizer
+    gc.collect()
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"stage": 0, "offload": "disk", "offload_dir": "/tmp"}, "stage 0 does not shard it: use stage 1, 2 or 3"),
+        ({"offload": "disk"}, "needs offload_dir"),
+        ({"offload_dir": "/tmp"}, "only read with offload='disk'"),
+        ({"offload": "nvme"}, r"offload must be one of \[None, 'disk'\]"),
+    ],
+)
+def test_config_errors(settings: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        zc.ZeroConfig(**settings)

@@ -1,0 +1,436 @@
+"""Optimizer state on disk (`offload="disk"`, ZeRO-Infinity's optimizer offload to NVMe).
+
+Of the 16 bytes a parameter costs under fp32 AdamW, the 8 of its two moments are touched once per
+step, by the optimizer only. With `offload="disk"` each rank keeps every piece of optimizer state
+shaped like its parameter shard (AdamW's `exp_avg` and `exp_avg_sq`, SGD's momentum, Muon's
+momentum, Adafactor's vector variance) in one preallocated file under `offload_dir`, mapped into
+memory, and the step streams it: the optimizer's own `step()` runs bucket by bucket over the
+parameters, each bucket's state read ahead while the one before updates (`MADV_WILLNEED`) and
+dropped from the process behind it (`MADV_DONTNEED`, then writeback started), so a rank holds one
+or two buckets of state at a time, never all of it. Scalars (`step`) and statistics smaller than
+the parameter (Adafactor's row and column means) stay in memory.
+
+The state tensors in `optimizer.state` are views of the mapped file between steps, so
+`state_dict()`, `zc.save` and `zc.load` read and write the file in place; torch's
+`load_state_dict` is followed by moving what it installed back into the file. The arithmetic is
+the optimizer's own, on the same values: a step with state on disk equals one in memory bit for
+bit (every supported optimizer updates each parameter from its own state; Muon and Adafactor
+exchange per bucket what they exchanged per step).
+
+The file is reserved whole (`posix_fallocate`) by `shard()`, before anything changes: a full or
+read-only disk is an error then, not a crash mid-step. It is removed when the optimizer is
+collected (or the process ends); files of a process that died without removing them are removed
+by the next `shard()` that offloads to the same directory. Each process writes under a directory
+of its own, named by host, pid and the pid's start time, which is how a later process tells a
+dead owner from a live one.
+
+The mapping's one hazard: a read error of the disk under a mapped page is a SIGBUS, not a Python
+exception (the rank dies; the others learn it through `zerocompile.rank_deaths`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import functools
+import mmap
+import os
+import shutil
+import socket
+import tempfile
+import warnings
+import weakref
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from zerocompile.rank_deaths import process_start_time
+
+# Offloaded state bytes per bucket of the streamed step. Each bucket is one call of the optimizer's
+# step (foreach temporaries of about one bucket) and, for Muon/Adafactor, one exchange.
+STEP_BUCKET_BYTES = 64 * 2**20
+_DIRECTORY_PREFIX = "zerocompile-offload-"
+_MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs", "devtmpfs")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Region:
+    """Where one state tensor of one parameter lies in the file."""
+
+    key: str
+    dtype: torch.dtype
+    offset: int
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bucket:
+    """Consecutive parameters (each group's share) stepped together, and the file bytes
+    [start, end) their offloaded state occupies."""
+
+    params_by_group: tuple[tuple[torch.Tensor, ...], ...]
+    start: int
+    end: int
+
+
+class DiskState:
+    """One optimizer's offloaded state on this rank: the file, its mapping, and the streamed step."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        directory: str | os.PathLike,
+        local_numel: Callable[[torch.Tensor], int],
+        full_ndim: Callable[[torch.Tensor], int],
+        device: torch.device,
+        describe: Callable[[torch.Tensor], str],
+    ) -> None:
+        """Probe which state `optimizer` keeps shaped like its parameters, lay it out for
+        parameters of `local_numel(p)` elements (`full_ndim(p)` dims as written) on `device`, and
+        reserve the file: an error naming the fix (and nothing left behind) if the directory
+        cannot hold it. The file lives as long as this object (the optimizer holds it)."""
+        if "step" in vars(optimizer):
+            raise ValueError(
+                "the optimizer's step() was wrapped on the object (a learning-rate scheduler built before "
+                "zerocompile.shard() does that), so its steps would bypass the streamed step of "
+                "offload='disk': build the LR scheduler after shard()"
+            )
+        self._describe = describe
+        self._groups_layout = _groups_layout(optimizer)
+        kinds = _offloaded_kinds(optimizer, full_ndim, device)
+        self.regions: dict[torch.Tensor, dict[str, _Region]] = {}
+        offset = 0
+        for index, group in enumerate(optimizer.param_groups):
+            for param in group["params"]:
+                self.regions[param] = {}
+                for key, dtype in kinds[(index, full_ndim(param), param.dtype)]:
+                    self.regions[param][key] = _Region(key, dtype, offset, local_numel(param))
+                    offset = _page_aligned(offset + local_numel(param) * dtype.itemsize)
+        self.nbytes = offset
+        self._buckets = _buckets(optimizer, self.regions)
+        self._file = _reserve_file(Path(directory), self.nbytes)
+        self._map = mmap.mmap(self._file.fileno(), max(self.nbytes, mmap.PAGESIZE)) if self.nbytes else None
+        self._views: dict[tuple[int, str], torch.Tensor] = {}
+        self._closer = weakref.finalize(self, _remove, self._file, self._map)
+
+    @property
+    def path(self) -> Path:
+        return Path(self._file.name)
+
+    def install(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make `optimizer` (the one this was made for) step in buckets from the file, and move
+        any state it holds there."""
+        optimizer.__class__ = _streaming_class(type(optimizer))
+        optimizer._patch_step_function()  # the step hooks wrap each class's own `step`
+        optimizer._zero_disk = self
+        optimizer.register_load_state_dict_post_hook(lambda loaded: self.move_all_into_file(loaded))
+        self.move_all_into_file(optimizer)
+
+    def move_all_into_file(self, optimizer: torch.optim.Optimizer) -> None:
+        """`move_into_file` for every parameter, then every page dropped from memory."""
+        self.move_into_file(optimizer, list(self.regions))
+        self.release()
+
+    def view(self, param: torch.Tensor, key: str) -> torch.Tensor | None:
+        """The file's tensor for `param`'s state `key` (its shard's shape), or None where that
+        state stays in memory."""
+        region = self.regions.get(param, {}).get(key)
+        if region is None:
+            return None
+        cached = self._views.get((id(param), key))
+        if cached is None:
+            flat = torch.frombuffer(self._map, dtype=region.dtype, count=region.numel, offset=region.offset)
+            cached = self._views[(id(param), key)] = flat.view(param.shape) if param.numel() == region.numel else flat
+        return cached
+
+    def move_into_file(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+        """Every offloaded state tensor of `params` that lives in memory copied into the file and
+        replaced there by the file's view (state made by the optimizer's first step, or loaded);
+        the pages written stay mapped until released."""
+        for param in params:
+            state = optimizer.state.get(param)
+            if not state:
+                continue
+            for key in self.regions[param]:
+                value, target = state.get(key), self.view(param, key)
+                if value is None or value is target:
+                    continue
+                if not isinstance(value, torch.Tensor) or value.shape != target.shape or value.dtype != target.dtype:
+                    raise RuntimeError(
+                        f"optimizer state {key!r} of parameter {self._describe(param)} is "
+                        f"{_what(value)}, where offload='disk' laid out {tuple(target.shape)} {target.dtype} "
+                        "at shard(): the optimizer changed its state's kind after shard()"
+                    )
+                target.copy_(value)
+                state[key] = target
+
+    def step(self, optimizer: torch.optim.Optimizer, base_step: Callable[[torch.optim.Optimizer], Any]) -> None:
+        """`base_step` (the optimizer's own step) run on one bucket of parameters at a time, the
+        next bucket's state read ahead and each finished bucket's dropped from memory."""
+        if _groups_layout(optimizer) != self._groups_layout:
+            raise RuntimeError(
+                "the optimizer's param groups changed after zerocompile.shard() with offload='disk', which "
+                "laid out their state on disk: build the optimizer with all its groups before shard()"
+            )
+        groups = optimizer.param_groups
+        everything = [group["params"] for group in groups]
+        try:
+            for number, bucket in enumerate(self._buckets):
+                if number + 1 < len(self._buckets):
+                    self._advise(mmap.MADV_WILLNEED, self._buckets[number + 1])
+                for group, params in zip(groups, bucket.params_by_group):
+                    group["params"] = list(params)
+                bucket_params = [p for params in bucket.params_by_group for p in params]
+                staged = self._stage_on_device(optimizer, bucket_params)
+                base_step(optimizer)
+                for param, key, host in staged:
+                    host.copy_(optimizer.state[param][key])
+                    optimizer.state[param][key] = host
+                self.move_into_file(optimizer, bucket_params)
+                self._drop(bucket)
+        finally:
+            for group, params in zip(groups, everything):
+                group["params"] = params
+        # A page fault maps the cached pages around it too (the kernel's fault-around, 64 KiB), some
+        # of them in buckets already dropped.
+        self.release()
+
+    def _stage_on_device(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[tuple[torch.Tensor, str, torch.Tensor]]:
+        """Copies of the file's state on the parameters' accelerator for the step (none on the CPU)."""
+        staged = []
+        for param in params:
+            if param.device.type == "cpu":
+                continue
+            state = optimizer.state.get(param, {})
+            for key in self.regions[param]:
+                host = state.get(key)
+                if host is not None:
+                    state[key] = host.to(param.device, non_blocking=False)
+                    staged.append((param, key, host))
+        return staged
+
+    def release(self) -> None:
+        """Drop every mapped page of the file from this process (the data stays in the file)."""
+        if self._map is not None:
+            self._map.madvise(mmap.MADV_DONTNEED, 0, self.nbytes)
+
+    def _drop(self, bucket: _Bucket) -> None:
+        if bucket.end > bucket.start:
+            self._advise(mmap.MADV_DONTNEED, bucket)
+            # Start writing the bucket back now rather than when the kernel's dirty limits force it.
+            os.posix_fadvise(self._file.fileno(), bucket.start, bucket.end - bucket.start, os.POSIX_FADV_DONTNEED)
+
+    def _advise(self, advice: int, bucket: _Bucket) -> None:
+        if bucket.end > bucket.start:
+            self._map.madvise(advice, bucket.start, bucket.end - bucket.start)
+
+    def close(self) -> None:
+        """Remove the file now (the optimizer must not step again)."""
+        self._closer()
+
+
+def disk_state(optimizer: torch.optim.Optimizer) -> DiskState | None:
+    """The optimizer's offloaded state, if `shard(..., offload="disk")` put it on disk."""
+    return getattr(optimizer, "_zero_disk", None)
+
+
+class _StreamsStateFromDisk:
+    """What an optimizer with its state on disk becomes: its own step, bucket by bucket."""
+
+    _zero_disk: DiskState
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._zero_disk.step(self, _own_step(type(self).__mro__[2]))
+        return loss
+
+
+@functools.cache
+def _streaming_class(cls: type) -> type:
+    return type(cls.__name__, (_StreamsStateFromDisk, cls), {"__qualname__": cls.__qualname__, "__module__": cls.__module__})
+
+
+def _own_step(cls: type) -> Callable[[torch.optim.Optimizer], Any]:
+    """The step of optimizer class `cls` without torch's step hooks (they run once, around the
+    whole streamed step)."""
+    step = cls.step
+    while getattr(step, "hooked", False):
+        step = step.__wrapped__
+    return step
+
+
+def _groups_layout(optimizer: torch.optim.Optimizer) -> list[list[int]]:
+    return [[id(p) for p in group["params"]] for group in optimizer.param_groups]
+
+
+def _offloaded_kinds(
+    optimizer: torch.optim.Optimizer, full_ndim: Callable[[torch.Tensor], int], device: torch.device
+) -> dict[tuple[int, int, torch.dtype], list[tuple[str, torch.dtype]]]:
+    """For each (param group, parameter dims, dtype) the optimizer holds: the state keys (and
+    dtypes) it makes shaped like the parameter, learnt by stepping a small stand-in parameter of
+    those dims in that group's settings (the optimizer's own code, on a state of its own)."""
+    kinds = {}
+    for index, group in enumerate(optimizer.param_groups):
+        for param in group["params"]:
+            ndim = full_ndim(param)
+            if (index, ndim, param.dtype) not in kinds:
+                kinds[(index, ndim, param.dtype)] = _probe(optimizer, index, ndim, param.dtype, device)
+    return kinds
+
+
+def _probe(optimizer: torch.optim.Optimizer, index: int, ndim: int, dtype: torch.dtype, device: torch.device) -> list[tuple[str, torch.dtype]]:
+    stand_in = torch.zeros((3, 5, 7, 11, 13)[:ndim], dtype=dtype, device=device, requires_grad=True)
+    stand_in.grad = torch.full_like(stand_in, 0.5)
+    groups, state = optimizer.param_groups, optimizer.state
+    optimizer.param_groups = [{**groups[index], "params": [stand_in]}]
+    optimizer.state = defaultdict(dict)
+    try:
+        _own_step(type(optimizer))(optimizer)
+        made = optimizer.state[stand_in]
+    except Exception as error:
+        raise TypeError(
+            f"offload='disk' could not learn which state {type(optimizer).__name__} keeps (a step of a "
+            f"{ndim}-D stand-in parameter in param group {index} raised {type(error).__name__}: {error}); "
+            "offload supports torch.optim's elementwise optimizers and zerocompile.optim's"
+        ) from error
+    finally:
+        optimizer.param_groups, optimizer.state = groups, state
+    return [
+        (key, value.dtype)
+        for key, value in made.items()
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == stand_in.shape
+    ]
+
+
+def _page_aligned(offset: int) -> int:
+    return -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def _buckets(optimizer: torch.optim.Optimizer, regions: dict[torch.Tensor, dict[str, _Region]]) -> list[_Bucket]:
+    """The parameters in the optimizer's order, cut into buckets of about STEP_BUCKET_BYTES of
+    offloaded state (the file is laid out in that order, so each bucket's bytes are one range)."""
+    buckets: list[_Bucket] = []
+    current: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
+    start = end = 0
+
+    def close() -> None:
+        nonlocal current, start
+        buckets.append(_Bucket(tuple(tuple(params) for params in current), start, end))
+        current, start = [[] for _ in optimizer.param_groups], end
+
+    for index, group in enumerate(optimizer.param_groups):
+        for param in group["params"]:
+            current[index].append(param)
+            for region in regions[param].values():
+                end = _page_aligned(region.offset + region.nbytes)
+            if end - start >= STEP_BUCKET_BYTES:
+                close()
+    if any(current):
+        close()
+    return buckets
+
+
+def _what(value: Any) -> str:
+    return f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _reserve_file(directory: Path, nbytes: int) -> Any:
+    """A new file of `nbytes` reserved on disk under this process's directory in `directory`
+    (leftovers of dead processes removed first), open for reading and writing."""
+    if not directory.is_dir():
+        raise FileNotFoundError(f"offload_dir {str(directory)!r} is not a directory: create it, or name one that exists")
+    _remove_leftovers(directory)
+    _warn_if_memory(directory)
+    mine = directory / f"{_DIRECTORY_PREFIX}{socket.gethostname()}-{os.getpid()}-{process_start_time(os.getpid())}"
+    try:
+        mine.mkdir(exist_ok=True)
+        handle = tempfile.NamedTemporaryFile(dir=mine, prefix="optimizer-", suffix=".state", delete=False)
+    except OSError as error:
+        raise OSError(
+            error.errno,
+            f"offload='disk' cannot write in offload_dir {str(directory)!r} ({error.strerror}): give a "
+            "directory this process can write",
+        ) from error
+    try:
+        if nbytes:
+            os.posix_fallocate(handle.fileno(), 0, nbytes)
+    except OSError as error:
+        _remove(handle, None)
+        free = shutil.disk_usage(directory).free
+        if error.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise OSError(
+                error.errno,
+                f"offload='disk' needs {nbytes:,} bytes in {str(directory)!r} for this rank's optimizer state "
+                f"and could not reserve them ({error.strerror}; {free:,} bytes free): free space there or "
+                "choose another offload_dir",
+            ) from error
+        raise
+    return handle
+
+
+def _remove(handle: Any, mapping: mmap.mmap | None) -> None:
+    path = Path(handle.name)
+    path.unlink(missing_ok=True)
+    handle.close()
+    if mapping is not None:
+        try:
+            mapping.close()
+        except BufferError:  # a state tensor outlives its optimizer: the pages go when it does
+            pass
+    try:
+        path.parent.rmdir()
+    except OSError:  # another optimizer of this process still has a file there
+        pass
+
+
+def _remove_leftovers(directory: Path) -> None:
+    """Remove the offload directories of this host's processes that have ended."""
+    host = socket.gethostname()
+    for entry in directory.glob(f"{_DIRECTORY_PREFIX}{host}-*"):
+        pid, _, start = entry.name.removeprefix(f"{_DIRECTORY_PREFIX}{host}-").partition("-")
+        if not pid.isdigit() or process_start_time(int(pid)) == start:
+            continue
+        size = sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
+        shutil.rmtree(entry, ignore_errors=True)
+        warnings.warn(
+            f"offload='disk': removed {entry} ({size:,} bytes), left by process {pid} which ended without "
+            "removing its optimizer state",
+            stacklevel=4,
+        )
+
+
+def _warn_if_memory(directory: Path) -> None:
+    kind = _file_system(directory)
+    if kind in _MEMORY_FILE_SYSTEMS:
+        warnings.warn(
+            f"offload_dir {str(directory)!r} is on {kind}, which keeps files in memory: the optimizer state "
+            "offloaded there still uses RAM. Give a directory on a disk",
+            stacklevel=4,
+        )
+
+
+def _file_system(directory: Path) -> str | None:
+    """The type of the file system `directory` lies on (Linux's /proc/self/mounts), or None."""
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    real = str(directory.resolve())
+    best, kind = "", None
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind
