@@ -12,6 +12,11 @@ the rank (/proc/self/smaps): the state went back to the disk, not to memory.
 Bad input (one rank): no optimizer, a missing directory, a disk too small for the state (a file
 size limit: the reservation fails as on a full disk), a learning-rate scheduler built before
 `shard()`, an optimizer built after it: each a clear error, raised before the model changed.
+
+Checkpoints: a run saved at N = 2, stage 3 with its state on disk loads at N = 4 stage 2 and N = 2
+stage 1, again on disk, and trains on exactly as the same sequence in memory does; `zc.load` reads
+the state straight into the file (nothing left resident), and torch's `load_state_dict` moves
+what it installs back into the file.
 """
 
 from __future__ import annotations
@@ -134,6 +139,91 @@ def test_no_state_stays_in_memory_between_steps(reports, kind: str, stage: int) 
         assert disk["optimizer"] + disk["optimizer_on_disk"] == memory["optimizer"]
         if kind != "adafactor":
             assert disk["optimizer"] == 0
+
+
+# zc.save -> zc.load across world sizes and stages: the same sequence in memory and on disk.
+SAVED_AT = (2, 3)  # world size, stage of the saving run
+LOADED_AT = [(4, 2), (2, 1)]  # and of the loading runs
+
+
+def _save_after_steps(rank: int, world_size: int, root: str) -> None:
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = MuonGPT()
+        optimizers = _optimizers("muon", model)
+        settings = {"offload": "disk", "offload_dir": root} if offload else {}
+        zc.shard(model, stage=SAVED_AT[1], optimizer=optimizers, compiler="eager", **settings)
+        compiled = torch.compile(model, backend="zero")
+        for step in range(3):
+            train_step(compiled, model, optimizers, step, rank, world_size, "plain", None)
+        zc.save(f"{root}/checkpoint-{offload}", model, optimizers)
+
+
+def _load_and_step(rank: int, world_size: int, root: str, stage: int) -> dict:
+    results = {}
+    for offload in (False, True):
+        torch.manual_seed(1)  # other initial values: everything must come from the checkpoint
+        model = MuonGPT()
+        optimizers = _optimizers("muon", model)
+        settings = {"offload": "disk", "offload_dir": root} if offload else {}
+        zc.shard(model, stage=stage, optimizer=optimizers, compiler="eager", **settings)
+        zc.load(f"{root}/checkpoint-{offload}", model, optimizers)
+        resident = sum(resident_bytes(zerocompile.offload.disk_state(o).path) for o in optimizers) if offload else 0
+        in_memory = [
+            f"{key} of {tuple(p.shape)}"
+            for o in optimizers if offload
+            for p, st in o.state.items()
+            for key in zerocompile.offload.disk_state(o).regions[p]
+            if st[key] is not zerocompile.offload.disk_state(o).view(p, key)
+        ]  # fmt: skip
+        compiled = torch.compile(model, backend="zero")
+        for step in range(3, 5):
+            train_step(compiled, model, optimizers, step, rank, world_size, "plain", None)
+        names = {p: n for n, p in model.named_parameters()}
+        results[offload] = {
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "states": {f"{names[p]}.{k}": v.clone() for o in optimizers for p, st in o.state.items() for k, v in st.items() if isinstance(v, torch.Tensor)},
+            "resident_after_load": resident,
+            "loaded_into_memory": in_memory,
+        }
+    return results
+
+
+@pytest.fixture(scope="module")
+def reloaded(tmp_path_factory) -> dict[tuple[int, int], list[dict]]:
+    root = str(tmp_path_factory.mktemp("offload-checkpoints"))
+    run_on_ranks(SAVED_AT[0], _save_after_steps, root)
+    return {(n, stage): run_on_ranks(n, _load_and_step, root, stage) for n, stage in LOADED_AT}
+
+
+@pytest.mark.parametrize("world_size, stage", LOADED_AT, ids=[f"N{n}-stage{s}" for n, s in LOADED_AT])
+def test_saved_and_loaded_state_on_disk_trains_as_in_memory(reloaded, world_size: int, stage: int) -> None:
+    for rank, result in enumerate(reloaded[(world_size, stage)]):
+        memory, disk = result[False], result[True]
+        assert [n for n, p in memory["params"].items() if not torch.equal(p, disk["params"][n])] == [], f"rank {rank}"
+        assert sorted(memory["states"]) == sorted(disk["states"])
+        assert [k for k, v in memory["states"].items() if not torch.equal(v, disk["states"][k])] == [], f"rank {rank}"
+        assert disk["resident_after_load"] == 0
+        assert disk["loaded_into_memory"] == []
+
+
+def test_load_state_dict_puts_the_state_back_on_disk(single_rank, tmp_path) -> None:
+    model, optimizer = _model_and_adamw()
+    zc.shard(model, stage=3, optimizer=optimizer, offload="disk", offload_dir=str(tmp_path))
+    model(global_batch("tied_gpt", 0)).backward()
+    optimizer.step()
+    saved = optimizer.state_dict()  # its tensors are the file's: copied, as torch.save would
+    saved["state"] = {k: {n: v.clone() for n, v in st.items()} for k, st in saved["state"].items()}
+    expected = {id(p): {k: v.clone() for k, v in st.items()} for p, st in optimizer.state.items()}
+    disk = zerocompile.offload.disk_state(optimizer)
+    for state in optimizer.state.values():
+        state["exp_avg"].zero_()
+    optimizer.load_state_dict(saved)
+    assert resident_bytes(disk.path) == 0
+    for param, state in optimizer.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert state[key] is disk.view(param, key), f"{key} left in memory"
+            assert torch.equal(state[key], expected[id(param)][key])
 
 
 # Bad input, on one rank: a clear error before the model changed, and no file left behind.

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerocompile import checkpoint_files as files
+from zerocompile.offload import disk_state
 from zerocompile.optimizers import optimizer_list, replicated_state_keys
 from zerocompile.sharding import ShardInfo, _parameter_owners, own_state_dict, shard_info
 
@@ -374,6 +375,7 @@ def save(
         lambda: {name: files.file_digest(staging / name) for name in files.data_files(staging)[_my_share()]}
     )
     description["files"] = {name: digest for share in shares for name, digest in sorted(share.items())}
+    _release_disk_pages(optimizer)
 
     def publish() -> None:
         if rank == 0:
@@ -431,6 +433,7 @@ def _optimizer_destinations(
             "build the optimizer with the same param groups as the one saved"
         )
     by_fqn = {names[0]: p for p, names in params.items()}
+    disk = disk_state(optimizer)
     views, states, like_param = {}, {}, []
     for fqn, kinds in saved["state"].items():
         param, info = by_fqn[fqn], shard_info(by_fqn[fqn])
@@ -449,7 +452,10 @@ def _optimizer_destinations(
             elif kind["kind"] == "replicated":
                 state[key] = views[f"{prefix}.{fqn}.{key}"] = param.new_zeros(kind["shape"], dtype=dtype)
             else:
-                state[key] = torch.zeros_like(param, dtype=dtype)
+                # State on disk (offload="disk") is read straight into its file, never whole into memory.
+                on_disk = disk.view(param, key) if disk is not None else None
+                usable = on_disk is not None and on_disk.dtype == dtype
+                state[key] = on_disk if usable else torch.zeros_like(param, dtype=dtype)
                 views[f"{prefix}.{fqn}.{key}"] = _global_view(state[key], info)
                 like_param.append((state[key], info))
     return views, states, like_param
@@ -465,6 +471,14 @@ def _install_optimizer_state(
                 group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
     optimizer.state.clear()
     optimizer.state.update(states)
+
+
+def _release_disk_pages(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None) -> None:
+    """Pages of offloaded state that saving or loading mapped, dropped from memory (not from disk)."""
+    for one in optimizer_list(optimizer):
+        disk = disk_state(one)
+        if disk is not None:
+            disk.release()
 
 
 def _zero_padding(tensors: list[tuple[torch.Tensor, ShardInfo | None]]) -> None:
@@ -533,6 +547,7 @@ def load(
     _zero_padding(padded)
     for one, described, state in installs:
         _install_optimizer_state(one, described, state)
+    _release_disk_pages(optimizer)
     if ema is not None:
         ema.decay = saved["ema"]["decay"]
     return extra
