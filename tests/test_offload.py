@@ -40,6 +40,10 @@ from matrix_optimizers import STEPS, MuonGPT, train_step
 from models import global_batch
 from ranks import run_cases, run_on_ranks
 
+# The step's mechanics lean on torch.optim's internals (the hooked step, the state's layout): the
+# core tier runs them on every supported torch.
+pytestmark = pytest.mark.core
+
 SMALL_BUCKETS = 4096
 
 
@@ -318,6 +322,7 @@ def test_memory_backed_directory_gets_a_warning(single_rank) -> None:
     gc.collect()
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "settings, message",
     [
