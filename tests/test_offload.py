@@ -9,8 +9,8 @@ so nothing may differ. The step buckets are made small (4 KiB of state) so that 
 in many buckets, as a large model's does. After each step no page of the file may be resident in
 the rank (/proc/self/smaps): the state went back to the disk, not to memory.
 
-Bad input (one rank): no optimizer, a missing directory, a disk too small for the state (a file
-size limit: the reservation fails as on a full disk), a learning-rate scheduler built before
+Bad input (one rank): no optimizer, a missing directory, a full disk (a 64 KiB tmpfs in a mount
+namespace of the test's own; and a file size limit, where namespaces are not allowed), a learning-rate scheduler built before
 `shard()`, an optimizer built after it: each a clear error, raised before the model changed.
 
 Checkpoints: a run saved at N = 2, stage 3 with its state on disk loads at N = 4 stage 2 and N = 2
@@ -22,9 +22,13 @@ what it installs back into the file.
 from __future__ import annotations
 
 import gc
+import json
+import re
 import resource
 import signal
 import socket
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from unittest import mock
@@ -98,7 +102,7 @@ def _train(rank: int, world_size: int, kind: str, stage: int, directory: str | N
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "states": states, "resident": resident, "held": held}
 
 
-CASES = [("adamw", 1), ("adamw", 2), ("adamw", 3), ("muon", 1), ("muon", 3), ("adafactor", 3), ("sgd", 2)]
+CASES = [("adamw", 1), ("adamw", 2), ("adamw", 3), ("muon", 1), ("muon", 2), ("muon", 3), ("adafactor", 3), ("sgd", 2)]
 
 
 def _compare(rank: int, world_size: int, directory: str) -> dict:
@@ -274,6 +278,42 @@ def test_a_disk_too_small_is_refused_before_anything_changes(single_rank, tmp_pa
         signal.signal(signal.SIGXFSZ, ignored)
     assert _unchanged(model)
     assert not list(tmp_path.rglob("*.state"))
+
+
+FULL_DISK_CHILD = """
+import json, sys, warnings
+import torch, zerocompile as zc
+sys.path.insert(0, sys.argv[2])
+from matrix_optimizers import MuonGPT
+zc.init_distributed()
+model = MuonGPT()
+optimizer = torch.optim.AdamW(model.parameters())
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    try:
+        zc.shard(model, stage=3, optimizer=optimizer, offload="disk", offload_dir=sys.argv[1])
+        error = None
+    except OSError as raised:
+        error = str(raised)
+print(json.dumps({"error": error, "warnings": [str(w.message) for w in caught],
+                  "unchanged": not hasattr(model, "_zero_config") and model.gpt.wte.weight.dim() == 2}))
+"""
+
+
+def test_a_full_file_system_is_refused_before_anything_changes(tmp_path) -> None:
+    """A 64 KiB tmpfs, mounted in a mount namespace of the test's own (nothing outside it sees it)."""
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no user and mount namespaces here (unshare -rm): the file-size-limit test stands in")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    child = f"mount -t tmpfs -o size=64k tmpfs {mount} && exec {sys.executable} -c \"$0\" {mount} {Path(__file__).parent}"
+    finished = subprocess.run(["unshare", "-rm", "sh", "-c", child, FULL_DISK_CHILD], capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    result = json.loads(finished.stdout.strip().splitlines()[-1])
+    assert result["error"] is not None and "No space left on device" in result["error"]
+    assert re.search(r"needs [\d,]+ bytes in .* \d[\d,]* bytes free\): free space there or choose another offload_dir", result["error"])
+    assert any("is on tmpfs, which keeps files in memory" in w for w in result["warnings"])
+    assert result["unchanged"]
 
 
 def test_a_scheduler_built_before_shard_is_refused(single_rank, tmp_path) -> None:
