@@ -153,6 +153,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="continue from this checkpoint; if it does not exist yet, start afresh (for restarts)",
     )
+    parser.add_argument(
+        "--offload-dir",
+        type=Path,
+        default=None,
+        help="keep each rank's AdamW state on disk in this directory (offload='disk', stages 1-3)",
+    )
     parser.add_argument("--out", type=Path, default=Path("train-out"), help="where loss.png goes (default ./train-out)")
     spawn.add_allocator_argument(parser)
     parser.add_argument(
@@ -227,13 +233,14 @@ def _train_loop(args: argparse.Namespace, rank: int, world_size: int) -> list[fl
     device = chosen_device(args.device)
     model = _build(config, args.build, device)
     torch.manual_seed(args.seed)  # the initial weights: GPT._init_weights applied from this state
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # handed to shard(), as offload needs
+    offload = {"offload": "disk", "offload_dir": str(args.offload_dir)} if args.offload_dir is not None else {}
     zc.shard(
         model, stage=args.stage, param_dtype=PARAM_DTYPES[args.param_dtype], init=GPT._init_weights,
-        **_quantisations(args),
+        optimizer=optimizer, **_quantisations(args), **offload,
     )
     if args.load_weights is not None:
         zc.load_weights(model, args.load_weights)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     compiled = torch.compile(model, backend="zero", options={"compiler": args.compiler})
     batches = GlobalBatches(text, args.batch_size, config.block_size, args.seed)
     losses, first_step = _resume(args, model, optimizer, batches, rank)

@@ -399,8 +399,15 @@ def _remove_leftovers(directory: Path) -> None:
         pid, _, start = entry.name.removeprefix(f"{_DIRECTORY_PREFIX}{host}-").partition("-")
         if not pid.isdigit() or process_start_time(int(pid)) == start:
             continue
-        size = sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
-        shutil.rmtree(entry, ignore_errors=True)
+        # Claimed by renaming it out of the pattern: of the ranks of a restarted job that find it,
+        # one removes it.
+        claimed = directory / f".zerocompile-removing-{entry.name}-{os.getpid()}"
+        try:
+            entry.rename(claimed)
+        except OSError:
+            continue
+        size = sum(f.stat().st_size for f in claimed.iterdir() if f.is_file())
+        shutil.rmtree(claimed, ignore_errors=True)
         warnings.warn(
             f"offload='disk': removed {entry} ({size:,} bytes), left by process {pid} which ended without "
             "removing its optimizer state",
