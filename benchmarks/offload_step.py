@@ -18,30 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
-
-CHUNK = 64 * 2**20
-
-
-def _disk_bandwidth(directory: Path, nbytes: int) -> dict[str, float]:
-    """Bytes/s of writing (with fsync) and of reading back, uncached, a file of `nbytes` there."""
-    block = os.urandom(CHUNK)
-    with tempfile.NamedTemporaryFile(dir=directory, prefix="bandwidth-") as handle:
-        started = time.perf_counter()
-        for offset in range(0, nbytes, CHUNK):
-            os.pwrite(handle.fileno(), block[: min(CHUNK, nbytes - offset)], offset)
-        os.fsync(handle.fileno())
-        written = time.perf_counter() - started
-        os.posix_fadvise(handle.fileno(), 0, nbytes, os.POSIX_FADV_DONTNEED)  # only this file's pages
-        started = time.perf_counter()
-        for offset in range(0, nbytes, CHUNK):
-            os.pread(handle.fileno(), CHUNK, offset)
-        read = time.perf_counter() - started
-    return {"write": nbytes / written, "read": nbytes / read}
 
 
 def _model(size: str, settings: dict):
@@ -71,6 +50,7 @@ def main() -> None:
     import torch
 
     import zerocompile as zc
+    from zerocompile import offload
 
     zc.init_distributed()
     memory_model, in_memory = _model(args.model_size, {})
@@ -83,7 +63,7 @@ def main() -> None:
             times[name].append(time.perf_counter() - started)
     same = all(torch.equal(a, b) for a, b in zip(memory_model.parameters(), disk_model.parameters()))
     state_bytes = zc.model_state_bytes(disk_model, on_disk)["optimizer_on_disk"]
-    bandwidth = _disk_bandwidth(args.offload_dir, state_bytes)
+    bandwidth = offload.measure_disk_bandwidth(args.offload_dir, state_bytes)
     memory_step, disk_step = statistics.median(times["memory"]), statistics.median(times["disk"])
     moved = 2 * state_bytes
     floor = state_bytes / bandwidth["read"] + state_bytes / bandwidth["write"]

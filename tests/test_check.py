@@ -5,6 +5,7 @@ its runs from the device and the GPUs visible, and measure one rank of 8 on the 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,20 @@ def test_check_is_a_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--fake-ranks" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["check", "--stages", "0,4"])
+
+
+def test_cpu_check_with_the_optimizer_state_on_disk(tmp_path: Path) -> None:
+    """--offload-dir: stages 1 and 3 train against DDP with their AdamW state on disk (the same
+    bounds), and the environment names the directory's measured bandwidth."""
+    report_path = tmp_path / "report.json"
+    offload_dir = tmp_path / "offload"
+    offload_dir.mkdir()
+    argv = ["check", "--device", "cpu", "--stages", "1,3", "--compilers", "eager", "--offload-dir", str(offload_dir)]
+    code = cli.main([*argv, "--json", str(report_path)])
+    report = json.loads(report_path.read_text())
+    assert code == 0, report["problems"]
+    assert [run["offload_dir"] for run in report["runs"]] == [str(offload_dir)]
+    assert re.search(r"offload.*: write [\d,]+ MB/s \(fsync'd\), read [\d,]+ MB/s", report["environment"]["offload dir"])
+    assert [(row["stage"], row["param_error"]) for row in report["rows"]] == [(1, 0.0), (3, 0.0)]
+    assert all(on_disk > 0 for row in report["rows"] for on_disk in row["state_on_disk_bytes"])
+    assert not list(offload_dir.glob("zerocompile-*")), "the ranks' state files outlived them"

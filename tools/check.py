@@ -3,6 +3,7 @@
     zerocompile check                       # CPU (or the GPUs, where CUDA sees some)
     zerocompile check --device cpu --ranks 4
     zerocompile check --fake-ranks 8        # memory of one rank of 8, on the fake process group
+    zerocompile check --offload-dir /nvme/zc   # stages 1-3 with the optimizer state on disk there
 
 What a user runs on a new machine or cluster before trusting it with a job. It prints what the
 install runs on (zerocompile, torch, CUDA, NCCL, gloo, the visible devices, the C++ compiler
@@ -15,7 +16,7 @@ table, a row per (stage, compiler), compares
                   the root of its second moment, so a gradient off by a constant factor (a reduction
                   missing its 1/N) leaves the parameters nearly where DDP's go; the gradients show it
   max |Δ param|   the parameters (gathered) after the last step against DDP's
-  state bytes     zerocompile.model_state_bytes on each rank after a step (AdamW, fp32: parameters,
+  state bytes     zerocompile.model_state_bytes on each rank after a step, on disk included (AdamW, fp32: parameters,
                   gradients, two moments) against 16 B per padded shard element (16Φ at stage 0)
   sent bytes      bytes each rank wrote per step (/proc/self/io wchar) against ZeRO's
                   2Φ(N-1)/N·4 B (stages 0-2) or 3Φ(N-1)/N·4 B (stage 3), within 2 %; gloo only
@@ -61,7 +62,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocompile as zc
-from zerocompile import torch_support
+from zerocompile import offload, torch_support
 from zerocompile.distributed import default_backend
 from zerocompile.passes.stages import shard_numel
 from zerocompile.sharding import shard_info
@@ -107,6 +108,7 @@ class Run:
     compilers: tuple[str, ...]
     sent: bool  # bytes sent are measurable (gloo writes them through sockets)
     timed: bool  # step times mean something (not ranks sharing one device, not a fake group)
+    offload_dir: str | None = None  # stages 1-3 keep their optimizer state on disk there
 
     @property
     def processes(self) -> int:
@@ -125,11 +127,19 @@ def plan(
     fake_ranks: int | None = None,
     stages: tuple[int, ...] = STAGES,
     compilers: tuple[str, ...] = COMPILERS,
+    offload_dir: str | None = None,
 ) -> list[Run]:
-    """The runs for `device` with `visible_gpus` accelerators visible (see the module docstring).
+    """The runs for `device` with `visible_gpus` accelerators visible (see the module docstring),
+    their stages 1-3 with the optimizer state on disk under `offload_dir` if given.
 
     Pure, so a test can check every case with made-up device counts.
     """
+    return [dataclasses.replace(run, offload_dir=offload_dir) for run in _runs(device, visible_gpus, ranks, fake_ranks, stages, compilers)]
+
+
+def _runs(
+    device: str, visible_gpus: int, ranks: int | None, fake_ranks: int | None, stages: tuple[int, ...], compilers: tuple[str, ...]
+) -> list[Run]:
     fake_stages = tuple(stage for stage in stages if stage == 3)
     if fake_ranks is not None:
         return [Run("fake", fake_ranks, device, fake_stages, compilers, sent=False, timed=False)]
@@ -185,6 +195,15 @@ def environment(device: str) -> dict[str, str]:
         "device checked": device,
     }
     return facts
+
+
+def offload_directory_fact(directory: Path) -> str:
+    """Where --offload-dir is and what it moves: the disk a step's optimizer state streams through."""
+    bandwidth = offload.measure_disk_bandwidth(directory)
+    return (
+        f"{offload.describe_directory(directory)}: write {bandwidth['write'] / 1e6:,.0f} MB/s (fsync'd), "
+        f"read {bandwidth['read'] / 1e6:,.0f} MB/s (uncached), on 256 MiB"
+    )
 
 
 def _nccl_version() -> str:
@@ -270,6 +289,7 @@ class Trace:
     seconds: list[float]  # the timed steps
     sent: list[int] | None  # bytes written in each timed step
     state_bytes: int  # model-state bytes held after the last step (its gradients still there)
+    on_disk_bytes: int  # of those, optimizer state in offload files
 
 
 def _rank_device(run: Run) -> torch.device:
@@ -296,6 +316,7 @@ class _Model:
 
     runner: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     module: nn.Module
+    optimizer: torch.optim.Optimizer
 
 
 def _fresh_gpt(device: torch.device) -> GPT:
@@ -308,9 +329,10 @@ def _ddp(device: torch.device, compiler: str | None = None) -> _Model:
     module = _fresh_gpt(device)
     nccl_device = device.type != "cpu" and dist.get_backend() != "gloo"
     ddp = nn.parallel.DistributedDataParallel(module, device_ids=[device] if nccl_device else None)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
     if compiler is None:
-        return _Model(ddp, module)
-    return _Model(torch.compile(ddp, backend="aot_eager" if compiler == "eager" else "inductor"), module)
+        return _Model(ddp, module, optimizer)
+    return _Model(torch.compile(ddp, backend="aot_eager" if compiler == "eager" else "inductor"), module, optimizer)
 
 
 def _ddp_compiled_seconds(device: torch.device, batches: list, compiler: str) -> float:
@@ -319,16 +341,19 @@ def _ddp_compiled_seconds(device: torch.device, batches: list, compiler: str) ->
     return max(_per_rank(statistics.median(_train(_ddp(device, compiler), device, batches, False).seconds)))
 
 
-def _zero(device: torch.device, stage: int, compiler: str) -> _Model:
+def _zero(device: torch.device, stage: int, compiler: str, offload_dir: str | None) -> _Model:
     torch._dynamo.reset()
-    module = zc.shard(_fresh_gpt(device), stage=stage)
-    return _Model(torch.compile(module, backend="zero", options={"compiler": compiler}), module)
+    module = _fresh_gpt(device)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
+    offload = {"offload": "disk", "offload_dir": offload_dir} if offload_dir is not None and stage > 0 else {}
+    zc.shard(module, stage=stage, optimizer=optimizer, **offload)
+    return _Model(torch.compile(module, backend="zero", options={"compiler": compiler}), module, optimizer)
 
 
 def _train(model: _Model, device: torch.device, batches: list, count_sent: bool) -> Trace:
     """AdamW steps over `batches`; each step starts after a barrier, its gradients cleared first so
     the last step's are there to be counted."""
-    optimizer = torch.optim.AdamW(model.module.parameters(), lr=LR)
+    optimizer = model.optimizer
     seconds, sent, first_grads = [], [], {}
     for step, (inputs, targets) in enumerate(batches):
         optimizer.zero_grad(set_to_none=True)
@@ -343,9 +368,9 @@ def _train(model: _Model, device: torch.device, batches: list, count_sent: bool)
         _finish_queued_work(device)
         seconds.append(time.perf_counter() - start)
         sent.append(_wchar() - written if count_sent else 0)
-    state_bytes = sum(zc.model_state_bytes(model.module, optimizer).values())
+    held = zc.model_state_bytes(model.module, optimizer)
     params = _full(model.module, lambda param: param)
-    return Trace(first_grads, params, seconds[1:], sent[1:] if count_sent else None, state_bytes)
+    return Trace(first_grads, params, seconds[1:], sent[1:] if count_sent else None, sum(held.values()), held.get("optimizer_on_disk", 0))
 
 
 def _full(module: nn.Module, value: Callable[[nn.Parameter], torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -366,7 +391,7 @@ def _measure_row(
     """One (stage, compiler): train, then every figure of the table (see the module docstring)."""
     if run.backend == "fake":
         return _measure_fake_row(run, device, batches, stage, compiler)
-    trace = _train(_zero(device, stage, compiler), device, batches, run.sent)
+    trace = _train(_zero(device, stage, compiler, run.offload_dir), device, batches, run.sent)
     param_error, param_fqn = _largest_difference(trace.params, reference.params)
     grad_error, grad_fqn = _largest_difference(trace.first_grads, reference.first_grads)
     seconds = max(_per_rank(statistics.median(trace.seconds))) if run.timed else None
@@ -378,6 +403,7 @@ def _measure_row(
         "grad_fqn": grad_fqn,
         "tolerance": TOLERANCE[compiler],
         "state_bytes": _per_rank(trace.state_bytes),
+        "state_on_disk_bytes": _per_rank(trace.on_disk_bytes),
         "state_expected": expected_state_bytes(stage, run.ranks),
         "sent_bytes": _per_rank(statistics.median(trace.sent)) if run.sent else None,
         "sent_expected": zero_sent_bytes(stage, run.ranks) if run.sent else None,
@@ -389,8 +415,8 @@ def _measure_row(
 
 def _measure_fake_row(run: Run, device: torch.device, batches: list, stage: int, compiler: str) -> dict[str, Any]:
     """Rank 0 of a fake group: two steps (the first compiles), the device's peak over the second."""
-    model = _zero(device, stage, compiler)
-    optimizer = torch.optim.AdamW(model.module.parameters(), lr=LR)
+    model = _zero(device, stage, compiler, run.offload_dir)
+    optimizer = model.optimizer
     peaks = []
     for inputs, targets in batches[:2]:
         optimizer.zero_grad(set_to_none=True)
@@ -701,6 +727,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", type=_stage_list, default=STAGES, help="comma-separated (default 0,1,2,3)")
     parser.add_argument("--compilers", type=_compiler_list, default=COMPILERS, help="comma-separated (default eager,inductor)")
     parser.add_argument("--json", type=Path, default=None, help="also write the environment and every row here")
+    parser.add_argument(
+        "--offload-dir",
+        type=Path,
+        default=None,
+        help="train stages 1-3 with their optimizer state on disk there (offload='disk'), and measure its bandwidth",
+    )
     spawn.add_allocator_argument(parser)
 
 
@@ -710,11 +742,14 @@ def run(args: argparse.Namespace) -> int:
     print(spawn.allocator_line(preload), flush=True)
     device = args.device or (torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")).type
     try:
-        runs = plan(device, visible_devices(device), args.ranks, args.fake_ranks, args.stages, args.compilers)
+        offload_dir = str(args.offload_dir) if args.offload_dir is not None else None
+        runs = plan(device, visible_devices(device), args.ranks, args.fake_ranks, args.stages, args.compilers, offload_dir)
     except ValueError as impossible:
         print(f"zerocompile check: {impossible}", file=sys.stderr)
         return 2
     facts = {**environment(device), "ranks' malloc": preload or "C library"}
+    if args.offload_dir is not None:
+        facts["offload dir"] = offload_directory_fact(args.offload_dir)
     for key, value in facts.items():
         print(f"{key:24} {value}")
     started = time.perf_counter()

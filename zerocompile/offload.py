@@ -38,6 +38,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 import warnings
 import weakref
 from collections import defaultdict
@@ -233,6 +234,31 @@ class DiskState:
     def close(self) -> None:
         """Remove the file now (the optimizer must not step again)."""
         self._closer()
+
+
+def measure_disk_bandwidth(directory: str | os.PathLike, nbytes: int = 256 * 2**20) -> dict[str, float]:
+    """Bytes per second of writing `nbytes` to a new file in `directory` (fsync'd) and of reading
+    them back from the disk (the file's own pages evicted first): what a streamed step can move."""
+    chunk = min(64 * 2**20, nbytes)
+    block = os.urandom(chunk)
+    with tempfile.NamedTemporaryFile(dir=directory, prefix="zerocompile-bandwidth-") as handle:
+        started = time.perf_counter()
+        for offset in range(0, nbytes, chunk):
+            os.pwrite(handle.fileno(), block[: min(chunk, nbytes - offset)], offset)
+        os.fsync(handle.fileno())
+        written = time.perf_counter() - started
+        os.posix_fadvise(handle.fileno(), 0, nbytes, os.POSIX_FADV_DONTNEED)
+        started = time.perf_counter()
+        for offset in range(0, nbytes, chunk):
+            os.pread(handle.fileno(), chunk, offset)
+        read = time.perf_counter() - started
+    return {"write": nbytes / written, "read": nbytes / read}
+
+
+def describe_directory(directory: str | os.PathLike) -> str:
+    """"/nvme/zc (ext4, 1,234,567,890 bytes free)": where offloaded state would go."""
+    path = Path(directory)
+    return f"{path} ({_file_system(path) or 'unknown file system'}, {shutil.disk_usage(path).free:,} bytes free)"
 
 
 def disk_state(optimizer: torch.optim.Optimizer) -> DiskState | None:
