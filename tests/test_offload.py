@@ -234,6 +234,25 @@ def test_load_state_dict_puts_the_state_back_on_disk(single_rank, tmp_path) -> N
             assert torch.equal(state[key], expected[id(param)][key])
 
 
+def _one_rank_without_its_directory(rank: int, world_size: int, root: str) -> str:
+    model, optimizer = _model_and_adamw()
+    directory = root if rank == 0 else f"{root}/absent"
+    try:
+        zc.shard(model, stage=3, optimizer=optimizer, offload="disk", offload_dir=directory)
+    except Exception as error:
+        assert _unchanged(model)
+        return f"{type(error).__name__}: {error}"
+    return "sharded"
+
+
+def test_a_rank_that_cannot_reserve_stops_every_rank(tmp_path) -> None:
+    """Not a hang: the others would wait in shard()'s broadcasts for the rank that gave up."""
+    outcomes = run_on_ranks(2, _one_rank_without_its_directory, str(tmp_path), timeout=300)
+    assert outcomes[1].startswith("FileNotFoundError: offload_dir") and "is not a directory" in outcomes[1]
+    assert outcomes[0].startswith("RuntimeError: rank 1 failed, so this rank stops too: FileNotFoundError: offload_dir")
+    assert not list(tmp_path.rglob("*.state"))
+
+
 # Bad input, on one rank: a clear error before the model changed, and no file left behind.
 
 

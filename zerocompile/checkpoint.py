@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerocompile import checkpoint_files as files
+from zerocompile.distributed import agreed
 from zerocompile.offload import disk_state
 from zerocompile.optimizers import optimizer_list, replicated_state_keys
 from zerocompile.sharding import ShardInfo, _parameter_owners, own_state_dict, shard_info
@@ -133,28 +134,9 @@ def _rank_and_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def _checked(check: Callable[[], Any]) -> Any:
-    """Run `check` here and agree with the other ranks on whether all passed: a rank that failed
-    raises its error, the others an error naming it, so no rank is left waiting in a collective."""
-    try:
-        result, error = check(), None
-    except Exception as caught:  # re-raised below; first every rank must hear of it
-        result, error = None, caught
-    messages = [None if error is None else f"{type(error).__name__}: {error}"]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        messages = [None] * dist.get_world_size()
-        dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    failed = [(rank, message) for rank, message in enumerate(messages) if message is not None]
-    if failed:
-        raise RuntimeError(f"rank {failed[0][0]} failed, so this rank stops too: {failed[0][1]}")
-    return result
-
-
 def _gathered_results(check: Callable[[], Any]) -> list[Any]:
-    """`_checked(check)` on every rank, then every rank's (small, picklable) result, by rank."""
-    result = _checked(check)
+    """`agreed(check)` on every rank, then every rank's (small, picklable) result, by rank."""
+    result = agreed(check)
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [result]
     results: list[Any] = [None] * dist.get_world_size()
@@ -355,10 +337,10 @@ def save(
             description["ema"] = {"decay": ema.decay}
         return state, description, files.encode_extra(extra)
 
-    state, description, (extra_tensors, extra_json) = _checked(gather_state)
+    state, description, (extra_tensors, extra_json) = agreed(gather_state)
     staging = files.staging_dir(final)
-    _checked(lambda: files.prepare_staging(final) if rank == 0 else None)
-    _checked(lambda: files.write_extra(staging, rank, extra_tensors, extra_json))
+    agreed(lambda: files.prepare_staging(final) if rank == 0 else None)
+    agreed(lambda: files.write_extra(staging, rank, extra_tensors, extra_json))
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
@@ -382,7 +364,7 @@ def save(
             files.write_json(staging / files.METADATA, description)
             files.publish(staging, final)
 
-    _checked(publish)
+    agreed(publish)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -533,7 +515,7 @@ def load(
             padded += [(ema.shadow[p], shard_info(p)) for p in params]
         return directory, saved, views, installs, padded, extra
 
-    directory, saved, views, installs, padded, extra = _checked(plan)
+    directory, saved, views, installs, padded, extra = agreed(plan)
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader

@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 import re
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, BackendConfig
 
 from zerocompile.passes.lowering import ALL_TO_ALL_REDUCE_SCATTER, NATIVE_REDUCE_SCATTER
+
+T = TypeVar("T")
 
 
 def _launcher_environment() -> tuple[int, int, int] | None:
@@ -220,3 +222,24 @@ def leave_process_group() -> None:
     tearing gloo down while another is still in a collective sometimes kills that one (SIGABRT)."""
     dist.barrier()
     dist.destroy_process_group()
+
+
+def agreed(check: Callable[[], T], group: dist.ProcessGroup | None = None) -> T:
+    """Run `check` here and agree with the other ranks of `group` (default: the world) on whether
+    all passed: a rank that failed raises its error, the others an error naming it, so no rank is
+    left waiting in a collective for one that gave up. One all-gather of the outcomes."""
+    try:
+        result, error = check(), None
+    except Exception as caught:  # re-raised below; first every rank must hear of it
+        result, error = None, caught
+    message = None if error is None else f"{type(error).__name__}: {error}"
+    messages = [message]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        messages = [None] * dist.get_world_size(group)
+        dist.all_gather_object(messages, message, group=group)
+    if error is not None:
+        raise error
+    failed = [(rank, message) for rank, message in enumerate(messages) if message is not None]
+    if failed:
+        raise RuntimeError(f"rank {failed[0][0]} failed, so this rank stops too: {failed[0][1]}")
+    return result

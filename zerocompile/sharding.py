@@ -29,7 +29,7 @@ from zerocompile.config import (
     refuse_concurrent_gloo_gathers,
     refuse_gloo_gathers_on_accelerator,
 )
-from zerocompile.distributed import backend_for, group_device, reduce_scatter_flavour
+from zerocompile.distributed import agreed, backend_for, group_device, reduce_scatter_flavour
 from zerocompile.hybrid import hybrid_groups
 from zerocompile.meta_init import PartReader, built_on_meta, check_meta_model, local_slice, materialise_sharded
 from zerocompile.offload import DiskState, disk_state
@@ -200,7 +200,8 @@ def shard(
             secondary_group_name=secondary_name,
             secondary_size=secondary_size,
         )
-    disk_states = _reserve_disk_states(config, optimizers, infos, device)
+    # A rank whose disk cannot take its state must not leave the others waiting in shard()'s broadcasts.
+    disk_states = agreed(lambda: _reserve_disk_states(config, optimizers, infos, device), group) if config.offload else []
     if on_meta:
         shard_numels = {param: info.shard_numel if policy.shards_parameters else None for param, info in infos.items()}
         local, buffers = materialise_sharded(
@@ -394,8 +395,6 @@ def _reserve_disk_states(
     config: ZeroConfig, optimizers: list[torch.optim.Optimizer], infos: dict[nn.Parameter, ShardInfo], device: torch.device
 ) -> list[DiskState]:
     """With `offload="disk"`, each optimizer's state file reserved (before anything changes)."""
-    if config.offload != "disk":
-        return []
     if not optimizers:
         raise ValueError(
             "offload='disk' keeps the optimizer's state on disk, so shard() must know the optimizer: build it "
