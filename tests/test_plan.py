@@ -240,6 +240,34 @@ def test_model_state_equals_what_shard_holds(fake_world: int, factory, example, 
         assert held == expected, f"stage {planned['stage']} at N={fake_world}"
 
 
+@pytest.mark.fast
+def test_offload_plan_equals_what_an_offloaded_model_keeps_on_disk(fake_world: int, capsys, tmp_path) -> None:
+    """--offload disk: per stage, the bytes on disk are what zc.model_state_bytes reports as
+    "optimizer_on_disk" after one step with the state on disk, and the rest is what stays held; a
+    step moves twice the state through the disk, in the time --disk-bandwidth gives it."""
+    argv = ["--model", "test_plan:gpt_tiny", "--ranks", str(fake_world), "--param-dtype", "fp32"]
+    report = plan_json([*argv, "--offload", "disk", "--disk-bandwidth", "500"], capsys)
+    example = torch.randint(0, 256, (2, 16))
+    for planned in report["offload"]:
+        model = gpt_tiny()
+        optimizer = torch.optim.AdamW(model.parameters())
+        zc.shard(model, stage=planned["stage"], optimizer=optimizer, offload="disk", offload_dir=str(tmp_path))
+        model(example, example).backward()
+        optimizer.step()
+        held = zc.model_state_bytes(model, optimizer)
+        assert planned["on_disk"] == held["optimizer_on_disk"] and held["optimizer"] == 0
+        assert planned["held"] == held["params"] + held["grads"]
+        assert planned["moved_per_step"] == 2 * planned["on_disk"]
+        assert planned["floor_seconds"] == pytest.approx(planned["moved_per_step"] / 500e6)
+    assert [p["stage"] for p in report["offload"]] == [1, 2, 3]
+
+
+@pytest.mark.fast
+def test_disk_bandwidth_without_offload_is_refused(capsys) -> None:
+    code, _out, err = run_plan(["--params", "1e9", "--ranks", "8", "--disk-bandwidth", "500"], capsys)
+    assert code == 2 and "give --offload disk too" in err
+
+
 def held_after_one_muon_step(factory, stage: int, pattern: str, example: torch.Tensor) -> tuple[dict[str, int], int]:
     """zc.model_state_bytes after shard() and one uncompiled step of zc.optim.Muon (the 2-D
     parameters matching `pattern`) and AdamW (the rest) on the current group, and the bytes the

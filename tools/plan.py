@@ -279,7 +279,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "gathered each into its own buffer; on every other backend into one buffer they are copied out of, "
         "which lives beside the copies for a moment, so stages 1-2's gathered bytes are then a lower bound too",
     )
+    parser.add_argument(
+        "--offload",
+        choices=["disk"],
+        help="zerocompile's offload: stages 1-3 keep the optimizer state on disk; adds what a step moves through "
+        "the disk (its state read and written back)",
+    )
+    parser.add_argument(
+        "--disk-bandwidth",
+        type=_megabytes_per_second,
+        metavar="MB/s",
+        help="with --offload disk, the disk's bandwidth (zerocompile check --offload-dir DIR measures it): the "
+        "time a step's disk traffic takes at least",
+    )
     parser.add_argument("--json", action="store_true", help="print exact byte counts as JSON instead of a table")
+
+
+def _megabytes_per_second(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MB/s such as 1500, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"a bandwidth is more than 0 MB/s, got {text}")
+    return value
 
 
 def _parameter_count(text: str) -> int:
@@ -911,6 +934,53 @@ def model_json(
 # ------------------------------------------------------------------------------------ command
 
 
+@dataclasses.dataclass(frozen=True)
+class OffloadPlan:
+    """One stage's optimizer state on disk (offload="disk"), per rank."""
+
+    stage: int
+    on_disk: float  # the optimizer state's bytes, out of memory
+    held: float  # what stays in memory between steps: params and grads
+    moved_per_step: float  # through the disk each step: the state read and written back
+    floor_seconds: float | None  # moved_per_step at the disk's bandwidth, where given
+
+    def as_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def offload_plan(plans: list[StagePlan], megabytes_per_second: float | None) -> list[OffloadPlan]:
+    """Stages 1-3 of `plans` with their optimizer state on disk (stage 0 cannot offload it)."""
+    return [
+        OffloadPlan(
+            s.stage, s.optimizer, s.params + s.grads, 2 * s.optimizer,
+            2 * s.optimizer / (megabytes_per_second * 1e6) if megabytes_per_second else None,
+        )
+        for s in plans
+        if s.stage > 0 and s.memory_budget is None
+    ]  # fmt: skip
+
+
+def offload_report(plans: list[OffloadPlan], megabytes_per_second: float | None) -> str:
+    header = ["stage", "on disk", "held in memory", "through the disk per step", "at least"]
+    rows = [
+        [str(p.stage), format_bytes(p.on_disk), format_bytes(p.held), format_bytes(p.moved_per_step),
+         f"{p.floor_seconds:.2f} s" if p.floor_seconds is not None else "-"]
+        for p in plans
+    ]  # fmt: skip
+    speed = (
+        f"at {megabytes_per_second:,.0f} MB/s" if megabytes_per_second else "(give --disk-bandwidth, which `zerocompile check --offload-dir DIR` measures)"
+    )
+    return "\n".join(
+        [
+            "offload='disk': each rank keeps its optimizer state in a file and streams it through each step, read "
+            f"and written back once; the step takes at least that traffic's time {speed}, more where the optimizer "
+            "itself is slower. Gradients and parameters stay in memory (held).",
+            "",
+            _table(header, rows),
+        ]
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """`zerocompile plan`: prints the plan; exit code 2 with a message naming the fix on bad input."""
     try:
@@ -923,6 +993,8 @@ def run(args: argparse.Namespace) -> int:
 
 def plan(args: argparse.Namespace) -> str:
     """The text `zerocompile plan` prints for these arguments (a table, or JSON with --json)."""
+    if args.disk_bandwidth is not None and args.offload is None:
+        raise PlanError("--disk-bandwidth sizes the disk traffic of --offload disk: give --offload disk too")
     if args.params is not None:
         if args.memory_budget is not None:
             raise PlanError(
@@ -960,11 +1032,11 @@ def plan(args: argparse.Namespace) -> str:
             if layouts:
                 record["ranks_per_node"] = args.ranks_per_node
                 record["node_layouts"] = [layout.as_json() for layout in layouts]
-            return json.dumps({**record, "stages": [p.as_json() for p in plans]}, indent=2)
+            return json.dumps({**record, "stages": [p.as_json() for p in plans], **_offload_json(args, plans)}, indent=2)
         report = paper_report(args.params, args.ranks, precision, plans)
         if layouts:
             report += "\n\n" + node_layout_report(layouts, args.ranks, args.ranks_per_node)
-        return report
+        return report + _offload_text(args, plans)
     if args.ranks_per_node is not None:
         raise PlanError(
             "--ranks-per-node plans stage 3 across nodes with the paper's accounting: give --params "
@@ -981,5 +1053,17 @@ def plan(args: argparse.Namespace) -> str:
     if args.memory_budget is not None:
         plans.append(budget_plan(counted, args.ranks, precision, plans[2], plans[3], args.memory_budget))
     if args.json:
-        return json.dumps(model_json(counted, args.ranks, precision, plans, muon), indent=2)
-    return model_report(counted, args.ranks, precision, plans, muon)
+        return json.dumps({**model_json(counted, args.ranks, precision, plans, muon), **_offload_json(args, plans)}, indent=2)
+    return model_report(counted, args.ranks, precision, plans, muon) + _offload_text(args, plans)
+
+
+def _offload_json(args: argparse.Namespace, plans: list[StagePlan]) -> dict[str, Any]:
+    if args.offload is None:
+        return {}
+    return {"offload": [p.as_json() for p in offload_plan(plans, args.disk_bandwidth)], "disk_bandwidth_mb_per_s": args.disk_bandwidth}
+
+
+def _offload_text(args: argparse.Namespace, plans: list[StagePlan]) -> str:
+    if args.offload is None:
+        return ""
+    return "\n\n" + offload_report(offload_plan(plans, args.disk_bandwidth), args.disk_bandwidth)
