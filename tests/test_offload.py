@@ -354,6 +354,20 @@ def test_an_optimizer_not_passed_to_shard_is_refused_at_its_step(single_rank, tm
     assert torch.equal(model.gpt.wte.weight, before)
 
 
+def test_a_failed_write_back_stops_the_next_step_before_it_changes_anything(single_rank, tmp_path) -> None:
+    model, optimizer = _model_and_adamw()
+    zc.shard(model, stage=3, optimizer=optimizer, offload="disk", offload_dir=str(tmp_path))
+    model(global_batch("tied_gpt", 0)).backward()
+    optimizer.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    states = [v.clone() for st in optimizer.state.values() for v in st.values()]
+    with mock.patch.object(zerocompile.offload.os, "fdatasync", side_effect=OSError(5, "Input/output error")):
+        with pytest.raises(RuntimeError, match=r"could not be written to .* \(Input/output error\).*Restart from the last checkpoint"):
+            optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(states, [v for st in optimizer.state.values() for v in st.values()]))
+
+
 def test_the_file_goes_with_the_optimizer_and_leftovers_of_dead_processes_are_removed(single_rank, tmp_path) -> None:
     dead = tmp_path / f"zerocompile-offload-{socket.gethostname()}-{2**22 + 7}-123"  # no such pid
     dead.mkdir()

@@ -179,6 +179,7 @@ class DiskState:
                 "the optimizer's param groups changed after zerocompile.shard() with offload='disk', which "
                 "laid out their state on disk: build the optimizer with all its groups before shard()"
             )
+        self._confirm_written()
         groups = optimizer.param_groups
         everything = [group["params"] for group in groups]
         try:
@@ -201,6 +202,24 @@ class DiskState:
         # A page fault maps the cached pages around it too (the kernel's fault-around, 64 KiB), some
         # of them in buckets already dropped.
         self.release()
+
+    def _confirm_written(self) -> None:
+        """Wait until the last step's state is on the disk, before this step changes anything.
+
+        Pages whose writeback failed are dropped by the kernel as if written, and read back stale
+        later: a silent wrong answer. fdatasync reports such a failure; by the next step the
+        writeback started behind each bucket is mostly done, so the wait is short unless the disk is
+        slower than the step."""
+        if self._map is None:
+            return
+        try:
+            os.fdatasync(self._file.fileno())
+        except OSError as error:
+            raise RuntimeError(
+                f"the optimizer state of the last step could not be written to {self.path} ({error.strerror}): the "
+                "state on disk is no longer trustworthy, so this process must not step again. Restart from the "
+                "last checkpoint (zc.load), with offload_dir on a healthy disk"
+            ) from error
 
     def _stage_on_device(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[tuple[torch.Tensor, str, torch.Tensor]]:
         """Copies of the file's state on the parameters' accelerator for the step (none on the CPU)."""
