@@ -15,7 +15,8 @@ that fails or hangs is reported with its output and the next one runs. What each
   check    `zerocompile check --device <dev> --json ...`: a small GPT under DDP and under stages 0-3,
            eager compiler and Inductor, gradients, parameters, model-state bytes, bytes sent and
            step time against DDP's (see zerocompile/tools/check.py for what runs on one GPU, on
-           several, and on the CPU)
+           several, and on the CPU); then stages 1 and 3 with the optimizer state on disk
+           (check-offload: `--offload-dir`, the state staged on the device for each bucket's step)
   trace    a stage-3 compile of a small GPT on the fake group under TORCH_TRACE (for tlparse), and
            the code Inductor generated for its forward and backward
   bench    `zerocompile bench --fake-ranks 8`, bf16: stage 3 against plain torch.compile and
@@ -317,8 +318,8 @@ class Visit:
     def details(self, record: dict[str, Any]) -> list[str]:
         name = record["name"]
         lines: list[str] = []
-        if name == "check" and (self.work / "check.json").exists():
-            lines += check_details(json.loads((self.work / "check.json").read_text()))
+        if name.startswith("check") and (self.work / f"{name}.json").exists():
+            lines += check_details(json.loads((self.work / f"{name}.json").read_text()))
         if name.startswith("bench") and (self.work / name / "bench.md").exists():
             lines += [(self.work / name / "bench.md").read_text(), ""]
         if name.startswith("profile-") and (self.work / "profile" / f"{name}.txt").exists():
@@ -396,6 +397,15 @@ def run_visit(args: argparse.Namespace) -> int:
             ["zerocompile.tools.cli", "check", "--device", args.device, *check_narrowing,
              "--json", str(work / "check.json")],
             timeout=240 if gpu else 900,
+        )
+        # offload="disk" with parameters on the accelerator: the state is copied to the device for
+        # each bucket's step and back (untestable on the CPU), against DDP like every check row.
+        (work / "offload").mkdir()
+        visit.step(
+            "check-offload",
+            ["zerocompile.tools.cli", "check", "--device", args.device, "--stages", "1,3", "--compilers", "eager",
+             "--offload-dir", str(work / "offload"), "--json", str(work / "check-offload.json")],
+            timeout=120 if gpu else 600,
         )
         (work / "trace").mkdir()
         visit.step(

@@ -60,7 +60,6 @@ _MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs", "devtmpfs")
 class _Region:
     """Where one state tensor of one parameter lies in the file."""
 
-    key: str
     dtype: torch.dtype
     offset: int
     numel: int
@@ -111,14 +110,14 @@ class DiskState:
             for param in group["params"]:
                 self.regions[param] = {}
                 for key, dtype in kinds[(index, full_ndim(param), param.dtype)]:
-                    self.regions[param][key] = _Region(key, dtype, offset, local_numel(param))
+                    self.regions[param][key] = _Region(dtype, offset, local_numel(param))
                     offset = _page_aligned(offset + local_numel(param) * dtype.itemsize)
         self.nbytes = offset
         self._buckets = _buckets(optimizer, self.regions)
         self._file = _reserve_file(Path(directory), self.nbytes)
         self._map = mmap.mmap(self._file.fileno(), max(self.nbytes, mmap.PAGESIZE)) if self.nbytes else None
         self._views: dict[tuple[int, str], torch.Tensor] = {}
-        self._closer = weakref.finalize(self, _remove, self._file, self._map)
+        weakref.finalize(self, _remove, self._file, self._map)
 
     @property
     def path(self) -> Path:
@@ -185,7 +184,7 @@ class DiskState:
         try:
             for number, bucket in enumerate(self._buckets):
                 if number + 1 < len(self._buckets):
-                    self._advise(mmap.MADV_WILLNEED, self._buckets[number + 1])
+                    self._read_ahead(self._buckets[number + 1])
                 for group, params in zip(groups, bucket.params_by_group):
                     group["params"] = list(params)
                 bucket_params = [p for params in bucket.params_by_group for p in params]
@@ -242,17 +241,13 @@ class DiskState:
 
     def _drop(self, bucket: _Bucket) -> None:
         if bucket.end > bucket.start:
-            self._advise(mmap.MADV_DONTNEED, bucket)
+            self._map.madvise(mmap.MADV_DONTNEED, bucket.start, bucket.end - bucket.start)
             # Start writing the bucket back now rather than when the kernel's dirty limits force it.
             os.posix_fadvise(self._file.fileno(), bucket.start, bucket.end - bucket.start, os.POSIX_FADV_DONTNEED)
 
-    def _advise(self, advice: int, bucket: _Bucket) -> None:
+    def _read_ahead(self, bucket: _Bucket) -> None:
         if bucket.end > bucket.start:
-            self._map.madvise(advice, bucket.start, bucket.end - bucket.start)
-
-    def close(self) -> None:
-        """Remove the file now (the optimizer must not step again)."""
-        self._closer()
+            self._map.madvise(mmap.MADV_WILLNEED, bucket.start, bucket.end - bucket.start)
 
 
 def measure_disk_bandwidth(directory: str | os.PathLike, nbytes: int = 256 * 2**20) -> dict[str, float]:
