@@ -443,6 +443,57 @@ def test_a_rank_leaving_on_an_uncaught_exception_leaves_a_note_and_a_normal_end_
     assert described.startswith("rank 1 of 2 (pid ") and "exited on an uncaught Python exception, ValueError: boom, while in: " in described
 
 
+# A rank dying inside the backward that Inductor compiled: AOTAutograd runs it with no hook of
+# ours around it, so the survivor leaves on gloo's own error, uncaught, as a user's script does;
+# what explains it is printed under the traceback as the survivor exits.
+_DIES_IN_THE_BACKWARD = """
+import ctypes, datetime, torch, torch.distributed as dist, zerocompile as zc
+from torch import nn
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+torch.manual_seed(0)
+model = zc.shard(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1)), stage=3)
+compiled = torch.compile(model, backend="zero")
+
+def die_as_the_backward_starts(grad):
+    ctypes.string_at(0)
+
+for step in range(1, 6):
+    loss = compiled(torch.randn(4, 16)).square().mean()
+    if dist.get_rank() == 1 and step == 3:
+        loss.register_hook(die_as_the_backward_starts)
+    loss.backward()
+print("all steps done", flush=True)
+"""
+
+
+def test_a_survivor_of_a_death_in_the_inductor_backward_names_the_dead_rank_as_it_exits(tmp_path: Path) -> None:
+    port = spawn.free_loopback_port()
+    script = tmp_path / "dies_in_the_backward.py"  # a file, so that the dead rank's line has its source
+    script.write_text(_DIES_IN_THE_BACKWARD)
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env=spawn.child_environment({**spawn.loopback_rank_environment(rank, 2, port), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor{rank}")}),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )
+        for rank in range(2)
+    ]  # fmt: skip
+    try:
+        (_out0, err0), (_out1, _err1) = [rank.communicate(timeout=600) for rank in ranks]
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                os.killpg(rank.pid, signal.SIGKILL)
+    assert ranks[1].returncode == -signal.SIGSEGV, _err1[-3000:]
+    assert ranks[0].returncode == 1, err0[-3000:]
+    # gloo's own error ("Connection closed by peer" or "reset by peer"), uncaught: not ours.
+    assert "Check the logs of the remote worker" in err0 and "CollectiveFailedError" not in err0, err0[-3000:]
+    explained = next((line for line in err0.splitlines() if line.startswith("zerocompile: rank 0 failed because ")), None)
+    assert explained is not None, err0[-3000:]
+    assert f"rank 1 of 2 (pid {ranks[1].pid}) died of SIGSEGV (signal 11) while in: " in explained, explained
+    assert "die_as_the_backward_starts" in explained and "ctypes.string_at(0)" in explained, explained
+
+
 @pytest.mark.fast
 def test_an_earlier_attempts_note_is_not_this_ranks_death(tmp_path: Path) -> None:
     _write(tmp_path, "rank-1.json", _record(os.getpid()))  # alive: this process

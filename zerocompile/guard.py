@@ -40,7 +40,6 @@ import dataclasses
 import functools
 import json
 import logging
-import re
 import time
 import weakref
 from datetime import timedelta
@@ -55,7 +54,7 @@ from torch.distributed.distributed_c10d import _get_process_group_store, _resolv
 from zerocompile.distributed import process_group_timeout
 from zerocompile.passes.markers import is_reduce_grad, is_unshard, reduce_grad_args, unshard_args
 from zerocompile.passes.stages import stage_policy
-from zerocompile.rank_deaths import describe_dead_ranks
+from zerocompile.rank_deaths import describe_dead_ranks, looks_like_a_lost_peer
 
 log = logging.getLogger(__name__)
 
@@ -333,10 +332,6 @@ class _SessionMarker:
 
 
 # A transport failure or timeout, as gloo, NCCL and the c10d stores word them.
-_PEER_FAILURE = re.compile(
-    r"timed? ?out|timeout|connection (closed|reset|refused)|closed by peer|pair closure|broken pipe|socket",
-    re.IGNORECASE,
-)
 
 
 def explain_collective_failures(run: Callable, context: GraphContext, kind: str) -> Callable:
@@ -354,7 +349,7 @@ def explain_collective_failures(run: Callable, context: GraphContext, kind: str)
         except CollectiveFailedError:
             raise
         except RuntimeError as error:
-            if not (isinstance(error, dist.DistError) or _PEER_FAILURE.search(str(error))):
+            if not looks_like_a_lost_peer(error):
                 raise
             stages = ", ".join(map(str, context.stages))
             deaths = describe_dead_ranks(context.global_ranks, context.rank)

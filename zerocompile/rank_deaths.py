@@ -50,6 +50,11 @@ WATCHER = Path(__file__).with_name("_death_watcher.py")
 _TOKEN_KEY = "zerocompile/rank-deaths/token"
 # How long a survivor looks for its dead peers' notes: a watcher writes within milliseconds of
 # the death, more under load.
+_PEER_FAILURE = re.compile(
+    r"timed? ?out|timeout|connection (closed|reset|refused)|closed by peer|pair closure|broken pipe|socket",
+    re.IGNORECASE,
+)
+NO_DEATH = "no other rank of the group died"
 WAIT = 3.0
 POLL = 0.05
 # With no rank gone after this long, none died on this host: the failure was a stall, or a death
@@ -154,6 +159,27 @@ class RankDeaths:
         except OSError:
             pass
         self._let_go()
+        self._name_the_dead_peer(error)
+
+    def _name_the_dead_peer(self, error: BaseException) -> None:
+        """Under the traceback of an error a dead peer caused, which peer died, of what and where.
+
+        The errors of zero-compiled graphs say it themselves (`guard`), but not the backward that
+        Inductor compiled, which AOTAutograd runs with no hook of ours around it: there gloo's own
+        "Connection closed by peer" is what the rank leaves on, and this is where it is explained."""
+        if not looks_like_a_lost_peer(error) or self.directory is None:
+            return
+        world = dist.get_world_size() if dist.is_initialized() else 1 + max(
+            (int(path.stem.removeprefix("rank-")) for path in self.directory.glob("rank-*.json")), default=0
+        )
+        deaths = describe_deaths_in(self.directory, list(range(world)), self.rank)
+        if deaths.startswith(NO_DEATH) or deaths in str(error):
+            return
+        try:
+            sys.stderr.write(f"zerocompile: rank {self.rank} failed because {deaths}\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):  # stderr closed
+            pass
 
 
 RANK_DEATHS = RankDeaths()
@@ -349,7 +375,7 @@ def describe_deaths_in(directory: Path, ranks: Sequence[int], rank: int, within:
             [describe_note(note, _who(r, ranks, note["pid"])) for r, note in notes.items()]
             + [_gone_text(_who(r, ranks, pid)) for r, pid in gone.items()]
         )
-    parts = [f"no other rank of the group died on this host ({host})"]
+    parts = [f"{NO_DEATH} on this host ({host})"]
     if alive:
         parts.append(_these(alive, "is alive here", "are alive here"))
     if unseen:
@@ -358,6 +384,12 @@ def describe_deaths_in(directory: Path, ranks: Sequence[int], rank: int, within:
             f"its own host only, in {directory} there), or left after its sharded models were collected"
         )
     return "; ".join(parts)
+
+
+def looks_like_a_lost_peer(error: BaseException) -> bool:
+    """Whether `error` is what a collective raises when a peer is gone or late: a `dist.DistError`,
+    or a RuntimeError whose message says timeout / closed connection (gloo's)."""
+    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and _PEER_FAILURE.search(str(error)) is not None)
 
 
 def describe_dead_ranks(ranks: Sequence[int], rank: int, within: float = WAIT) -> str | None:
