@@ -21,7 +21,7 @@ crash's cause by elimination:
 Ranks started by `spawn` print every thread's Python stack on a fatal signal (faulthandler).
 
     python -m benchmarks.stress_stage3 --launches 200 --steps 30
-    python -m benchmarks.stress_stage3 --launches 1 --steps 2000 --ranks 2 --compiler eager
+    python -m benchmarks.stress_stage3 --launches 1 --steps 2000 --ranks 2 --compiler eager --timeout 7200
     python -m benchmarks.stress_stage3 --launches 100 --steps 5 --launcher torchrun --model-size tiny
 
 Run from the repository root (the ranks import this module). Prints one line per launch and a
@@ -139,7 +139,10 @@ def main() -> None:
     parser.add_argument("--no-buffer-reuse", action="store_true", help="Inductor's allow_buffer_reuse=False")
     parser.add_argument("--dump-graphs", default=None, help="directory for every graph before/after each pass")
     parser.add_argument("--launcher", choices=("spawn", "torchrun"), default="spawn")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per launch before it counts as hung")
+    parser.add_argument(
+        "--timeout", type=float, default=1800.0,
+        help="seconds per launch before it counts as hung (a 2000-step launch beside other work on 2 cores needs ~7200)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
         "--allocator", choices=(*spawn.ALLOCATOR_CHOICES, "glibc-check"), default="auto",
