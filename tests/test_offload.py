@@ -384,8 +384,10 @@ def test_the_file_goes_with_the_optimizer_and_leftovers_of_dead_processes_are_re
 
 
 def test_memory_backed_directory_gets_a_warning(single_rank) -> None:
+    # /dev/shm is the tmpfs every Linux host mounts; where it is missing or not tmpfs there is no
+    # memory-backed directory to offer without mounting one (the namespace test above does that).
     if not Path("/dev/shm").is_dir() or zerocompile.offload._file_system(Path("/dev/shm")) != "tmpfs":
-        pytest.skip("no tmpfs at /dev/shm")
+        pytest.skip("no tmpfs at /dev/shm (the full tmpfs test, where namespaces are allowed, checks the warning too)")
     model, optimizer = _model_and_adamw()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
