@@ -37,6 +37,9 @@ SIZES = {
     # GPT-3 XL's shape (1.3B parameters with its 50k-token vocabulary, 1.21B with bytes): the size
     # `zerocompile bench --fake-ranks 8` compares stage 3 with FSDP2 at on one GPU.
     "1.3b": GPTConfig(n_layer=24, n_head=16, n_embd=2048, block_size=128),
+    # Φ = 2.01B: 32 GB of fp32 AdamW training state, more than this 24 GiB machine holds
+    # (benchmarks.offload_capacity trains it with the optimizer state on disk).
+    "2b": GPTConfig(n_layer=40, n_head=16, n_embd=2048, block_size=128),
 }
 
 
