@@ -144,5 +144,19 @@ def test_cpu_check_with_the_optimizer_state_on_disk(tmp_path: Path) -> None:
     assert [run["offload_dir"] for run in report["runs"]] == [str(offload_dir)]
     assert re.search(r"offload.*: write [\d,]+ MB/s \(fsync'd\), read [\d,]+ MB/s", report["environment"]["offload dir"])
     assert [(row["stage"], row["param_error"]) for row in report["rows"]] == [(1, 0.0), (3, 0.0)]
-    assert all(on_disk > 0 for row in report["rows"] for on_disk in row["state_on_disk_bytes"])
+    assert all(on_disk > 0 for row in report["rows"] for on_disk in row["state_offloaded_bytes"])
     assert not list(offload_dir.glob("zerocompile-*")), "the ranks' state files outlived them"
+
+
+def test_cpu_check_with_the_optimizer_state_in_host_memory(tmp_path: Path) -> None:
+    """--offload-cpu: stage 3 trains against DDP with its AdamW state in host memory and the
+    update on the CPU (on CPU parameters the copies are CPU to CPU: the same code as on a GPU)."""
+    report_path = tmp_path / "report.json"
+    argv = ["check", "--device", "cpu", "--stages", "3", "--compilers", "eager", "--offload-cpu"]
+    code = cli.main([*argv, "--json", str(report_path)])
+    report = json.loads(report_path.read_text())
+    assert code == 0, report["problems"]
+    assert [run["offload"] for run in report["runs"]] == ["cpu"]
+    assert [(row["stage"], row["param_error"]) for row in report["rows"]] == [(3, 0.0)]
+    assert all(offloaded > 0 for row in report["rows"] for offloaded in row["state_offloaded_bytes"])
+    assert cli.main(["check", "--device", "cpu", "--offload-cpu", "--offload-dir", str(tmp_path)]) == 2

@@ -1,22 +1,24 @@
-"""Optimizer state on disk (`offload="disk"`, zerocompile.offload): the same training, bit for bit,
-with the state in a file that the process does not keep mapped between steps.
+"""Offloaded optimizer state (zerocompile.offload): the same training, bit for bit, with the state
+in a file that the process does not keep mapped between steps (`offload="disk"`), or in host memory
+with the update on host copies of the shards (`offload="cpu"`; on these CPU parameters the copies
+are CPU to CPU, the code the same as on an accelerator).
 
 Each case trains tests/matrix_optimizers.py's MuonGPT (a tied embedding, matrices whose shards end
-mid-row, a 1x3 with fewer elements than ranks) for 5 steps at N = 2, once with the state in memory
-and once on disk, from the same seed and batches, and compares every parameter shard and every
-state tensor with torch.equal: the offloaded step runs the optimizer's own code on the same values,
-so nothing may differ. The step buckets are made small (4 KiB of state) so that every step runs
-in many buckets, as a large model's does. After each step no page of the file may be resident in
-the rank (/proc/self/smaps): the state went back to the disk, not to memory.
+mid-row, a 1x3 with fewer elements than ranks) for 5 steps at N = 2, in memory, on disk and in host
+memory, from the same seed and batches, and compares every parameter shard and every state tensor
+with torch.equal: the offloaded step runs the optimizer's own code on the same values, so nothing
+may differ. The step buckets are made small (4 KiB of state) so that every step runs in many
+buckets, as a large model's does. After each step no page of the file may be resident in the rank
+(/proc/self/smaps): the state went back to the disk, not to memory.
 
 Bad input (one rank): no optimizer, a missing directory, a full disk (a 64 KiB tmpfs in a mount
 namespace of the test's own; and a file size limit, where namespaces are not allowed), a learning-rate scheduler built before
 `shard()`, an optimizer built after it: each a clear error, raised before the model changed.
 
 Checkpoints: a run saved at N = 2, stage 3 with its state on disk loads at N = 4 stage 2 and N = 2
-stage 1, again on disk, and trains on exactly as the same sequence in memory does; `zc.load` reads
-the state straight into the file (nothing left resident), and torch's `load_state_dict` moves
-what it installs back into the file.
+stage 1, again on disk and in host memory, and trains on exactly as the same sequence in memory
+does; `zc.load` reads the state straight into the store (nothing left resident from the file), and
+torch's `load_state_dict` moves what it installs back into the file.
 """
 
 from __future__ import annotations
@@ -78,18 +80,17 @@ def resident_bytes(path: Path) -> int:
     return total
 
 
-def _train(rank: int, world_size: int, kind: str, stage: int, directory: str | None) -> dict:
+def _train(rank: int, world_size: int, kind: str, stage: int, settings: dict) -> dict:
     torch.manual_seed(0)
     model = MuonGPT()
     optimizers = _optimizers(kind, model)
-    settings = {"offload": "disk", "offload_dir": directory} if directory else {}
     zc.shard(model, stage=stage, optimizer=optimizers, compiler="eager", **settings)
     compiled = torch.compile(model, backend="zero")
     resident = []
     for step in range(STEPS):
         train_step(compiled, model, optimizers, step, rank, world_size, "plain", None)
-        if directory:
-            resident.append(sum(resident_bytes(zerocompile.offload.disk_state(o).path) for o in optimizers))
+        if settings.get("offload") == "disk":
+            resident.append(sum(resident_bytes(zerocompile.offload.offloaded_state(o).path) for o in optimizers))
     names = {p: n for n, p in model.named_parameters()}
     states = {
         f"{names[p]}.{key}": value.clone()
@@ -106,17 +107,25 @@ CASES = [("adamw", 1), ("adamw", 2), ("adamw", 3), ("muon", 1), ("muon", 2), ("m
 
 
 def _compare(rank: int, world_size: int, directory: str) -> dict:
-    def case(kind: str, stage: int) -> dict:
-        in_memory = _train(rank, world_size, kind, stage, None)
-        with mock.patch.object(zerocompile.offload, "STEP_BUCKET_BYTES", SMALL_BUCKETS):
-            on_disk = _train(rank, world_size, kind, stage, directory)
+    def differences(in_memory: dict, offloaded: dict) -> dict:
         return {
-            "params_differ": sorted(n for n, p in in_memory["params"].items() if not torch.equal(p, on_disk["params"][n])),
-            "states_differ": sorted(k for k, v in in_memory["states"].items() if not torch.equal(v, on_disk["states"].get(k, torch.empty(0)))),
+            "params_differ": sorted(n for n, p in in_memory["params"].items() if not torch.equal(p, offloaded["params"][n])),
+            "states_differ": sorted(k for k, v in in_memory["states"].items() if not torch.equal(v, offloaded["states"].get(k, torch.empty(0)))),
+        }
+
+    def case(kind: str, stage: int) -> dict:
+        in_memory = _train(rank, world_size, kind, stage, {})
+        with mock.patch.object(zerocompile.offload, "STEP_BUCKET_BYTES", SMALL_BUCKETS):
+            on_disk = _train(rank, world_size, kind, stage, {"offload": "disk", "offload_dir": directory})
+            on_host = _train(rank, world_size, kind, stage, {"offload": "cpu"})
+        return {
+            "disk": differences(in_memory, on_disk),
+            "host": differences(in_memory, on_host),
             "states": len(in_memory["states"]),
             "resident": on_disk["resident"],
             "held_in_memory": in_memory["held"],
             "held_on_disk": on_disk["held"],
+            "held_on_host": on_host["held"],
         }
 
     return run_cases([((kind, stage), lambda kind=kind, stage=stage: case(kind, stage)) for kind, stage in CASES])
@@ -127,13 +136,15 @@ def reports(tmp_path_factory) -> list[dict]:
     return run_on_ranks(2, _compare, str(tmp_path_factory.mktemp("offload")))
 
 
+@pytest.mark.parametrize("store", ["disk", "host"])
 @pytest.mark.parametrize("kind, stage", CASES, ids=[f"{kind}-stage{stage}" for kind, stage in CASES])
-def test_state_on_disk_trains_bit_for_bit_as_in_memory(reports, kind: str, stage: int) -> None:
+def test_offloaded_state_trains_bit_for_bit_as_in_memory(reports, kind: str, stage: int, store: str) -> None:
     for rank, report in enumerate(reports):
         result = report[(kind, stage)]
+        differ = result[store]
         assert result["states"] > 0
-        assert not result["params_differ"], f"rank {rank}: parameters differ from the in-memory run: {result['params_differ']}"
-        assert not result["states_differ"], f"rank {rank}: optimizer state differs: {result['states_differ']}"
+        assert not differ["params_differ"], f"rank {rank}: parameters differ from the in-memory run: {differ['params_differ']}"
+        assert not differ["states_differ"], f"rank {rank}: optimizer state differs: {differ['states_differ']}"
 
 
 @pytest.mark.parametrize("kind, stage", CASES, ids=[f"{kind}-stage{stage}" for kind, stage in CASES])
@@ -147,9 +158,11 @@ def test_no_state_stays_in_memory_between_steps(reports, kind: str, stage: int) 
         assert disk["optimizer"] + disk["optimizer_on_disk"] == memory["optimizer"]
         if kind != "adafactor":
             assert disk["optimizer"] == 0
+        host = result["held_on_host"]
+        assert host["optimizer_on_host"] == disk["optimizer_on_disk"] and host["optimizer"] == disk["optimizer"]
 
 
-# zc.save -> zc.load across world sizes and stages: the same sequence in memory and on disk.
+# zc.save -> zc.load across world sizes and stages: the same sequence in memory, on disk and in host memory.
 SAVED_AT = (2, 3)  # world size, stage of the saving run
 LOADED_AT = [(4, 2), (2, 1)]  # and of the loading runs
 
@@ -169,30 +182,31 @@ def _save_after_steps(rank: int, world_size: int, root: str) -> None:
 
 def _load_and_step(rank: int, world_size: int, root: str, stage: int) -> dict:
     results = {}
-    for offload in (False, True):
+    # The offloaded runs (on disk, and in host memory) load the checkpoint saved with its state on disk.
+    for store, settings in [("memory", {}), ("disk", {"offload": "disk", "offload_dir": root}), ("host", {"offload": "cpu"})]:
         torch.manual_seed(1)  # other initial values: everything must come from the checkpoint
         model = MuonGPT()
         optimizers = _optimizers("muon", model)
-        settings = {"offload": "disk", "offload_dir": root} if offload else {}
         zc.shard(model, stage=stage, optimizer=optimizers, compiler="eager", **settings)
-        zc.load(f"{root}/checkpoint-{offload}", model, optimizers)
-        resident = sum(resident_bytes(zerocompile.offload.disk_state(o).path) for o in optimizers) if offload else 0
-        in_memory = [
+        zc.load(f"{root}/checkpoint-{bool(settings)}", model, optimizers)
+        stores = [zerocompile.offload.offloaded_state(o) for o in optimizers] if settings else []
+        resident = sum(resident_bytes(s.path) for s in stores) if store == "disk" else 0
+        not_in_store = [
             f"{key} of {tuple(p.shape)}"
-            for o in optimizers if offload
+            for o, s in zip(optimizers, stores)
             for p, st in o.state.items()
-            for key in zerocompile.offload.disk_state(o).regions[p]
-            if st[key] is not zerocompile.offload.disk_state(o).view(p, key)
+            for key in s.regions[p]
+            if st[key] is not s.view(p, key)
         ]  # fmt: skip
         compiled = torch.compile(model, backend="zero")
         for step in range(3, 5):
             train_step(compiled, model, optimizers, step, rank, world_size, "plain", None)
         names = {p: n for n, p in model.named_parameters()}
-        results[offload] = {
+        results[store] = {
             "params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "states": {f"{names[p]}.{k}": v.clone() for o in optimizers for p, st in o.state.items() for k, v in st.items() if isinstance(v, torch.Tensor)},
             "resident_after_load": resident,
-            "loaded_into_memory": in_memory,
+            "loaded_outside_the_store": not_in_store,
         }
     return results
 
@@ -204,15 +218,16 @@ def reloaded(tmp_path_factory) -> dict[tuple[int, int], list[dict]]:
     return {(n, stage): run_on_ranks(n, _load_and_step, root, stage) for n, stage in LOADED_AT}
 
 
+@pytest.mark.parametrize("store", ["disk", "host"])
 @pytest.mark.parametrize("world_size, stage", LOADED_AT, ids=[f"N{n}-stage{s}" for n, s in LOADED_AT])
-def test_saved_and_loaded_state_on_disk_trains_as_in_memory(reloaded, world_size: int, stage: int) -> None:
+def test_saved_and_loaded_offloaded_state_trains_as_in_memory(reloaded, world_size: int, stage: int, store: str) -> None:
     for rank, result in enumerate(reloaded[(world_size, stage)]):
-        memory, disk = result[False], result[True]
-        assert [n for n, p in memory["params"].items() if not torch.equal(p, disk["params"][n])] == [], f"rank {rank}"
-        assert sorted(memory["states"]) == sorted(disk["states"])
-        assert [k for k, v in memory["states"].items() if not torch.equal(v, disk["states"][k])] == [], f"rank {rank}"
-        assert disk["resident_after_load"] == 0
-        assert disk["loaded_into_memory"] == []
+        memory, offloaded = result["memory"], result[store]
+        assert [n for n, p in memory["params"].items() if not torch.equal(p, offloaded["params"][n])] == [], f"rank {rank}"
+        assert sorted(memory["states"]) == sorted(offloaded["states"])
+        assert [k for k, v in memory["states"].items() if not torch.equal(v, offloaded["states"][k])] == [], f"rank {rank}"
+        assert offloaded["resident_after_load"] == 0
+        assert offloaded["loaded_outside_the_store"] == []
 
 
 def test_load_state_dict_puts_the_state_back_on_disk(single_rank, tmp_path) -> None:
@@ -223,7 +238,7 @@ def test_load_state_dict_puts_the_state_back_on_disk(single_rank, tmp_path) -> N
     saved = optimizer.state_dict()  # its tensors are the file's: copied, as torch.save would
     saved["state"] = {k: {n: v.clone() for n, v in st.items()} for k, st in saved["state"].items()}
     expected = {id(p): {k: v.clone() for k, v in st.items()} for p, st in optimizer.state.items()}
-    disk = zerocompile.offload.disk_state(optimizer)
+    disk = zerocompile.offload.offloaded_state(optimizer)
     for state in optimizer.state.values():
         state["exp_avg"].zero_()
     optimizer.load_state_dict(saved)
@@ -376,7 +391,7 @@ def test_the_file_goes_with_the_optimizer_and_leftovers_of_dead_processes_are_re
     with pytest.warns(UserWarning, match=r"removed .* \(4,096 bytes\), left by process 4194311"):
         zc.shard(model, stage=3, optimizer=optimizer, offload="disk", offload_dir=str(tmp_path))
     assert not dead.exists()
-    path = zerocompile.offload.disk_state(optimizer).path
+    path = zerocompile.offload.offloaded_state(optimizer).path
     assert path.is_file() and path.stat().st_size > 0
     del optimizer
     gc.collect()
@@ -404,7 +419,9 @@ def test_memory_backed_directory_gets_a_warning(single_rank) -> None:
         ({"stage": 0, "offload": "disk", "offload_dir": "/tmp"}, "stage 0 does not shard it: use stage 1, 2 or 3"),
         ({"offload": "disk"}, "needs offload_dir"),
         ({"offload_dir": "/tmp"}, "only read with offload='disk'"),
-        ({"offload": "nvme"}, r"offload must be one of \[None, 'disk'\]"),
+        ({"offload": "nvme"}, r"offload must be one of \[None, 'disk', 'cpu'\]"),
+        ({"stage": 0, "offload": "cpu"}, "stage 0 does not shard it: use stage 1, 2 or 3"),
+        ({"offload": "cpu", "offload_dir": "/tmp"}, "only read with offload='disk'"),
     ],
 )
 def test_config_errors(settings: dict, message: str) -> None:

@@ -4,6 +4,7 @@
     zerocompile check --device cpu --ranks 4
     zerocompile check --fake-ranks 8        # memory of one rank of 8, on the fake process group
     zerocompile check --offload-dir /nvme/zc   # stages 1-3 with the optimizer state on disk there
+    zerocompile check --offload-cpu            # ... in host memory, updated on the CPU (for GPUs)
 
 What a user runs on a new machine or cluster before trusting it with a job. It prints what the
 install runs on (zerocompile, torch, CUDA, NCCL, gloo, the visible devices, the C++ compiler
@@ -16,7 +17,7 @@ table, a row per (stage, compiler), compares
                   the root of its second moment, so a gradient off by a constant factor (a reduction
                   missing its 1/N) leaves the parameters nearly where DDP's go; the gradients show it
   max |Δ param|   the parameters (gathered) after the last step against DDP's
-  state bytes     zerocompile.model_state_bytes on each rank after a step, on disk included (AdamW, fp32: parameters,
+  state bytes     zerocompile.model_state_bytes on each rank after a step, offloaded state included (AdamW, fp32: parameters,
                   gradients, two moments) against 16 B per padded shard element (16Φ at stage 0)
   sent bytes      bytes each rank wrote per step (/proc/self/io wchar) against ZeRO's
                   2Φ(N-1)/N·4 B (stages 0-2) or 3Φ(N-1)/N·4 B (stage 3), within 2 %; gloo only
@@ -108,7 +109,8 @@ class Run:
     compilers: tuple[str, ...]
     sent: bool  # bytes sent are measurable (gloo writes them through sockets)
     timed: bool  # step times mean something (not ranks sharing one device, not a fake group)
-    offload_dir: str | None = None  # stages 1-3 keep their optimizer state on disk there
+    offload: str | None = None  # stages 1-3 keep their optimizer state there: "disk" (under offload_dir) or "cpu"
+    offload_dir: str | None = None
 
     @property
     def processes(self) -> int:
@@ -128,13 +130,19 @@ def plan(
     stages: tuple[int, ...] = STAGES,
     compilers: tuple[str, ...] = COMPILERS,
     offload_dir: str | None = None,
+    offload_cpu: bool = False,
 ) -> list[Run]:
     """The runs for `device` with `visible_gpus` accelerators visible (see the module docstring),
-    their stages 1-3 with the optimizer state on disk under `offload_dir` if given.
+    their stages 1-3 with the optimizer state on disk under `offload_dir` if given, or in host
+    memory with the update on the CPU with `offload_cpu`.
 
     Pure, so a test can check every case with made-up device counts.
     """
-    return [dataclasses.replace(run, offload_dir=offload_dir) for run in _runs(device, visible_gpus, ranks, fake_ranks, stages, compilers)]
+    offload = "disk" if offload_dir is not None else "cpu" if offload_cpu else None
+    return [
+        dataclasses.replace(run, offload=offload, offload_dir=offload_dir)
+        for run in _runs(device, visible_gpus, ranks, fake_ranks, stages, compilers)
+    ]
 
 
 def _runs(
@@ -289,7 +297,7 @@ class Trace:
     seconds: list[float]  # the timed steps
     sent: list[int] | None  # bytes written in each timed step
     state_bytes: int  # model-state bytes held after the last step (its gradients still there)
-    on_disk_bytes: int  # of those, optimizer state in offload files
+    offloaded_bytes: int  # of those, optimizer state offloaded (on disk or in host memory)
 
 
 def _rank_device(run: Run) -> torch.device:
@@ -341,11 +349,11 @@ def _ddp_compiled_seconds(device: torch.device, batches: list, compiler: str) ->
     return max(_per_rank(statistics.median(_train(_ddp(device, compiler), device, batches, False).seconds)))
 
 
-def _zero(device: torch.device, stage: int, compiler: str, offload_dir: str | None) -> _Model:
+def _zero(device: torch.device, stage: int, compiler: str, run: Run) -> _Model:
     torch._dynamo.reset()
     module = _fresh_gpt(device)
     optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
-    offload = {"offload": "disk", "offload_dir": offload_dir} if offload_dir is not None and stage > 0 else {}
+    offload = {"offload": run.offload, "offload_dir": run.offload_dir} if run.offload is not None and stage > 0 else {}
     zc.shard(module, stage=stage, optimizer=optimizer, **offload)
     return _Model(torch.compile(module, backend="zero", options={"compiler": compiler}), module, optimizer)
 
@@ -370,7 +378,7 @@ def _train(model: _Model, device: torch.device, batches: list, count_sent: bool)
         sent.append(_wchar() - written if count_sent else 0)
     held = zc.model_state_bytes(model.module, optimizer)
     params = _full(model.module, lambda param: param)
-    return Trace(first_grads, params, seconds[1:], sent[1:] if count_sent else None, sum(held.values()), held.get("optimizer_on_disk", 0))
+    return Trace(first_grads, params, seconds[1:], sent[1:] if count_sent else None, sum(held.values()), held.get("optimizer_on_disk", held.get("optimizer_on_host", 0)))
 
 
 def _full(module: nn.Module, value: Callable[[nn.Parameter], torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -391,7 +399,7 @@ def _measure_row(
     """One (stage, compiler): train, then every figure of the table (see the module docstring)."""
     if run.backend == "fake":
         return _measure_fake_row(run, device, batches, stage, compiler)
-    trace = _train(_zero(device, stage, compiler, run.offload_dir), device, batches, run.sent)
+    trace = _train(_zero(device, stage, compiler, run), device, batches, run.sent)
     param_error, param_fqn = _largest_difference(trace.params, reference.params)
     grad_error, grad_fqn = _largest_difference(trace.first_grads, reference.first_grads)
     seconds = max(_per_rank(statistics.median(trace.seconds))) if run.timed else None
@@ -403,7 +411,7 @@ def _measure_row(
         "grad_fqn": grad_fqn,
         "tolerance": TOLERANCE[compiler],
         "state_bytes": _per_rank(trace.state_bytes),
-        "state_on_disk_bytes": _per_rank(trace.on_disk_bytes),
+        "state_offloaded_bytes": _per_rank(trace.offloaded_bytes),
         "state_expected": expected_state_bytes(stage, run.ranks),
         "sent_bytes": _per_rank(statistics.median(trace.sent)) if run.sent else None,
         "sent_expected": zero_sent_bytes(stage, run.ranks) if run.sent else None,
@@ -415,7 +423,7 @@ def _measure_row(
 
 def _measure_fake_row(run: Run, device: torch.device, batches: list, stage: int, compiler: str) -> dict[str, Any]:
     """Rank 0 of a fake group: two steps (the first compiles), the device's peak over the second."""
-    model = _zero(device, stage, compiler, run.offload_dir)
+    model = _zero(device, stage, compiler, run)
     optimizer = model.optimizer
     peaks = []
     for inputs, targets in batches[:2]:
@@ -733,6 +741,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="train stages 1-3 with their optimizer state on disk there (offload='disk'), and measure its bandwidth",
     )
+    parser.add_argument(
+        "--offload-cpu",
+        action="store_true",
+        help="train stages 1-3 with their optimizer state in host memory and the update on the CPU (offload='cpu', "
+        "for parameters on an accelerator)",
+    )
     spawn.add_allocator_argument(parser)
 
 
@@ -743,7 +757,11 @@ def run(args: argparse.Namespace) -> int:
     device = args.device or (torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")).type
     try:
         offload_dir = str(args.offload_dir) if args.offload_dir is not None else None
-        runs = plan(device, visible_devices(device), args.ranks, args.fake_ranks, args.stages, args.compilers, offload_dir)
+        if offload_dir is not None and args.offload_cpu:
+            raise ValueError("--offload-dir and --offload-cpu are two places for the optimizer state: give one")
+        runs = plan(
+            device, visible_devices(device), args.ranks, args.fake_ranks, args.stages, args.compilers, offload_dir, args.offload_cpu
+        )
     except ValueError as impossible:
         print(f"zerocompile check: {impossible}", file=sys.stderr)
         return 2

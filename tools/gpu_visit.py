@@ -16,7 +16,8 @@ that fails or hangs is reported with its output and the next one runs. What each
            eager compiler and Inductor, gradients, parameters, model-state bytes, bytes sent and
            step time against DDP's (see zerocompile/tools/check.py for what runs on one GPU, on
            several, and on the CPU); then stages 1 and 3 with the optimizer state on disk
-           (check-offload: `--offload-dir`, the state staged on the device for each bucket's step)
+           (check-offload: `--offload-dir`, the state staged on the device for each bucket's step;
+           check-offload-cpu: `--offload-cpu`, the update on the CPU between pinned copies)
   trace    a stage-3 compile of a small GPT on the fake group under TORCH_TRACE (for tlparse), and
            the code Inductor generated for its forward and backward
   bench    `zerocompile bench --fake-ranks 8`, bf16: stage 3 against plain torch.compile and
@@ -405,6 +406,14 @@ def run_visit(args: argparse.Namespace) -> int:
             "check-offload",
             ["zerocompile.tools.cli", "check", "--device", args.device, "--stages", "1,3", "--compilers", "eager",
              "--offload-dir", str(work / "offload"), "--json", str(work / "check-offload.json")],
+            timeout=120 if gpu else 600,
+        )
+        # offload="cpu": the shards and gradients copied to pinned host buffers on a side of the
+        # step, updated on the CPU and copied back (events order the copies: only a GPU shows them).
+        visit.step(
+            "check-offload-cpu",
+            ["zerocompile.tools.cli", "check", "--device", args.device, "--stages", "1,3", "--compilers", "eager",
+             "--offload-cpu", "--json", str(work / "check-offload-cpu.json")],
             timeout=120 if gpu else 600,
         )
         (work / "trace").mkdir()

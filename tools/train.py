@@ -153,11 +153,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="continue from this checkpoint; if it does not exist yet, start afresh (for restarts)",
     )
-    parser.add_argument(
+    offload = parser.add_mutually_exclusive_group()
+    offload.add_argument(
         "--offload-dir",
         type=Path,
         default=None,
         help="keep each rank's AdamW state on disk in this directory (offload='disk', stages 1-3)",
+    )
+    offload.add_argument(
+        "--offload-cpu",
+        action="store_true",
+        help="keep each rank's AdamW state in host memory and update on the CPU (offload='cpu', stages 1-3; for "
+        "parameters on an accelerator)",
     )
     parser.add_argument("--out", type=Path, default=Path("train-out"), help="where loss.png goes (default ./train-out)")
     spawn.add_allocator_argument(parser)
@@ -234,7 +241,10 @@ def _train_loop(args: argparse.Namespace, rank: int, world_size: int) -> list[fl
     model = _build(config, args.build, device)
     torch.manual_seed(args.seed)  # the initial weights: GPT._init_weights applied from this state
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # handed to shard(), as offload needs
-    offload = {"offload": "disk", "offload_dir": str(args.offload_dir)} if args.offload_dir is not None else {}
+    offload = (
+        {"offload": "disk", "offload_dir": str(args.offload_dir)} if args.offload_dir is not None
+        else {"offload": "cpu"} if args.offload_cpu else {}
+    )
     zc.shard(
         model, stage=args.stage, param_dtype=PARAM_DTYPES[args.param_dtype], init=GPT._init_weights,
         optimizer=optimizer, **_quantisations(args), **offload,

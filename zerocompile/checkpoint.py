@@ -26,7 +26,7 @@ from torch import nn
 
 from zerocompile import checkpoint_files as files
 from zerocompile.distributed import agreed
-from zerocompile.offload import disk_state
+from zerocompile.offload import offloaded_state
 from zerocompile.optimizers import optimizer_list, replicated_state_keys
 from zerocompile.sharding import ShardInfo, _parameter_owners, own_state_dict, shard_info
 
@@ -415,7 +415,7 @@ def _optimizer_destinations(
             "build the optimizer with the same param groups as the one saved"
         )
     by_fqn = {names[0]: p for p, names in params.items()}
-    disk = disk_state(optimizer)
+    store = offloaded_state(optimizer)
     views, states, like_param = {}, {}, []
     for fqn, kinds in saved["state"].items():
         param, info = by_fqn[fqn], shard_info(by_fqn[fqn])
@@ -434,10 +434,10 @@ def _optimizer_destinations(
             elif kind["kind"] == "replicated":
                 state[key] = views[f"{prefix}.{fqn}.{key}"] = param.new_zeros(kind["shape"], dtype=dtype)
             else:
-                # State on disk (offload="disk") is read straight into its file, never whole into memory.
-                on_disk = disk.view(param, key) if disk is not None else None
-                usable = on_disk is not None and on_disk.dtype == dtype
-                state[key] = on_disk if usable else torch.zeros_like(param, dtype=dtype)
+                # Offloaded state is read straight into its store (on disk: never whole into memory).
+                stored = store.view(param, key) if store is not None else None
+                usable = stored is not None and stored.dtype == dtype
+                state[key] = stored if usable else torch.zeros_like(param, dtype=dtype)
                 views[f"{prefix}.{fqn}.{key}"] = _global_view(state[key], info)
                 like_param.append((state[key], info))
     return views, states, like_param
@@ -458,9 +458,9 @@ def _install_optimizer_state(
 def _release_disk_pages(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None) -> None:
     """Pages of offloaded state that saving or loading mapped, dropped from memory (not from disk)."""
     for one in optimizer_list(optimizer):
-        disk = disk_state(one)
-        if disk is not None:
-            disk.release()
+        store = offloaded_state(one)
+        if store is not None:
+            store.release()
 
 
 def _zero_padding(tensors: list[tuple[torch.Tensor, ShardInfo | None]]) -> None:

@@ -35,7 +35,7 @@ GLOO_BUCKET_BYTES = 4 * 2**20
 ACCELERATOR_BUCKET_BYTES = 25 * 2**20
 QUANTISATIONS = (None, "int8")
 QUANT_SCOPES = ("all", "cross_node")
-OFFLOADS = (None, "disk")
+OFFLOADS = (None, "disk", "cpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +111,10 @@ class ZeroConfig:
     offload: "disk" (stages 1-3): each rank keeps its optimizer state shaped like the parameters
         (AdamW's moments, momentum) in a file under `offload_dir`, reserved by `shard()`, and the
         optimizer steps bucket by bucket through it (`zerocompile.offload`); pass the optimizer to
-        `shard(..., optimizer=)`. None (the default): in memory.
+        `shard(..., optimizer=)`. "cpu" (stages 1-3; ZeRO-Offload, for parameters on an
+        accelerator): the same state in host memory (pinned), and the update on the CPU: per bucket
+        the shards and their gradients are copied to the host, stepped there by the optimizer's own
+        code, and copied back. None (the default): where the parameters are.
     offload_dir: the directory for `offload="disk"`, ideally on a local NVMe disk.
     broadcast_buffers: as DDP's (and its default): forwards first take group rank 0's buffers,
         inside the compiled graph, by DDP's rule (the first forward, and each after one that
@@ -205,12 +208,12 @@ class ZeroConfig:
                 )
         if self.offload not in OFFLOADS:
             raise ValueError(f"offload must be one of {list(OFFLOADS)}, got {self.offload!r}")
+        if self.offload is not None and self.stage == 0:
+            raise ValueError(
+                f"offload={self.offload!r} moves each rank's shard of the optimizer state, and stage 0 does not "
+                "shard it: use stage 1, 2 or 3"
+            )
         if self.offload == "disk":
-            if self.stage == 0:
-                raise ValueError(
-                    "offload='disk' keeps each rank's shard of the optimizer state on disk, and stage 0 does not "
-                    "shard it: use stage 1, 2 or 3"
-                )
             if not isinstance(self.offload_dir, (str, os.PathLike)):
                 raise ValueError(
                     f"offload='disk' needs offload_dir, the directory for the optimizer state files (a local "

@@ -1,21 +1,31 @@
-"""Optimizer state on disk (`offload="disk"`, ZeRO-Infinity's optimizer offload to NVMe).
+"""Optimizer state off the compute device's memory: on disk (`offload="disk"`, ZeRO-Infinity's
+optimizer offload to NVMe) or in host memory with the update on the CPU (`offload="cpu"`,
+ZeRO-Offload).
 
 Of the 16 bytes a parameter costs under fp32 AdamW, the 8 of its two moments are touched once per
-step, by the optimizer only. With `offload="disk"` each rank keeps every piece of optimizer state
-shaped like its parameter shard (AdamW's `exp_avg` and `exp_avg_sq`, SGD's momentum, Muon's
-momentum, Adafactor's vector variance) in one preallocated file under `offload_dir`, mapped into
-memory, and the step streams it: the optimizer's own `step()` runs bucket by bucket over the
-parameters, each bucket's state read ahead while the one before updates (`MADV_WILLNEED`) and
-dropped from the process behind it (`MADV_DONTNEED`, then writeback started), so a rank holds one
-or two buckets of state at a time, never all of it. Scalars (`step`) and statistics smaller than
-the parameter (Adafactor's row and column means) stay in memory.
+step, by the optimizer only. With offload each rank keeps every piece of optimizer state shaped like
+its parameter shard (AdamW's `exp_avg` and `exp_avg_sq`, SGD's momentum, Muon's momentum,
+Adafactor's vector variance) in one flat store laid out bucket by bucket, and the optimizer's own
+`step()` runs one bucket of parameters at a time. Scalars (`step`) and statistics smaller than the
+parameter (Adafactor's row and column means) stay where the optimizer keeps them.
 
-The state tensors in `optimizer.state` are views of the mapped file between steps, so
-`state_dict()`, `zc.save` and `zc.load` read and write the file in place; torch's
-`load_state_dict` is followed by moving what it installed back into the file. The arithmetic is
-the optimizer's own, on the same values: a step with state on disk equals one in memory bit for
-bit (every supported optimizer updates each parameter from its own state; Muon and Adafactor
-exchange per bucket what they exchanged per step).
+`DiskState` (offload="disk"): the store is one preallocated file under `offload_dir`, mapped into
+memory; each bucket's state is read ahead while the one before updates (`MADV_WILLNEED`) and dropped
+from the process behind it (`MADV_DONTNEED`, then writeback started), so a rank holds one or two
+buckets of state at a time, never all of it. The step runs where the parameters are (on an
+accelerator the bucket's state is copied there and back).
+
+`HostState` (offload="cpu"): the store is host memory (pinned when the parameters are on an
+accelerator); per bucket the parameter shards and gradients are copied to host buffers, the step
+runs on the CPU on those copies, and the parameters are copied back; two buffers alternate so the
+copies of one bucket overlap the update of another. On CPU parameters it moves nothing useful (the
+state already is in host memory) but runs the same code, which is how its exactness is tested here.
+
+The state tensors in `optimizer.state` are views of the store between steps, so `state_dict()`,
+`zc.save` and `zc.load` read and write it in place; torch's `load_state_dict` is followed by moving
+what it installed back into the store. The arithmetic is the optimizer's own, on the same values: a
+step with offloaded state equals one in memory bit for bit (every supported optimizer updates each
+parameter from its own state; Muon and Adafactor exchange per bucket what they exchanged per step).
 
 The file is reserved whole (`posix_fallocate`) by `shard()`, before anything changes: a full or
 read-only disk is an error then, not a crash mid-step. It is removed when the optimizer is
@@ -52,6 +62,8 @@ from zerocompile.rank_deaths import process_start_time
 # Offloaded state bytes per bucket of the streamed step. Each bucket is one call of the optimizer's
 # step (foreach temporaries of about one bucket) and, for Muon/Adafactor, one exchange.
 STEP_BUCKET_BYTES = 64 * 2**20
+# Where each staged tensor starts in HostState's buffers: aligned for vectorised copies.
+_STAGING_ALIGNMENT = 64
 _DIRECTORY_PREFIX = "zerocompile-offload-"
 _MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs", "devtmpfs")
 
@@ -78,28 +90,33 @@ class _Bucket:
     start: int
     end: int
 
+    def params(self) -> list[torch.Tensor]:
+        return [param for params in self.params_by_group for param in params]
 
-class DiskState:
-    """One optimizer's offloaded state on this rank: the file, its mapping, and the streamed step."""
+
+class OffloadedState:
+    """One optimizer's state kept off the compute device's memory on this rank, in one flat store
+    laid out bucket by bucket, and the step that streams it. `DiskState` keeps the store in a
+    file, `HostState` in host memory."""
+
+    # The key of `zc.model_state_bytes` under which the store's bytes are counted.
+    held_as: str
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        directory: str | os.PathLike,
         local_numel: Callable[[torch.Tensor], int],
         full_ndim: Callable[[torch.Tensor], int],
         device: torch.device,
         describe: Callable[[torch.Tensor], str],
     ) -> None:
-        """Probe which state `optimizer` keeps shaped like its parameters, lay it out for
-        parameters of `local_numel(p)` elements (`full_ndim(p)` dims as written) on `device`, and
-        reserve the file: an error naming the fix (and nothing left behind) if the directory
-        cannot hold it. The file lives as long as this object (the optimizer holds it)."""
+        """Probe which state `optimizer` keeps shaped like its parameters and lay it out for
+        parameters of `local_numel(p)` elements (`full_ndim(p)` dims as written) on `device`."""
         if "step" in vars(optimizer):
             raise ValueError(
                 "the optimizer's step() was wrapped on the object (a learning-rate scheduler built before "
-                "zerocompile.shard() does that), so its steps would bypass the streamed step of "
-                "offload='disk': build the LR scheduler after shard()"
+                "zerocompile.shard() does that), so its steps would bypass the streamed step of offload: "
+                "build the LR scheduler after shard()"
             )
         self._describe = describe
         self._groups_layout = _groups_layout(optimizer)
@@ -114,45 +131,41 @@ class DiskState:
                     offset = _page_aligned(offset + local_numel(param) * dtype.itemsize)
         self.nbytes = offset
         self._buckets = _buckets(optimizer, self.regions)
-        self._file = _reserve_file(Path(directory), self.nbytes)
-        self._map = mmap.mmap(self._file.fileno(), max(self.nbytes, mmap.PAGESIZE)) if self.nbytes else None
         self._views: dict[tuple[int, str], torch.Tensor] = {}
-        weakref.finalize(self, _remove, self._file, self._map)
 
-    @property
-    def path(self) -> Path:
-        return Path(self._file.name)
+    def _flat(self, region: _Region) -> torch.Tensor:
+        """The store's elements of `region`, as a 1-D tensor of its dtype."""
+        raise NotImplementedError
 
     def install(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make `optimizer` (the one this was made for) step in buckets from the file, and move
+        """Make `optimizer` (the one this was made for) step in buckets from the store, and move
         any state it holds there."""
         optimizer.__class__ = _streaming_class(type(optimizer))
         optimizer._patch_step_function()  # the step hooks wrap each class's own `step`
-        optimizer._zero_disk = self
-        optimizer.register_load_state_dict_post_hook(lambda loaded: self.move_all_into_file(loaded))
-        self.move_all_into_file(optimizer)
+        optimizer._zero_offloaded = self
+        optimizer.register_load_state_dict_post_hook(lambda loaded: self.move_all_into_store(loaded))
+        self.move_all_into_store(optimizer)
 
-    def move_all_into_file(self, optimizer: torch.optim.Optimizer) -> None:
-        """`move_into_file` for every parameter, then every page dropped from memory."""
-        self.move_into_file(optimizer, list(self.regions))
+    def move_all_into_store(self, optimizer: torch.optim.Optimizer) -> None:
+        """`move_into_store` for every parameter, then `release`."""
+        self.move_into_store(optimizer, list(self.regions))
         self.release()
 
     def view(self, param: torch.Tensor, key: str) -> torch.Tensor | None:
-        """The file's tensor for `param`'s state `key` (its shard's shape), or None where that
-        state stays in memory."""
+        """The store's tensor for `param`'s state `key` (its shard's shape), or None where that
+        state stays where the optimizer keeps it."""
         region = self.regions.get(param, {}).get(key)
         if region is None:
             return None
         cached = self._views.get((id(param), key))
         if cached is None:
-            flat = torch.frombuffer(self._map, dtype=region.dtype, count=region.numel, offset=region.offset)
+            flat = self._flat(region)
             cached = self._views[(id(param), key)] = flat.view(param.shape) if param.numel() == region.numel else flat
         return cached
 
-    def move_into_file(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
-        """Every offloaded state tensor of `params` that lives in memory copied into the file and
-        replaced there by the file's view (state made by the optimizer's first step, or loaded);
-        the pages written stay mapped until released."""
+    def move_into_store(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+        """Every offloaded state tensor of `params` that lives elsewhere copied into the store and
+        replaced there by the store's view (state made by the optimizer's first step, or loaded)."""
         for param in params:
             state = optimizer.state.get(param)
             if not state:
@@ -164,45 +177,80 @@ class DiskState:
                 if not isinstance(value, torch.Tensor) or value.shape != target.shape or value.dtype != target.dtype:
                     raise RuntimeError(
                         f"optimizer state {key!r} of parameter {self._describe(param)} is "
-                        f"{_what(value)}, where offload='disk' laid out {tuple(target.shape)} {target.dtype} "
+                        f"{_what(value)}, where offload laid out {tuple(target.shape)} {target.dtype} "
                         "at shard(): the optimizer changed its state's kind after shard()"
                     )
                 target.copy_(value)
                 state[key] = target
 
+    def release(self) -> None:
+        """Drop from this process's memory what the store need not keep there (nothing, unless
+        the store is a file)."""
+
     def step(self, optimizer: torch.optim.Optimizer, base_step: Callable[[torch.optim.Optimizer], Any]) -> None:
-        """`base_step` (the optimizer's own step) run on one bucket of parameters at a time, the
-        next bucket's state read ahead and each finished bucket's dropped from memory."""
+        """`base_step` (the optimizer's own step) run on one bucket of parameters at a time."""
         if _groups_layout(optimizer) != self._groups_layout:
             raise RuntimeError(
-                "the optimizer's param groups changed after zerocompile.shard() with offload='disk', which "
-                "laid out their state on disk: build the optimizer with all its groups before shard()"
+                "the optimizer's param groups changed after zerocompile.shard() with offload, which laid out "
+                "their state: build the optimizer with all its groups before shard()"
             )
-        self._confirm_written()
+        self._before_step()
         groups = optimizer.param_groups
         everything = [group["params"] for group in groups]
         try:
-            for number, bucket in enumerate(self._buckets):
-                if number + 1 < len(self._buckets):
-                    self._read_ahead(self._buckets[number + 1])
-                for group, params in zip(groups, bucket.params_by_group):
-                    group["params"] = list(params)
-                bucket_params = [p for params in bucket.params_by_group for p in params]
-                staged = self._stage_on_device(optimizer, bucket_params)
-                base_step(optimizer)
-                for param, key, host in staged:
-                    host.copy_(optimizer.state[param][key])
-                    optimizer.state[param][key] = host
-                self.move_into_file(optimizer, bucket_params)
-                self._drop(bucket)
+            for number in range(len(self._buckets)):
+                self._step_bucket(optimizer, number, base_step)
         finally:
             for group, params in zip(groups, everything):
                 group["params"] = params
-        # A page fault maps the cached pages around it too (the kernel's fault-around, 64 KiB), some
-        # of them in buckets already dropped.
         self.release()
 
-    def _confirm_written(self) -> None:
+    def _before_step(self) -> None:
+        """What must hold before a step changes anything."""
+
+    def _step_bucket(self, optimizer: torch.optim.Optimizer, number: int, base_step: Callable[[torch.optim.Optimizer], Any]) -> None:
+        """`base_step` on the parameters of bucket `number` (the ones after it are still to come)."""
+        raise NotImplementedError
+
+
+class DiskState(OffloadedState):
+    """`offload="disk"`: the store is a file, mapped; each bucket's state is read ahead while the
+    one before updates, and dropped from the process behind it."""
+
+    held_as = "optimizer_on_disk"
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        directory: str | os.PathLike,
+        local_numel: Callable[[torch.Tensor], int],
+        full_ndim: Callable[[torch.Tensor], int],
+        device: torch.device,
+        describe: Callable[[torch.Tensor], str],
+    ) -> None:
+        """The layout (`OffloadedState`), and the file reserved under `directory`: an error naming
+        the fix (and nothing left behind) if the directory cannot hold it. The file lives as long
+        as this object (the optimizer holds it)."""
+        super().__init__(optimizer, local_numel, full_ndim, device, describe)
+        self._file = _reserve_file(Path(directory), self.nbytes)
+        self._map = mmap.mmap(self._file.fileno(), max(self.nbytes, mmap.PAGESIZE)) if self.nbytes else None
+        weakref.finalize(self, _remove, self._file, self._map)
+
+    @property
+    def path(self) -> Path:
+        return Path(self._file.name)
+
+    def _flat(self, region: _Region) -> torch.Tensor:
+        return torch.frombuffer(self._map, dtype=region.dtype, count=region.numel, offset=region.offset)
+
+    def release(self) -> None:
+        """Drop every mapped page of the file from this process (the data stays in the file). At a
+        step's end this also drops what the kernel's fault-around (64 KiB around each page fault)
+        mapped in buckets already dropped."""
+        if self._map is not None:
+            self._map.madvise(mmap.MADV_DONTNEED, 0, self.nbytes)
+
+    def _before_step(self) -> None:
         """Wait until the last step's state is on the disk, before this step changes anything.
 
         Pages whose writeback failed are dropped by the kernel as if written, and read back stale
@@ -220,6 +268,21 @@ class DiskState:
                 "last checkpoint (zc.load), with offload_dir on a healthy disk"
             ) from error
 
+    def _step_bucket(self, optimizer: torch.optim.Optimizer, number: int, base_step: Callable[[torch.optim.Optimizer], Any]) -> None:
+        bucket = self._buckets[number]
+        if number + 1 < len(self._buckets):
+            self._read_ahead(self._buckets[number + 1])
+        for group, params in zip(optimizer.param_groups, bucket.params_by_group):
+            group["params"] = list(params)
+        params = bucket.params()
+        staged = self._stage_on_device(optimizer, params)
+        base_step(optimizer)
+        for param, key, host in staged:
+            host.copy_(optimizer.state[param][key])
+            optimizer.state[param][key] = host
+        self.move_into_store(optimizer, params)
+        self._drop(bucket)
+
     def _stage_on_device(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[tuple[torch.Tensor, str, torch.Tensor]]:
         """Copies of the file's state on the parameters' accelerator for the step (none on the CPU)."""
         staged = []
@@ -234,11 +297,6 @@ class DiskState:
                     staged.append((param, key, host))
         return staged
 
-    def release(self) -> None:
-        """Drop every mapped page of the file from this process (the data stays in the file)."""
-        if self._map is not None:
-            self._map.madvise(mmap.MADV_DONTNEED, 0, self.nbytes)
-
     def _drop(self, bucket: _Bucket) -> None:
         if bucket.end > bucket.start:
             self._map.madvise(mmap.MADV_DONTNEED, bucket.start, bucket.end - bucket.start)
@@ -248,6 +306,105 @@ class DiskState:
     def _read_ahead(self, bucket: _Bucket) -> None:
         if bucket.end > bucket.start:
             self._map.madvise(mmap.MADV_WILLNEED, bucket.start, bucket.end - bucket.start)
+
+
+class HostState(OffloadedState):
+    """`offload="cpu"` (ZeRO-Offload): the store is host memory (pinned where the parameters are on
+    an accelerator) and the update runs on the CPU. Per bucket the parameter shards and their
+    gradients are copied to host buffers, the optimizer's own step updates those copies with the
+    state in the store, and the parameters are copied back. Two buffers alternate, so on an
+    accelerator the next bucket's copies to the host and this bucket's copy back run while the CPU
+    updates. The parameters on the device stay the only copy of the weights between steps: a
+    checkpoint loaded into them is what the next step updates."""
+
+    held_as = "optimizer_on_host"
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        local_numel: Callable[[torch.Tensor], int],
+        full_ndim: Callable[[torch.Tensor], int],
+        device: torch.device,
+        describe: Callable[[torch.Tensor], str],
+    ) -> None:
+        """The layout (`OffloadedState`), the store and two staging buffers allocated (zeroed)."""
+        # The update runs on the CPU, so that is where the optimizer's state is learnt and kept.
+        super().__init__(optimizer, local_numel, full_ndim, torch.device("cpu"), describe)
+        pinned = device.type != "cpu"
+        self._store = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=pinned)
+        # Each bucket's parameters and gradients, at _STAGING_ALIGNMENT-aligned offsets.
+        self._staging_layout = {}
+        largest = 0
+        for bucket in self._buckets:
+            offset = 0
+            for param in bucket.params():
+                nbytes = local_numel(param) * param.dtype.itemsize
+                self._staging_layout[param] = (offset, _aligned(offset + nbytes))
+                offset = _aligned(offset + nbytes) + _aligned(nbytes)
+            largest = max(largest, offset)
+        self._staging = [torch.zeros(largest, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
+        self._copied_back: list[torch.Event | None] = [None, None]  # per buffer: where its last copy back ends
+        # Bucket number -> its stand-ins by parameter, and the event its copies to the host end at.
+        self._staged: dict[int, tuple[dict[torch.Tensor, torch.Tensor], torch.Event | None]] = {}
+        self._device = device
+
+    def _flat(self, region: _Region) -> torch.Tensor:
+        return self._store[region.offset : region.offset + region.nbytes].view(region.dtype)
+
+    def _step_bucket(self, optimizer: torch.optim.Optimizer, number: int, base_step: Callable[[torch.optim.Optimizer], Any]) -> None:
+        bucket = self._buckets[number]
+        if number == 0:
+            self._stage(number)
+        if number + 1 < len(self._buckets):
+            self._stage(number + 1)
+        stand_ins, arrived = self._staged.pop(number)
+        if arrived is not None:
+            arrived.synchronize()
+        for group, params in zip(optimizer.param_groups, bucket.params_by_group):
+            group["params"] = [stand_ins[param] for param in params]
+        state = optimizer.state
+        optimizer.state = defaultdict(dict, {stand_ins[p]: state[p] for p in stand_ins if p in state})
+        try:
+            base_step(optimizer)
+        finally:
+            stepped, optimizer.state = optimizer.state, state
+        for param, stand_in in stand_ins.items():
+            if stand_in in stepped:
+                state[param] = stepped[stand_in]
+            with torch.no_grad():
+                param.copy_(stand_in, non_blocking=True)
+        self._copied_back[number % 2] = self._record()
+        self.move_into_store(optimizer, list(stand_ins))
+
+    def _stage(self, number: int) -> None:
+        """Copy bucket `number`'s parameters and gradients into staging buffer `number % 2` (once its last
+        copy back has ended) as host tensors standing in for them in the step."""
+        buffer = self._staging[number % 2]
+        if self._copied_back[number % 2] is not None:
+            self._copied_back[number % 2].synchronize()
+        stand_ins = {}
+        for param in self._buckets[number].params():
+            start, grad_start = self._staging_layout[param]
+            nbytes = param.numel() * param.dtype.itemsize
+            stand_in = buffer[start : start + nbytes].view(param.dtype).view(param.shape)
+            stand_in.copy_(param.detach(), non_blocking=True)
+            if param.grad is not None:
+                stand_in.grad = buffer[grad_start : grad_start + nbytes].view(param.dtype).view(param.shape)
+                stand_in.grad.copy_(param.grad, non_blocking=True)
+            stand_in.requires_grad_(param.requires_grad)
+            # zerocompile.optim's optimizers read which shard of which parameter they step.
+            stand_in._zero = getattr(param, "_zero", None)
+            stand_ins[param] = stand_in
+        self._staged[number] = (stand_ins, self._record())
+
+    def _record(self) -> torch.Event | None:
+        """An event at the end of the work queued so far on the parameters' accelerator (None on
+        the CPU, whose copies are done when they return)."""
+        if self._device.type == "cpu":
+            return None
+        event = torch.Event(device=self._device)
+        event.record()
+        return event
 
 
 def measure_disk_bandwidth(directory: str | os.PathLike, nbytes: int = 256 * 2**20) -> dict[str, float]:
@@ -275,28 +432,28 @@ def describe_directory(directory: str | os.PathLike) -> str:
     return f"{path} ({_file_system(path) or 'unknown file system'}, {shutil.disk_usage(path).free:,} bytes free)"
 
 
-def disk_state(optimizer: torch.optim.Optimizer) -> DiskState | None:
-    """The optimizer's offloaded state, if `shard(..., offload="disk")` put it on disk."""
-    return getattr(optimizer, "_zero_disk", None)
+def offloaded_state(optimizer: torch.optim.Optimizer) -> OffloadedState | None:
+    """The optimizer's offloaded state, if `shard(..., offload=...)` moved it."""
+    return getattr(optimizer, "_zero_offloaded", None)
 
 
-class _StreamsStateFromDisk:
-    """What an optimizer with its state on disk becomes: its own step, bucket by bucket."""
+class _StreamsOffloadedState:
+    """What an optimizer with its state offloaded becomes: its own step, bucket by bucket."""
 
-    _zero_disk: DiskState
+    _zero_offloaded: OffloadedState
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._zero_disk.step(self, _own_step(type(self).__mro__[2]))
+        self._zero_offloaded.step(self, _own_step(type(self).__mro__[2]))
         return loss
 
 
 @functools.cache
 def _streaming_class(cls: type) -> type:
-    return type(cls.__name__, (_StreamsStateFromDisk, cls), {"__qualname__": cls.__qualname__, "__module__": cls.__module__})
+    return type(cls.__name__, (_StreamsOffloadedState, cls), {"__qualname__": cls.__qualname__, "__module__": cls.__module__})
 
 
 def _own_step(cls: type) -> Callable[[torch.optim.Optimizer], Any]:
@@ -353,6 +510,11 @@ def _probe(optimizer: torch.optim.Optimizer, index: int, ndim: int, dtype: torch
 
 def _page_aligned(offset: int) -> int:
     return -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def _aligned(offset: int) -> int:
+    """`offset` rounded up to _STAGING_ALIGNMENT bytes: every dtype's view may start there."""
+    return -(-offset // _STAGING_ALIGNMENT) * _STAGING_ALIGNMENT
 
 
 def _buckets(optimizer: torch.optim.Optimizer, regions: dict[torch.Tensor, dict[str, _Region]]) -> list[_Bucket]:

@@ -32,7 +32,7 @@ from zerocompile.config import (
 from zerocompile.distributed import agreed, backend_for, group_device, reduce_scatter_flavour
 from zerocompile.hybrid import hybrid_groups
 from zerocompile.meta_init import PartReader, built_on_meta, check_meta_model, local_slice, materialise_sharded
-from zerocompile.offload import DiskState, disk_state
+from zerocompile.offload import DiskState, HostState, OffloadedState, offloaded_state
 from zerocompile.optimizers import optimizer_list, refuse_unsupported_optimizer, replicated_state_keys
 from zerocompile.passes.markers import UNSHARD, MarkerArgs
 from zerocompile.passes.stages import StagePolicy, stage_policy
@@ -201,7 +201,7 @@ def shard(
             secondary_size=secondary_size,
         )
     # A rank whose disk cannot take its state must not leave the others waiting in shard()'s broadcasts.
-    disk_states = agreed(lambda: _reserve_disk_states(config, optimizers, infos, device), group) if config.offload else []
+    offloaded = agreed(lambda: _offloaded_states(config, optimizers, infos, device), group) if config.offload else []
     if on_meta:
         shard_numels = {param: info.shard_numel if policy.shards_parameters else None for param, info in infos.items()}
         local, buffers = materialise_sharded(
@@ -223,8 +223,8 @@ def shard(
         if policy.shards_parameters:
             take_over(passed)
         _shard_optimizer_state(passed)
-    for passed, disk in zip(optimizers, disk_states):
-        disk.install(passed)
+    for passed, store in zip(optimizers, offloaded):
+        store.install(passed)
     sync = GradientSync({shard_info(param).fqn: param for param in owners})
     notice = ShardedStateDictNotice()
     for module in {id(m): m for places in owners.values() for _p, m, _a in places}.values():
@@ -391,13 +391,13 @@ def _install_materialised(
         module._buffers[name] = value
 
 
-def _reserve_disk_states(
+def _offloaded_states(
     config: ZeroConfig, optimizers: list[torch.optim.Optimizer], infos: dict[nn.Parameter, ShardInfo], device: torch.device
-) -> list[DiskState]:
-    """With `offload="disk"`, each optimizer's state file reserved (before anything changes)."""
+) -> list[OffloadedState]:
+    """With `offload`, each optimizer's state store laid out and reserved (before anything changes)."""
     if not optimizers:
         raise ValueError(
-            "offload='disk' keeps the optimizer's state on disk, so shard() must know the optimizer: build it "
+            f"offload={config.offload!r} moves the optimizer's state, so shard() must know the optimizer: build it "
             "on the model before shard() and pass it, zerocompile.shard(model, ..., optimizer=optimizer)"
         )
     for passed in optimizers:
@@ -405,19 +405,17 @@ def _reserve_disk_states(
         if foreign:
             raise ValueError(
                 f"the optimizer holds {len(foreign)} parameter(s) that are not the model's (shapes {foreign[:3]}): "
-                "with offload='disk' pass only the optimizers of the model being sharded"
+                f"with offload={config.offload!r} pass only the optimizers of the model being sharded"
             )
-    return [
-        DiskState(
-            passed,
-            config.offload_dir,
-            local_numel=lambda p: infos[p].shard_numel,
-            full_ndim=lambda p: len(infos[p].shape),
-            device=device,
-            describe=lambda p: repr(infos[p].fqn),
-        )
-        for passed in optimizers
-    ]
+    layout = {
+        "local_numel": lambda p: infos[p].shard_numel,
+        "full_ndim": lambda p: len(infos[p].shape),
+        "device": device,
+        "describe": lambda p: repr(infos[p].fqn),
+    }
+    if config.offload == "disk":
+        return [DiskState(passed, config.offload_dir, **layout) for passed in optimizers]
+    return [HostState(passed, **layout) for passed in optimizers]
 
 
 def _shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -639,10 +637,10 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     parameter, which means shard() came after the optimizer stepped (or built its state)."""
     sharded = [(p, info) for group in optimizer.param_groups for p in group["params"] if (info := shard_info(p)) is not None]
     refuse_unsupported_optimizer(optimizer, {info.stage for _param, info in sharded})
-    offloading = next((info for _param, info in sharded if info.config.offload == "disk"), None)
-    if offloading is not None and disk_state(optimizer) is None:
+    offloading = next((info for _param, info in sharded if info.config.offload is not None), None)
+    if offloading is not None and offloaded_state(optimizer) is None:
         raise RuntimeError(
-            f"parameter '{offloading.fqn}' belongs to a model sharded with offload='disk', but this optimizer "
+            f"parameter '{offloading.fqn}' belongs to a model sharded with offload={offloading.config.offload!r}, but this optimizer "
             f"({type(optimizer).__name__}) keeps its state in memory: it was not passed to shard(). Build it "
             "before shard() and pass it: zerocompile.shard(model, ..., optimizer=optimizer)"
         )
@@ -681,19 +679,20 @@ def model_state_bytes(
     model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None
 ) -> dict[str, int]:
     """Bytes this rank holds in parameters, gradients and the state of `optimizer` (one or
-    several), tied parameters counted once; where an optimizer's state is on disk
-    (`offload="disk"`), "optimizer_on_disk" counts what its files hold (not in "optimizer")."""
+    several), tied parameters counted once; where an optimizer's state is offloaded, what its store
+    holds is counted under "optimizer_on_disk" (`offload="disk"`) or "optimizer_on_host"
+    (`offload="cpu"`), not in "optimizer"."""
     params = list({id(p): p for p in model.parameters()}.values())
-    held = {"optimizer": 0, "optimizer_on_disk": 0}
+    held = {"optimizer": 0}
     for one in optimizer_list(optimizer):
-        disk = disk_state(one)
+        store = offloaded_state(one)
+        if store is not None:
+            held.setdefault(store.held_as, 0)
         for param, state in one.state.items():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    on_disk = disk is not None and disk.view(param, key) is value
-                    held["optimizer_on_disk" if on_disk else "optimizer"] += value.numel() * value.element_size()
-    if not any(disk_state(one) is not None for one in optimizer_list(optimizer)):
-        del held["optimizer_on_disk"]
+                    stored = store is not None and store.view(param, key) is value
+                    held[store.held_as if stored else "optimizer"] += value.numel() * value.element_size()
     return {
         "params": sum(p.numel() * p.element_size() for p in params),
         "grads": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
