@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 import statistics
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -61,8 +62,10 @@ def test_quick_run_writes_json_table_and_chart(quick_run: tuple[int, Path]) -> N
         assert mode["status"] == "ok", mode
         assert all(field in mode for field in FIELDS), sorted(mode)
         assert set(mode["model_state_bytes"]) == {"params", "grads", "optimizer"}
+        assert mode["optimizer_on_disk"] is None
+    assert summary["interleaved"]["optimizer_on_disk"] == {} and "optimizer_on_disk" not in summary["method"]
     table = (out / "bench.md").read_text()
-    assert summary["machine"]["node"] in table
+    assert summary["machine"]["node"] in table and "Optimizer state on disk" not in table
     assert all(f"| {name} |" in table for name in MODES)
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -160,6 +163,82 @@ def test_interleaved_modes_are_timed_round_by_round(quick_run: tuple[int, Path])
     table = (quick_run[1] / "bench.md").read_text().split("Interleaved:")[1]
     assert "| fsdp2 |" in table and "| forward ms | backward ms | optimizer ms |" in table
     assert f"| {quartiles['median']:.2f} ({quartiles['p25']:.2f}-{quartiles['p75']:.2f}) |" in table
+
+
+OFFLOAD_LAYERS = 1
+
+
+@pytest.fixture(scope="module")
+def offload_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """zero3 and zero3-offload interleaved, on a one-block tiny GPT in the default --offload-dir.
+    Both compile with Inductor, into each rank's one cache: 40 s here, 110 s under other load."""
+    out = tmp_path_factory.mktemp("offload-bench")
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    argv = ["--quick", "--ranks", "2", "--layers", str(OFFLOAD_LAYERS), "--modes", "none", "--interleave", "zero3,zero3-offload"]
+    assert bench.run(parser.parse_args([*argv, "--out", str(out)])) == 0
+    return json.loads((out / "bench.json").read_text()) | {"table": (out / "bench.md").read_text()}
+
+
+def test_offload_mode_steps_as_zero3_does_bit_for_bit(offload_run: dict) -> None:
+    """The streamed step from disk is the optimizer's own step on the same values, so every round's
+    loss, warm-up included, equals zero3's exactly."""
+    losses = offload_run["interleaved"]["losses"]
+    settings = offload_run["settings"]
+    assert len(losses["zero3"]) == settings["warmup"] + settings["steps"]
+    assert losses["zero3-offload"] == losses["zero3"]
+
+
+def test_offload_mode_records_its_state_on_disk_and_the_disks_floor(offload_run: dict) -> None:
+    """Each rank's file holds AdamW's two fp32 moments of its padded 1/N parameter slice (8 bytes
+    per shard element: what zero3 holds in memory as "optimizer"); a step reads and writes them
+    once; the floor is that at the bandwidth measured in the run; and the bound compares the
+    optimizer phase on disk with zero3's in the same rounds."""
+    interleaved = offload_run["interleaved"]
+    assert list(interleaved["optimizer_on_disk"]) == ["zero3-offload"], "no mode's optimizer state was on disk"
+    disk = interleaved["optimizer_on_disk"]["zero3-offload"]
+    with torch.device("meta"):
+        model = GPT(dataclasses.replace(SIZES["tiny"], n_layer=OFFLOAD_LAYERS))
+    ranks = offload_run["settings"]["ranks"]
+    shard_elements = sum(shard_numel(p.numel(), ranks) for p in {id(p): p for p in model.parameters()}.values())
+    assert disk["state_bytes"] == 8 * shard_elements
+    assert disk["moved_bytes_per_step"] == 2 * disk["state_bytes"]
+    bandwidth = disk["bandwidth_bytes_per_s"]
+    assert bandwidth["read"] > 0 and bandwidth["write"] > 0
+    assert disk["floor_s"] == disk["state_bytes"] / bandwidth["read"] + disk["state_bytes"] / bandwidth["write"]
+    # The default --offload-dir: a directory of the run's own, in its temporary directory.
+    assert disk["directory"].startswith(str(Path(tempfile.gettempdir(), "zerocompile-bench-")))
+    phases = interleaved["phase_s"]
+    assert disk["optimizer_phase_s"] == phases["zero3-offload"]["optimizer"]
+    assert (disk["in_memory_mode"], disk["in_memory_optimizer_phase_s"]) == ("zero3", phases["zero3"]["optimizer"])
+    assert disk["bound_s"] == 1.3 * max(disk["in_memory_optimizer_phase_s"], disk["floor_s"])
+    assert disk["within_bound"] == (disk["optimizer_phase_s"] <= disk["bound_s"])
+    assert "optimizer_on_disk" in offload_run["method"]
+
+
+def test_offload_table_shows_the_bound(offload_run: dict) -> None:
+    disk = offload_run["interleaved"]["optimizer_on_disk"]["zero3-offload"]
+    table = offload_run["table"].split("Optimizer state on disk, in ")[1]
+    (row,) = [line for line in table.splitlines() if line.startswith("| zero3-offload | interleaved |")]
+    cells = [cell.strip() for cell in row.strip("| ").split("|")]
+    ms = {key: f"{disk[key] * 1e3:.1f}" for key in ("floor_s", "optimizer_phase_s", "in_memory_optimizer_phase_s", "bound_s")}
+    verdict = "within" if disk["within_bound"] else "OVER"
+    assert cells[2:] == [
+        f"{disk['state_bytes'] / 1e6:.2f}",
+        f"{disk['bandwidth_bytes_per_s']['write'] / 1e6:.0f} / {disk['bandwidth_bytes_per_s']['read'] / 1e6:.0f}",
+        f"{disk['moved_bytes_per_step'] / 1e6:.2f}",
+        ms["floor_s"], ms["optimizer_phase_s"], f"{ms['in_memory_optimizer_phase_s']} (zero3)", ms["bound_s"], verdict,
+    ]
+
+
+def test_offload_dir_must_exist_and_its_help_warns_of_tmpfs(tmp_path: Path) -> None:
+    """The default lies under $TMPDIR or /tmp, often a tmpfs, where the state "on disk" is in RAM."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert "on a tmpfs the state still uses RAM, and zerocompile warns so" in " ".join(parser.format_help().split())
+    assert parser.parse_args(["--offload-dir", str(tmp_path)]).offload_dir == tmp_path.resolve()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--offload-dir", str(tmp_path / "missing")])
 
 
 def test_interleave_needs_two_different_modes() -> None:

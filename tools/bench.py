@@ -36,6 +36,9 @@ every device starts from the same ones.
   compile-aot-eager  torch.compile(model, backend="aot_eager"), no data parallelism: AOTAutograd
                    without Inductor, the reference for zero3-eager's compile time
   zero3-eager      stage 3 with options={"compiler": "eager"}: our passes, graphs run op by op
+  zero3-offload    zero3 with its optimizer state on disk (offload="disk": a file per rank under
+                   --offload-dir, streamed bucket by bucket by each step); its optimizers are built
+                   before shard(), which lays out their file
 
 Mixed precision, bf16 in compute, fp32 master weights and AdamW state in each (like zero3-bf16):
   compile-bf16     torch.compile(model) as `compile` (fp32 parameters, nothing sharded), its forward
@@ -106,6 +109,14 @@ How each figure is measured, per mode, after --warmup untimed steps (the first o
   vs ddp      largest relative difference between the mode's and DDP's mean loss over all
               steps, warm-up included (when ddp runs too): the modes see the same weights and
               batches, so fp32 modes agree to rounding and bf16 ones show bf16's error
+  optimizer   for a mode with its optimizer state on disk, after its timed steps, every rank at
+  on disk     once (as in a step, the ranks of a machine share its disk) measures the bandwidth
+              of --offload-dir on a file of its state's size (write, fsync'd; read, its pages
+              evicted); a step moves that state twice (read once, written once), so its floor is
+              state / read bandwidth + state / write bandwidth, largest rank. Beside it, its
+              optimizer step (median of the slowest rank's) and, interleaved with the mode it
+              offloads (zero3), that mode's in memory, and whether it is within the bound
+              1.3 x max(in memory, floor)
 
 Step times of modes run one after another move with whatever else the machine does meanwhile
 (±30 % between runs on a shared 2-core machine). So, after the modes, the --interleave modes
@@ -114,9 +125,9 @@ ranks, warmed up, and timed in rounds, one step of each mode per round: every mo
 load, and their ratios are the ones to quote: per round, one mode's step time divided by the
 other's, then the median and quartiles over rounds. There each step is also split into its forward,
 backward and optimizer step (the slowest rank's), which says where one mode loses time against
-another. Memory is not measured there (the modes share processes). Each mode there builds its GPT
-from its own copy of the model code (see `_gpt_class_of_its_own`), so what Dynamo decides for one
-mode's frames cannot change another's.
+another, and each round's loss is kept (mean over the ranks). Memory is not measured there (the
+modes share processes). Each mode there builds its GPT from its own copy of the model code (see
+`_gpt_class_of_its_own`), so what Dynamo decides for one mode's frames cannot change another's.
 
 Slow links: on one machine ranks talk over loopback, where a byte costs a memcpy on the cores that
 compute. `--link RATE` runs every mode's ranks inside a network namespace whose loopback a token
@@ -171,7 +182,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import zerocompile as zc
-from zerocompile import torch_support
+from zerocompile import offload, torch_support
 from zerocompile.distributed import default_backend
 from zerocompile.hybrid import ranks_per_node
 from zerocompile.tools import gpt as gpt_module
@@ -219,6 +230,19 @@ LINK_METHOD = {
     "floor": "max(the mode's step on an unlimited link from --floor-from, the busier node's link bytes / the "
     "probe's rate); without --floor-from, the link's part alone",
 }
+# The speed asked of optimizer state on disk: its optimizer step within this many times max(the same
+# step in memory, the disk's floor).
+OFFLOAD_BOUND = 1.3
+# What the figures of a mode with its optimizer state on disk mean (`_disk_figures`, `_offload_figures`).
+OFFLOAD_METHOD = {
+    "optimizer_on_disk": "modes with their optimizer state on disk (zc.shard(offload='disk') under --offload-dir): "
+    "after the timed steps every rank at once (as in a step: the ranks of a machine share its disk) measures the "
+    "directory's bandwidth on a file of its state's size (zerocompile.offload.measure_disk_bandwidth: written and "
+    "fsync'd, its pages evicted, read back); state = the rank's state in the files; moved = the state read once and "
+    "written once per step; floor = state / read bandwidth + state / write bandwidth; the rank with the largest "
+    "floor is shown. optimizer = median over steps of the slowest rank's optimizer step; in memory = the same of "
+    f"the mode it offloads, where they ran interleaved (n/a otherwise); bound = {OFFLOAD_BOUND} x max(in memory, floor)",
+}
 # glibc unmaps every freed allocation over 64 kB at once instead of keeping it for reuse.
 EXACT_RSS_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
@@ -235,10 +259,22 @@ class Prepared:
 @dataclasses.dataclass(frozen=True)
 class Mode:
     """One way of training the model; `build(model, optimizer)` wraps a freshly seeded GPT (in
-    place if it likes) and makes its optimizers of kind `optimizer` (see `_optimizers`)."""
+    place if it likes) and makes its optimizers of kind `optimizer` (see `_optimizers`).
+
+    `offload_of`: for a mode that keeps its optimizer state on disk, the mode it offloads (the same
+    training with that state in memory). Its `build` takes the directory for the state as a third
+    argument, and its optimizer phase is compared with that mode's (see `_offload_figures`)."""
 
     name: str
-    build: Callable[[GPT, str], Prepared]
+    build: Callable[..., Prepared]
+    offload_of: str | None = None
+
+    def prepare(self, model: GPT, settings: Settings) -> Prepared:
+        """`build` with what the run chose: the optimizer kind, and the offload directory of a mode
+        with its state on disk."""
+        if self.offload_of is None:
+            return self.build(model, settings.optimizer)
+        return self.build(model, settings.optimizer, settings.offload_dir)
 
 
 OPTIMIZERS = ("adamw", "muon")
@@ -376,10 +412,17 @@ def _fsdp2(
     return build
 
 
-def _zero(stage: int, compiler: str = "inductor", **settings: Any) -> Callable[[GPT, str], Prepared]:
-    def build(model: GPT, optimizer: str) -> Prepared:
-        zc.shard(model, stage=stage, **settings)
-        optimizers = _optimizers(model, optimizer, zc.optim.Muon)
+def _zero(stage: int, compiler: str = "inductor", **settings: Any) -> Callable[..., Prepared]:
+    def build(model: GPT, optimizer: str, offload_dir: str | None = None) -> Prepared:
+        """With `offload_dir`, the optimizers' state in files there (offload="disk")."""
+        if offload_dir is None:
+            zc.shard(model, stage=stage, **settings)
+            optimizers = _optimizers(model, optimizer, zc.optim.Muon)
+        else:
+            # shard() lays out the state's file from the optimizers, so they come first: torch's Muon,
+            # which shard() makes zerocompile's in place.
+            optimizers = _optimizers(model, optimizer, torch.optim.Muon)
+            zc.shard(model, stage=stage, optimizer=optimizers, offload="disk", offload_dir=offload_dir, **settings)
         runner = torch.compile(model, backend="zero", options={"compiler": compiler})
         return Prepared(runner, optimizers, lambda: zc.model_state_bytes(model, optimizers))
 
@@ -415,6 +458,7 @@ MODES: dict[str, Mode] = {
         Mode("zero3-budget", _zero3_half_budget),
         Mode("compile-aot-eager", _plain_compile("aot_eager")),
         Mode("zero3-eager", _zero(3, compiler="eager")),
+        Mode("zero3-offload", _zero(3), offload_of="zero3"),
         Mode("compile-bf16", _plain_compile("inductor", autocast_dtype=torch.bfloat16)),
         # reduce_dtype: what zero3-bf16 reduces in (ZeroConfig.reduce_dtype None: the gradients' bf16).
         Mode(
@@ -446,6 +490,13 @@ def _link_rate(text: str) -> str:
     except netsim.NetworkError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     return text
+
+
+def _existing_directory(text: str) -> Path:
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory: create it, or name one that exists")
+    return path.resolve()
 
 
 def _interleave_list(text: str) -> list[str]:
@@ -565,6 +616,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--link rates only the first run compiles C++ kernels, and compile times are then not cold (default: "
         "a fresh cache per run, removed after)",
     )
+    parser.add_argument(
+        "--offload-dir",
+        type=_existing_directory,
+        default=None,
+        metavar="DIR",
+        help="where the modes with their optimizer state on disk (zero3-offload) keep it, and whose bandwidth "
+        "they measure (default: a directory in the run's temporary directory, under $TMPDIR or /tmp; on a tmpfs "
+        "the state still uses RAM, and zerocompile warns so)",
+    )
     spawn.add_allocator_argument(parser)
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default ./bench-out)")
 
@@ -588,6 +648,7 @@ class Settings:
     fake: bool = False  # one process, rank 0 of `ranks` on the fake backend (--fake-ranks)
     nodes: int = 1  # simulated nodes (--nodes), ranks numbered node by node
     link: bool = False  # the ranks talk over a simulated link (--link): count its bytes per step
+    offload_dir: str | None = None  # where modes with their optimizer state on disk keep it (--offload-dir)
 
     @property
     def processes(self) -> int:
@@ -636,6 +697,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     )
     with tempfile.TemporaryDirectory(prefix="zerocompile-bench-") as tmp, _network(args) as network:
         link = _link_line(args, network)
+        offload_dir = args.offload_dir or Path(tmp, "offload")
+        offload_dir.mkdir(exist_ok=True)
         settings = Settings(
             ranks=ranks,
             model_size=model_size,
@@ -652,6 +715,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             fake=fake,
             nodes=args.nodes,
             link=args.link is not None,
+            offload_dir=str(offload_dir),
         )
         measured = {}
         environment = EXACT_RSS_ENVIRONMENT if args.exact_rss else {}
@@ -674,7 +738,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             **{
                 k: v
                 for k, v in dataclasses.asdict(settings).items()
-                if k not in ("modes", "interleave", "cache_root", "device")
+                if k not in ("modes", "interleave", "cache_root", "device", "offload_dir")
             },
             "device": None if args.device is None else str(args.device),  # None: the process group's
             "backend": backend,
@@ -712,9 +776,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "load": "the machine's 1-minute load average before the timed steps (our own ranks add about N)",
             "interleaved": "the --interleave modes in one set of ranks, one step of each per round after their "
             "warm-up; median over rounds of the slowest rank's step, and of that rank's forward, backward and "
-            "optimizer step (medians of their own)",
+            "optimizer step (medians of their own); losses: each round's, mean over the ranks",
             **(FAKE_METHOD if fake else {}),
             **(LINK_METHOD if link is not None else {}),
+            **(OFFLOAD_METHOD if any(MODES[name].offload_of for name in (*settings.modes, *settings.interleave)) else {}),
         },
         "theory": _theory(phi, ranks),
         "modes": [measured[name] for name in args.modes],
@@ -847,16 +912,18 @@ def _interleaved_rank(rank: int, settings: Settings) -> dict[str, Any] | None:
         prepared = {}
         for name in settings.interleave:
             torch.manual_seed(settings.seed)
-            prepared[name] = MODES[name].build(_gpt_class_of_its_own(name)(settings.config).to(device), settings.optimizer)
+            prepared[name] = MODES[name].prepare(_gpt_class_of_its_own(name)(settings.config).to(device), settings)
         batches = {name: _RandomBatches(settings.config, settings, rank, device) for name in settings.interleave}
         interface = link_budget.link_interface() if settings.link else None
         steps: dict[str, list[Step]] = {name: [] for name in settings.interleave}
         graphs: dict[str, list[Any]] = {name: [] for name in settings.interleave}
+        losses: dict[str, list[float]] = {name: [] for name in settings.interleave}
         for round_ in range(settings.warmup + settings.steps):
             for name in settings.interleave:
                 with zc.record_graphs() as compiled:
                     step = _one_step(prepared[name], batches[name], interface)
                 graphs[name] += compiled
+                losses[name].append(step.loss.item())
                 if round_ >= settings.warmup:
                     steps[name].append(step)
         measured = {
@@ -867,7 +934,11 @@ def _interleaved_rank(rank: int, settings: Settings) -> dict[str, Any] | None:
             "predicted": {
                 name: _predicted_bytes(graphs[name], prepared[name].optimizers, settings) for name in settings.interleave
             },
+            "losses": losses,
             "load": os.getloadavg()[0],
+            "disk": {
+                name: _disk_figures(prepared[name].state_bytes(), settings.offload_dir) for name in settings.interleave
+            },
         }
     return _gathered(measured, lambda per_rank: _summarise_interleaved(per_rank, settings.nodes))
 
@@ -954,7 +1025,7 @@ def _run_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
 def _measure_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
     device = chosen_device(settings.device)
     torch.manual_seed(settings.seed)
-    prepared = mode.build(GPT(settings.config).to(device), settings.optimizer)
+    prepared = mode.prepare(GPT(settings.config).to(device), settings)
     batches = _RandomBatches(settings.config, settings, rank, device)
     interface = link_budget.link_interface() if settings.link else None
     compile_timers.clear()  # a mode has processes of its own: what is timed from here on is its compile
@@ -976,8 +1047,10 @@ def _measure_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
         peak = status_bytes("VmHWM")
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+    disk = _disk_figures(held, settings.offload_dir)  # after the peak: its buffers are no step's
     return {
         "step_times": [step.seconds for step in timed],
+        "phases": [step.phases for step in timed],
         "first_step": warmup[0].seconds,
         "compile_cpu": warmup[0].cpu_seconds - statistics.median(step.cpu_seconds for step in timed),
         "compile_timers": compiled,
@@ -997,6 +1070,28 @@ def _measure_mode(mode: Mode, settings: Settings, rank: int) -> dict[str, Any]:
         "load": load,
         "device": str(device),
         "world_size": dist.get_world_size(),
+        "disk": disk,
+    }
+
+
+def _disk_figures(held: dict[str, int], directory: str) -> dict[str, Any] | None:
+    """For a mode whose optimizer state is on disk (its model_state_bytes, `held`, count it): this
+    rank's state bytes there, the bandwidth of `directory` measured on a file of that size, the
+    bytes a step moves through the disk (the state read once and written once) and the seconds
+    they take at that bandwidth, the optimizer step's floor. None for a mode with it in memory."""
+    if "optimizer_on_disk" not in held:
+        return None
+    state = held["optimizer_on_disk"]
+    # Every rank at once, as they stream their state in a step: the ranks of one machine share its
+    # disk, and one rank measuring alone would get all of it, a floor up to N times too low.
+    dist.barrier()
+    bandwidth = offload.measure_disk_bandwidth(directory, state)
+    return {
+        "directory": offload.describe_directory(directory),
+        "state_bytes": state,
+        "bandwidth_bytes_per_s": bandwidth,
+        "moved_bytes_per_step": 2 * state,
+        "floor_s": state / bandwidth["read"] + state / bandwidth["write"],
     }
 
 
@@ -1168,7 +1263,47 @@ def _summarise(name: str, per_rank: list[dict[str, Any]], nodes: int = 1) -> dic
         "device_kernels_per_step": per_rank[0]["dispatched"]["kernels"],
         "final_loss": statistics.fmean(m["losses"][-1] for m in per_rank),
         "losses": [statistics.fmean(step) for step in zip(*(m["losses"] for m in per_rank))],
+        "optimizer_on_disk": _offload_figures(
+            name,
+            [m["disk"] for m in per_rank],
+            _phase_medians([m["step_times"] for m in per_rank], [m["phases"] for m in per_rank]),
+            side_by_side={},
+        ),
         "per_rank": per_rank,
+    }
+
+
+def _phase_medians(step_times: list[list[float]], phases: list[list[tuple[float, float, float]]]) -> dict[str, float]:
+    """From every rank's steps: per phase, the median over steps of the forward, backward and
+    optimizer step of the rank slowest in each step (each phase's median on its own, so they need
+    not add up to the step's median exactly)."""
+    ranks = range(len(step_times))
+    slowest = [max(ranks, key=lambda rank: step_times[rank][step]) for step in range(len(step_times[0]))]
+    per_step = [phases[rank][step] for step, rank in enumerate(slowest)]
+    return dict(zip(PHASES, (statistics.median(phase) for phase in zip(*per_step))))
+
+
+def _offload_figures(
+    name: str, disk: list[dict[str, Any] | None], phases: dict[str, float], side_by_side: dict[str, dict[str, float]]
+) -> dict[str, Any] | None:
+    """For mode `name` with its optimizer state on disk (every rank's `_disk_figures`; None
+    otherwise): the rank's figures with the largest floor, its optimizer phase (of `phases`, its
+    medians) and, where the mode it offloads ran in the same interleave (`side_by_side`: their
+    phase medians), that mode's optimizer phase in memory and the bound OFFLOAD_BOUND x
+    max(in memory, floor) the phase on disk should be within."""
+    if disk[0] is None:
+        return None
+    in_memory_mode = MODES[name].offload_of
+    in_memory = side_by_side[in_memory_mode]["optimizer"] if in_memory_mode in side_by_side else None
+    figures = max(disk, key=lambda rank: rank["floor_s"])
+    bound = None if in_memory is None else OFFLOAD_BOUND * max(in_memory, figures["floor_s"])
+    return {
+        **figures,
+        "optimizer_phase_s": phases["optimizer"],
+        "in_memory_mode": in_memory_mode,
+        "in_memory_optimizer_phase_s": in_memory,
+        "bound_s": bound,
+        "within_bound": None if bound is None else phases["optimizer"] <= bound,
     }
 
 
@@ -1219,21 +1354,24 @@ def _link_figures(waiting: list[list[float]], link_sent: list[list[int | None]],
 
 def _summarise_interleaved(per_rank: list[dict[str, Any]], nodes: int = 1) -> dict[str, Any]:
     """Median over rounds of the slowest rank's step, per interleaved mode; and of that rank's
-    forward, backward and optimizer step, each phase's median on its own (so they need not add up
-    to the step's median exactly)."""
+    forward, backward and optimizer step (`_phase_medians`); the mean loss over the ranks of every
+    round; and for a mode with its optimizer state on disk, `_offload_figures`."""
     names = list(per_rank[0]["step_times"])
     rounds = range(len(per_rank[0]["step_times"][names[0]]))
-    slowest_rank = {name: [max(per_rank, key=lambda m: m["step_times"][name][i]) for i in rounds] for name in names}
-    slowest = {name: [m["step_times"][name][i] for i, m in enumerate(slowest_rank[name])] for name in names}
-    phases = {name: [m["phases"][name][i] for i, m in enumerate(slowest_rank[name])] for name in names}
+    slowest = {name: [max(m["step_times"][name][i] for m in per_rank) for i in rounds] for name in names}
+    phases = {
+        name: _phase_medians([m["step_times"][name] for m in per_rank], [m["phases"][name] for m in per_rank])
+        for name in names
+    }
+    disk = {name: _offload_figures(name, [m["disk"][name] for m in per_rank], phases[name], phases) for name in names}
     return {
         "modes": names,
         "step_time_s": {name: statistics.median(times) for name, times in slowest.items()},
         "step_times_s": slowest,
         "paired_ratio": {name: {other: _paired_ratio(slowest[name], slowest[other]) for other in names} for name in names},
-        "phase_s": {
-            name: dict(zip(PHASES, (statistics.median(phase) for phase in zip(*phases[name])))) for name in names
-        },
+        "phase_s": phases,
+        "losses": {name: [statistics.fmean(step) for step in zip(*(m["losses"][name] for m in per_rank))] for name in names},
+        "optimizer_on_disk": {name: figures for name, figures in disk.items() if figures is not None},
         "link": {
             name: {
                 **_link_figures([m["waiting"][name] for m in per_rank], [m["link_sent"][name] for m in per_rank], nodes),
@@ -1363,8 +1501,48 @@ def markdown_table(summary: dict[str, Any]) -> str:
         *(f"- {key.replace('_', ' ')}: {text}" for key, text in method.items()),
         *notes,
         *_interleaved_table(summary["interleaved"]),
+        *_offload_table(summary),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _offload_table(summary: dict[str, Any]) -> list[str]:
+    """Each mode with its optimizer state on disk, run on its own and interleaved: its optimizer
+    step beside the disk's floor and, interleaved with the mode it offloads, that mode's step in
+    memory and the bound."""
+    rows = [
+        (mode["mode"], "own processes", mode["optimizer_on_disk"])
+        for mode in summary["modes"]
+        if mode["status"] == "ok" and mode["optimizer_on_disk"]
+    ]
+    interleaved = summary["interleaved"] or {"optimizer_on_disk": {}}
+    rows += [(name, "interleaved", figures) for name, figures in interleaved["optimizer_on_disk"].items()]
+    if not rows:
+        return []
+
+    def milliseconds(seconds: float | None) -> str:
+        return "n/a" if seconds is None else f"{seconds * 1e3:.1f}"
+
+    lines = [
+        "",
+        f"Optimizer state on disk, in {rows[0][2]['directory']}: is the optimizer step within {OFFLOAD_BOUND} x "
+        "max(in memory, floor)? (see optimizer on disk above)",
+        "",
+        "| mode | run | state on disk MB/rank | disk write / read MB/s | moved MB/step | floor ms | optimizer ms "
+        "| in memory ms | bound ms | |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, run, figures in rows:
+        bandwidth, in_memory = figures["bandwidth_bytes_per_s"], figures["in_memory_optimizer_phase_s"]
+        verdict = {None: "n/a", True: "within", False: "OVER"}[figures["within_bound"]]
+        lines.append(
+            f"| {name} | {run} | {figures['state_bytes'] / MB:.2f} | "
+            f"{bandwidth['write'] / MB:.0f} / {bandwidth['read'] / MB:.0f} | {figures['moved_bytes_per_step'] / MB:.2f} | "
+            f"{milliseconds(figures['floor_s'])} | {milliseconds(figures['optimizer_phase_s'])} | "
+            + ("n/a" if in_memory is None else f"{milliseconds(in_memory)} ({figures['in_memory_mode']})")
+            + f" | {milliseconds(figures['bound_s'])} | {verdict} |"
+        )
+    return lines
 
 
 def _link_table(summary: dict[str, Any]) -> list[str]:
