@@ -20,7 +20,10 @@ directory's disk bandwidth measured in the same run. The whole training state (1
 parameter) is set against the machine's RAM (MemTotal).
 
     python -m benchmarks.offload_capacity --size 2b --ranks 2 --offload-dir /work/offload \\
-        --json docs/results/2026-11-29-offload-capacity.json
+        --json docs/results/2026-11-29-offload-capacity-2b-tcmalloc.json
+
+The ranks preload tcmalloc where it is installed, as `zerocompile train`'s do (--allocator system:
+glibc's malloc, with --exact-rss its mmap threshold lowered so RSS follows live tensors).
 
 A configuration that would not fit (RSS bound x ranks over MemAvailable) is refused before any rank
 starts; while ranks run, the parent kills them if MemAvailable runs low (benchmarks.capacity's
@@ -44,6 +47,7 @@ import torch.distributed as dist
 import zerocompile as zc
 from benchmarks.capacity import EXACT_RSS_ENVIRONMENT, GB, GiB, Marks, Sampler, machine, mem_available, spawn_ranks
 from zerocompile import offload
+from zerocompile.tools import spawn
 from zerocompile.tools.gpt import GPT, SIZES
 from zerocompile.tools.train import GlobalBatches, load_text
 
@@ -126,9 +130,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="AdamW learning rate (default 5e-6: benchmarks.capacity's --big-lr, small enough for "
                         "Adam's first steps on a model this size)")
     parser.add_argument("--seed", type=int, default=0)
+    spawn.add_allocator_argument(parser)
     parser.add_argument("--exact-rss", action="store_true",
-                        help="the ranks unmap freed tensors at once (MALLOC_MMAP_THRESHOLD_=65536): RSS follows live "
-                        "tensors instead of including glibc's retained heap")
+                        help="with --allocator system: glibc unmaps freed tensors at once (MALLOC_MMAP_THRESHOLD_=65536), "
+                        "so RSS follows live tensors instead of including its retained heap")
     parser.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
 
 
@@ -149,12 +154,20 @@ def run(args: argparse.Namespace) -> int:
     head = (f"GPT {args.size} (Φ = {phi:,}; fp32 AdamW training state 16Φ = {16 * phi / GB:.1f} GB, RAM "
             f"{report['machine']['ram_bytes'] / GB:.1f} GB), stage 3, {args.ranks} ranks, state on disk in {args.offload_dir}")
     print(head, flush=True)
+    preload = spawn.find_allocator(args.allocator)
+    if args.exact_rss and preload is not None:
+        print(f"--exact-rss lowers glibc's mmap threshold, and the ranks would preload {preload}: give --allocator "
+              "system too", flush=True)
+        return 2
     if needed > mem_available():
         print(f"refused: needs ~{needed / GB:.1f} GB by the bound, MemAvailable {mem_available() / GB:.1f} GB", flush=True)
         return 1
     settings = {"size": args.size, "ranks": args.ranks, "offload_dir": str(args.offload_dir), "steps": args.steps,
                 "tokens": args.tokens, "lr": args.lr, "seed": args.seed}
-    outcome = spawn_ranks(_rank, args.ranks, (settings,), dict(EXACT_RSS_ENVIRONMENT) if args.exact_rss else None)
+    environment = dict(EXACT_RSS_ENVIRONMENT) if args.exact_rss else {}
+    report["malloc"] = " ".join([preload or "C library", *(f"{k}={v}" for k, v in environment.items())])
+    print(f"ranks' malloc: {report['malloc']}", flush=True)
+    outcome = spawn_ranks(_rank, args.ranks, (settings,), spawn.child_environment(environment, preload))
     report.update(status=outcome["status"], seconds=round(outcome["seconds"], 1),
                   min_mem_available=outcome["min_mem_available"])
     if outcome["status"] != "ok":
