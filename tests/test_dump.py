@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocompile as zc
+import zerocompile.offload
 from ranks import run_on_ranks
 from test_stages import _wchar
 from zerocompile.tools import dump
@@ -277,3 +279,20 @@ def test_dump_adds_the_optimizer_steps_collectives_to_the_graphs(fake_two_ranks,
     report = dump.report({"rank0": graphs})
     assert "optimizer-muon@0.weight  (N=2, the optimizer's step)" in report
     assert "Muon: the orthogonalised slices back from their owners" in report
+
+
+@pytest.mark.fast
+def test_an_offloaded_optimizers_step_is_dumped_once_for_all_its_parameters(fake_two_ranks, tmp_path) -> None:
+    """With offload the step's own code runs one bucket of parameters at a time; the ledger is
+    still the whole step's (one bucket per parameter here), written once."""
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False))
+    muon = torch.optim.Muon(model.parameters())
+    with mock.patch.object(zerocompile.offload, "STEP_BUCKET_BYTES", 1):
+        zc.shard(model, stage=3, optimizer=muon, offload="cpu", dump_dir=str(tmp_path))
+    for _ in range(2):
+        torch.compile(model, backend="zero", options={"compiler": "eager"})(torch.randn(2, 8)).sum().backward()
+        muon.step()
+    graphs = dump.load(str(tmp_path))["rank0"]
+    optimizer_ledgers = [name for name, ledger in graphs.items() if ledger["kind"] == "optimizer"]
+    assert optimizer_ledgers == ["optimizer-muon@0.weight"]
+    assert [entry["params"] for entry in graphs["optimizer-muon@0.weight"]["entries"]] == [["0.weight", "1.weight"]] * 2

@@ -58,6 +58,7 @@ class Muon(torch.optim.Muon):
         for group in self.param_groups:
             for param in group["params"]:
                 _check_matrix(param)
+        _emit_ledger_after_each_step(self)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -76,7 +77,6 @@ class Muon(torch.optim.Muon):
             lr = _to_scalar(group["lr"])
             param.mul_(1 - lr * group["weight_decay"])
             param.add_(orthogonal, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], full_shape(param)))
-        _emit_step_ledger(self)
         return loss
 
     def _orthogonalise(self, updates: list[tuple[torch.Tensor, torch.Tensor, dict]]) -> list[torch.Tensor]:
@@ -100,6 +100,10 @@ class Adafactor(torch.optim.Adafactor):
     # State kept whole on every rank (`zc.save` writes it once): the factored second moment.
     replicated_state = ("row_var", "col_var")
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _emit_ledger_after_each_step(self)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = _loss_of(closure)
@@ -110,7 +114,6 @@ class Adafactor(torch.optim.Adafactor):
             _all_reduce_sums([update.square().sum().view(1) for update in updates], pieces)
             for piece, update in zip(pieces, updates):
                 piece.apply(update)
-        _emit_step_ledger(self)
         return loss
 
 
@@ -310,6 +313,17 @@ def _adafactor_entries(members: _Members, rank: int, ranks: int, first: int) -> 
     ]  # fmt: skip
 
 
+def _emit_ledger_after_each_step(optimizer: Muon | Adafactor) -> None:
+    """`_emit_step_ledger` as a step post-hook: it runs once around the whole `step()`, also where
+    offload runs the step's own code one bucket of parameters at a time (each bucket's call would
+    see only its parameters)."""
+    optimizer.register_step_post_hook(_after_step)
+
+
+def _after_step(optimizer: Muon | Adafactor, args: tuple, kwargs: dict) -> None:
+    _emit_step_ledger(optimizer)
+
+
 def _emit_step_ledger(optimizer: Muon | Adafactor) -> None:
     """The step's ledger to torch's structured trace and the dump directory of the models its
     parameters came from: on the first step, and again only when its sharded parameters change."""
@@ -345,6 +359,7 @@ def take_over(optimizer: torch.optim.Optimizer) -> bool:
         return False
     optimizer.__class__ = equivalent
     optimizer._patch_step_function()  # the step hooks wrap each class's own `step`
+    _emit_ledger_after_each_step(optimizer)
     return True
 
 
