@@ -255,16 +255,42 @@ def test_offload_plan_equals_what_an_offloaded_model_keeps_on_disk(fake_world: i
         model(example, example).backward()
         optimizer.step()
         held = zc.model_state_bytes(model, optimizer)
-        assert planned["on_disk"] == held["optimizer_on_disk"] and held["optimizer"] == 0
+        assert planned["offloaded"] == held["optimizer_on_disk"] and held["optimizer"] == 0
         assert planned["held"] == held["params"] + held["grads"]
-        assert planned["moved_per_step"] == 2 * planned["on_disk"]
+        assert planned["moved_per_step"] == 2 * planned["offloaded"]
         assert planned["floor_seconds"] == pytest.approx(planned["moved_per_step"] / 500e6)
     assert [p["stage"] for p in report["offload"]] == [1, 2, 3]
 
 
 @pytest.mark.fast
+def test_offload_cpu_plan_equals_what_a_model_with_its_state_in_host_memory_holds(fake_world: int, capsys) -> None:
+    """--offload cpu: per stage, the bytes in host memory are what zc.model_state_bytes reports as
+    "optimizer_on_host" after one step, the rest is held on the device, and a step copies the
+    parameter shards and gradients to the host and the parameters back."""
+    argv = ["--model", "test_plan:gpt_tiny", "--ranks", str(fake_world), "--param-dtype", "fp32"]
+    report = plan_json([*argv, "--offload", "cpu"], capsys)
+    example = torch.randint(0, 256, (2, 16))
+    for planned in report["offload"]:
+        model = gpt_tiny()
+        optimizer = torch.optim.AdamW(model.parameters())
+        zc.shard(model, stage=planned["stage"], optimizer=optimizer, offload="cpu")
+        model(example, example).backward()
+        optimizer.step()
+        held = zc.model_state_bytes(model, optimizer)
+        assert planned["offloaded"] == held["optimizer_on_host"] and held["optimizer"] == 0
+        assert planned["held"] == held["params"] + held["grads"]
+        assert planned["moved_per_step"] == 2 * held["params"] + held["grads"]
+        assert planned["floor_seconds"] is None
+    assert [p["stage"] for p in report["offload"]] == [1, 2, 3]
+    code, out, _err = run_plan([*argv, "--offload", "cpu"], capsys)
+    assert code == 0 and "offload='cpu'" in out and "copied device <-> host per step" in out
+
+
+@pytest.mark.fast
 def test_disk_bandwidth_without_offload_is_refused(capsys) -> None:
     code, _out, err = run_plan(["--params", "1e9", "--ranks", "8", "--disk-bandwidth", "500"], capsys)
+    assert code == 2 and "give --offload disk too" in err
+    code, _out, err = run_plan(["--params", "1e9", "--ranks", "8", "--offload", "cpu", "--disk-bandwidth", "500"], capsys)
     assert code == 2 and "give --offload disk too" in err
 
 

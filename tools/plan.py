@@ -281,9 +281,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--offload",
-        choices=["disk"],
-        help="zerocompile's offload: stages 1-3 keep the optimizer state on disk; adds what a step moves through "
-        "the disk (its state read and written back)",
+        choices=["disk", "cpu"],
+        help="zerocompile's offload: stages 1-3 keep the optimizer state on disk (adds what a step moves through "
+        "the disk: its state read and written back) or in host memory, updated on the CPU (adds what a step "
+        "copies between the device and the host: parameter shards and gradients there, parameters back)",
     )
     parser.add_argument(
         "--disk-bandwidth",
@@ -936,23 +937,27 @@ def model_json(
 
 @dataclasses.dataclass(frozen=True)
 class OffloadPlan:
-    """One stage's optimizer state on disk (offload="disk"), per rank."""
+    """One stage's optimizer state offloaded (offload="disk" or "cpu"), per rank."""
 
     stage: int
-    on_disk: float  # the optimizer state's bytes, out of memory
-    held: float  # what stays in memory between steps: params and grads
-    moved_per_step: float  # through the disk each step: the state read and written back
+    offload: str  # "disk" or "cpu"
+    offloaded: float  # the optimizer state's bytes, out of the device's memory
+    held: float  # what stays in the device's memory between steps: params and grads
+    # disk: through the disk each step, the state read and written back; cpu: copied between the
+    # device and the host, the parameter shards and gradients to the host and the parameters back
+    moved_per_step: float
     floor_seconds: float | None  # moved_per_step at the disk's bandwidth, where given
 
     def as_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def offload_plan(plans: list[StagePlan], megabytes_per_second: float | None) -> list[OffloadPlan]:
-    """Stages 1-3 of `plans` with their optimizer state on disk (stage 0 cannot offload it)."""
+def offload_plan(plans: list[StagePlan], offload: str, megabytes_per_second: float | None) -> list[OffloadPlan]:
+    """Stages 1-3 of `plans` with their optimizer state offloaded (stage 0 cannot offload it)."""
     return [
         OffloadPlan(
-            s.stage, s.optimizer, s.params + s.grads, 2 * s.optimizer,
+            s.stage, offload, s.optimizer, s.params + s.grads,
+            2 * s.optimizer if offload == "disk" else 2 * s.params + s.grads,
             2 * s.optimizer / (megabytes_per_second * 1e6) if megabytes_per_second else None,
         )
         for s in plans
@@ -960,10 +965,19 @@ def offload_plan(plans: list[StagePlan], megabytes_per_second: float | None) -> 
     ]  # fmt: skip
 
 
-def offload_report(plans: list[OffloadPlan], megabytes_per_second: float | None) -> str:
+def offload_report(plans: list[OffloadPlan], offload: str, megabytes_per_second: float | None) -> str:
+    if offload == "cpu":
+        header = ["stage", "in host memory", "held on the device", "copied device <-> host per step"]
+        rows = [[str(p.stage), format_bytes(p.offloaded), format_bytes(p.held), format_bytes(p.moved_per_step)] for p in plans]
+        intro = (
+            "offload='cpu': each rank keeps its optimizer state in host memory and updates on the CPU: per step its "
+            "parameter shards and gradients are copied to the host and the parameters back. Gradients and parameters "
+            "stay on the device (held)."
+        )
+        return "\n".join([intro, "", _table(header, rows)])
     header = ["stage", "on disk", "held in memory", "through the disk per step", "at least"]
     rows = [
-        [str(p.stage), format_bytes(p.on_disk), format_bytes(p.held), format_bytes(p.moved_per_step),
+        [str(p.stage), format_bytes(p.offloaded), format_bytes(p.held), format_bytes(p.moved_per_step),
          f"{p.floor_seconds:.2f} s" if p.floor_seconds is not None else "-"]
         for p in plans
     ]  # fmt: skip
@@ -993,7 +1007,7 @@ def run(args: argparse.Namespace) -> int:
 
 def plan(args: argparse.Namespace) -> str:
     """The text `zerocompile plan` prints for these arguments (a table, or JSON with --json)."""
-    if args.disk_bandwidth is not None and args.offload is None:
+    if args.disk_bandwidth is not None and args.offload != "disk":
         raise PlanError("--disk-bandwidth sizes the disk traffic of --offload disk: give --offload disk too")
     if args.params is not None:
         if args.memory_budget is not None:
@@ -1060,10 +1074,11 @@ def plan(args: argparse.Namespace) -> str:
 def _offload_json(args: argparse.Namespace, plans: list[StagePlan]) -> dict[str, Any]:
     if args.offload is None:
         return {}
-    return {"offload": [p.as_json() for p in offload_plan(plans, args.disk_bandwidth)], "disk_bandwidth_mb_per_s": args.disk_bandwidth}
+    offloaded = offload_plan(plans, args.offload, args.disk_bandwidth)
+    return {"offload": [p.as_json() for p in offloaded], "disk_bandwidth_mb_per_s": args.disk_bandwidth}
 
 
 def _offload_text(args: argparse.Namespace, plans: list[StagePlan]) -> str:
     if args.offload is None:
         return ""
-    return "\n\n" + offload_report(offload_plan(plans, args.disk_bandwidth), args.disk_bandwidth)
+    return "\n\n" + offload_report(offload_plan(plans, args.offload, args.disk_bandwidth), args.offload, args.disk_bandwidth)
