@@ -19,6 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import zerocompile as zc
+import zerocompile.offload
 from zerocompile.passes.stages import shard_numel
 from zerocompile.tools import bench
 from zerocompile.tools.cli import build_parser
@@ -256,6 +257,16 @@ def test_zero3_budget_mode_keeps_half_the_models_bytes(single_rank) -> None:
     bench.MODES["zero3-budget"].build(model, "adamw")
     settings = {(info.config.stage, info.config.memory_budget) for info in map(zc.sharding.shard_info, model.parameters())}
     assert settings == {(3, half)}
+
+
+def test_offload_cpu_mode_keeps_its_optimizer_state_in_host_memory(single_rank) -> None:
+    """zero3-offload-cpu: its optimizers exist before shard(), which moves their state to host
+    memory (HostState); built for muon too (torch's Muon, made zerocompile's by shard())."""
+    for kind in bench.OPTIMIZERS:
+        model = GPT(SIZES["tiny"])
+        prepared = bench.MODES["zero3-offload-cpu"].build(model, kind)
+        assert {info.config.offload for info in map(zc.sharding.shard_info, model.parameters())} == {"cpu"}
+        assert all(isinstance(zerocompile.offload.offloaded_state(o), zerocompile.offload.HostState) for o in prepared.optimizers)
 
 
 def test_compile_cost_modes_use_the_eager_compilers_on_a_deeper_gpt(single_rank, monkeypatch: pytest.MonkeyPatch) -> None:

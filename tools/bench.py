@@ -39,6 +39,9 @@ every device starts from the same ones.
   zero3-offload    zero3 with its optimizer state on disk (offload="disk": a file per rank under
                    --offload-dir, streamed bucket by bucket by each step); its optimizers are built
                    before shard(), which lays out their file
+  zero3-offload-cpu  zero3 with its optimizer state in host memory and the update on the CPU
+                   (offload="cpu": for parameters on an accelerator; on the CPU the same code
+                   copies CPU to CPU); interleave it with zero3 to compare their optimizer steps
 
 Mixed precision, bf16 in compute, fp32 master weights and AdamW state in each (like zero3-bf16):
   compile-bf16     torch.compile(model) as `compile` (fp32 parameters, nothing sharded), its forward
@@ -415,14 +418,15 @@ def _fsdp2(
 def _zero(stage: int, compiler: str = "inductor", **settings: Any) -> Callable[..., Prepared]:
     def build(model: GPT, optimizer: str, offload_dir: str | None = None) -> Prepared:
         """With `offload_dir`, the optimizers' state in files there (offload="disk")."""
-        if offload_dir is None:
-            zc.shard(model, stage=stage, **settings)
+        chosen = settings if offload_dir is None else {**settings, "offload": "disk", "offload_dir": offload_dir}
+        if "offload" not in chosen:
+            zc.shard(model, stage=stage, **chosen)
             optimizers = _optimizers(model, optimizer, zc.optim.Muon)
         else:
-            # shard() lays out the state's file from the optimizers, so they come first: torch's Muon,
-            # which shard() makes zerocompile's in place.
+            # shard() lays out the offloaded state from the optimizers, so they come first: torch's
+            # Muon, which shard() makes zerocompile's in place.
             optimizers = _optimizers(model, optimizer, torch.optim.Muon)
-            zc.shard(model, stage=stage, optimizer=optimizers, offload="disk", offload_dir=offload_dir, **settings)
+            zc.shard(model, stage=stage, optimizer=optimizers, **chosen)
         runner = torch.compile(model, backend="zero", options={"compiler": compiler})
         return Prepared(runner, optimizers, lambda: zc.model_state_bytes(model, optimizers))
 
@@ -459,6 +463,7 @@ MODES: dict[str, Mode] = {
         Mode("compile-aot-eager", _plain_compile("aot_eager")),
         Mode("zero3-eager", _zero(3, compiler="eager")),
         Mode("zero3-offload", _zero(3), offload_of="zero3"),
+        Mode("zero3-offload-cpu", _zero(3, offload="cpu")),
         Mode("compile-bf16", _plain_compile("inductor", autocast_dtype=torch.bfloat16)),
         # reduce_dtype: what zero3-bf16 reduces in (ZeroConfig.reduce_dtype None: the gradients' bf16).
         Mode(

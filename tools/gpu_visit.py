@@ -22,7 +22,8 @@ that fails or hangs is reported with its output and the next one runs. What each
            the code Inductor generated for its forward and backward
   bench    `zerocompile bench --fake-ranks 8`, bf16: stage 3 against plain torch.compile and
            FSDP2+compile on torch's "fake" process group (real kernels, real all-gather and
-           reduce-scatter shapes, communication free) on a 400M GPT, then (--large) on a 1.3B one
+           reduce-scatter shapes, communication free) on a 400M GPT, then (--large) on a 1.3B one;
+           bench-offload-cpu: one real rank, zero3 beside zero3-offload-cpu (offload="cpu")
 
 What comes back ($OUT): summary.md (every figure, every failure with its output), visit.log,
 forward.py / backward.py (Inductor's code), trace.log.gz, results.tar.gz (the JSON and tables).
@@ -427,6 +428,15 @@ def run_visit(args: argparse.Namespace) -> int:
             f"bench-{size}",
             ["zerocompile.tools.cli", "bench", "--fake-ranks", "8", "--device", args.device, "--model-size", size,
              "--modes", bench_modes, "--batch-size", batch, *bench_steps, "--out", str(work / f"bench-{size}")],
+            timeout=180 if gpu else 900,
+        )
+        # offload="cpu"'s speed: one real rank, its optimizer step with the state in pinned host
+        # memory and the update on the CPU beside zero3's on the device, interleaved round by round.
+        visit.step(
+            "bench-offload-cpu",
+            ["zerocompile.tools.cli", "bench", "--ranks", "1", "--device", args.device, "--model-size", sizes[0][0],
+             "--modes", "none", "--interleave", "zero3,zero3-offload-cpu", "--batch-size", "8", *bench_steps,
+             "--out", str(work / "bench-offload-cpu")],
             timeout=180 if gpu else 900,
         )
         for size, batch in sizes[1:]:
