@@ -82,6 +82,16 @@ class _Region:
 
 
 @dataclasses.dataclass(frozen=True)
+class Shards:
+    """What offload needs to know of the parameters before `shard()` has made their shards."""
+
+    local_numel: Callable[[torch.Tensor], int]  # elements of the parameter's shard on this rank
+    full_ndim: Callable[[torch.Tensor], int]  # dims of the parameter as written
+    device: torch.device  # where the parameters will live
+    describe: Callable[[torch.Tensor], str]  # the parameter's name, for errors
+
+
+@dataclasses.dataclass(frozen=True)
 class _Bucket:
     """Consecutive parameters (each group's share) stepped together, and the file bytes
     [start, end) their offloaded state occupies."""
@@ -102,33 +112,26 @@ class OffloadedState:
     # The key of `zc.model_state_bytes` under which the store's bytes are counted.
     held_as: str
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        local_numel: Callable[[torch.Tensor], int],
-        full_ndim: Callable[[torch.Tensor], int],
-        device: torch.device,
-        describe: Callable[[torch.Tensor], str],
-    ) -> None:
-        """Probe which state `optimizer` keeps shaped like its parameters and lay it out for
-        parameters of `local_numel(p)` elements (`full_ndim(p)` dims as written) on `device`."""
+    def __init__(self, optimizer: torch.optim.Optimizer, shards: Shards, step_device: torch.device) -> None:
+        """Probe which state `optimizer` keeps shaped like its parameters, stepping on
+        `step_device`, and lay it out for the parameters' `shards`."""
         if "step" in vars(optimizer):
             raise ValueError(
                 "the optimizer's step() was wrapped on the object (a learning-rate scheduler built before "
                 "zerocompile.shard() does that), so its steps would bypass the streamed step of offload: "
                 "build the LR scheduler after shard()"
             )
-        self._describe = describe
+        self._describe = shards.describe
         self._groups_layout = _groups_layout(optimizer)
-        kinds = _offloaded_kinds(optimizer, full_ndim, device)
+        kinds = _offloaded_kinds(optimizer, shards.full_ndim, step_device)
         self.regions: dict[torch.Tensor, dict[str, _Region]] = {}
         offset = 0
         for index, group in enumerate(optimizer.param_groups):
             for param in group["params"]:
                 self.regions[param] = {}
-                for key, dtype in kinds[(index, full_ndim(param), param.dtype)]:
-                    self.regions[param][key] = _Region(dtype, offset, local_numel(param))
-                    offset = _page_aligned(offset + local_numel(param) * dtype.itemsize)
+                for key, dtype in kinds[(index, shards.full_ndim(param), param.dtype)]:
+                    self.regions[param][key] = _Region(dtype, offset, shards.local_numel(param))
+                    offset = _page_aligned(offset + shards.local_numel(param) * dtype.itemsize)
         self.nbytes = offset
         self._buckets = _buckets(optimizer, self.regions)
         self._views: dict[tuple[int, str], torch.Tensor] = {}
@@ -219,19 +222,11 @@ class DiskState(OffloadedState):
 
     held_as = "optimizer_on_disk"
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        directory: str | os.PathLike,
-        local_numel: Callable[[torch.Tensor], int],
-        full_ndim: Callable[[torch.Tensor], int],
-        device: torch.device,
-        describe: Callable[[torch.Tensor], str],
-    ) -> None:
-        """The layout (`OffloadedState`), and the file reserved under `directory`: an error naming
-        the fix (and nothing left behind) if the directory cannot hold it. The file lives as long
-        as this object (the optimizer holds it)."""
-        super().__init__(optimizer, local_numel, full_ndim, device, describe)
+    def __init__(self, optimizer: torch.optim.Optimizer, shards: Shards, directory: str | os.PathLike) -> None:
+        """The layout (`OffloadedState`; the step runs on the parameters' device), and the file
+        reserved under `directory`: an error naming the fix (and nothing left behind) if the
+        directory cannot hold it. The file lives as long as this object (the optimizer holds it)."""
+        super().__init__(optimizer, shards, shards.device)
         self._file = _reserve_file(Path(directory), self.nbytes)
         self._map = mmap.mmap(self._file.fileno(), max(self.nbytes, mmap.PAGESIZE)) if self.nbytes else None
         weakref.finalize(self, _remove, self._file, self._map)
@@ -319,18 +314,11 @@ class HostState(OffloadedState):
 
     held_as = "optimizer_on_host"
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        local_numel: Callable[[torch.Tensor], int],
-        full_ndim: Callable[[torch.Tensor], int],
-        device: torch.device,
-        describe: Callable[[torch.Tensor], str],
-    ) -> None:
-        """The layout (`OffloadedState`), the store and two staging buffers allocated (zeroed)."""
-        # The update runs on the CPU, so that is where the optimizer's state is learnt and kept.
-        super().__init__(optimizer, local_numel, full_ndim, torch.device("cpu"), describe)
-        pinned = device.type != "cpu"
+    def __init__(self, optimizer: torch.optim.Optimizer, shards: Shards) -> None:
+        """The layout (`OffloadedState`; the step runs on the CPU, so that is where the state is
+        learnt and kept), the store and two staging buffers allocated (zeroed)."""
+        super().__init__(optimizer, shards, torch.device("cpu"))
+        pinned = shards.device.type != "cpu"
         self._store = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=pinned)
         # Each bucket's parameters and gradients, at _STAGING_ALIGNMENT-aligned offsets.
         self._staging_layout = {}
@@ -338,7 +326,7 @@ class HostState(OffloadedState):
         for bucket in self._buckets:
             offset = 0
             for param in bucket.params():
-                nbytes = local_numel(param) * param.dtype.itemsize
+                nbytes = shards.local_numel(param) * param.dtype.itemsize
                 self._staging_layout[param] = (offset, _aligned(offset + nbytes))
                 offset = _aligned(offset + nbytes) + _aligned(nbytes)
             largest = max(largest, offset)
@@ -346,7 +334,7 @@ class HostState(OffloadedState):
         self._copied_back: list[torch.Event | None] = [None, None]  # per buffer: where its last copy back ends
         # Bucket number -> its stand-ins by parameter, and the event its copies to the host end at.
         self._staged: dict[int, tuple[dict[torch.Tensor, torch.Tensor], torch.Event | None]] = {}
-        self._device = device
+        self._device = shards.device
 
     def _flat(self, region: _Region) -> torch.Tensor:
         return self._store[region.offset : region.offset + region.nbytes].view(region.dtype)

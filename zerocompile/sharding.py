@@ -32,7 +32,7 @@ from zerocompile.config import (
 from zerocompile.distributed import agreed, backend_for, group_device, reduce_scatter_flavour
 from zerocompile.hybrid import hybrid_groups
 from zerocompile.meta_init import PartReader, built_on_meta, check_meta_model, local_slice, materialise_sharded
-from zerocompile.offload import DiskState, HostState, OffloadedState, offloaded_state
+from zerocompile.offload import DiskState, HostState, OffloadedState, Shards, offloaded_state
 from zerocompile.optimizers import optimizer_list, refuse_unsupported_optimizer, replicated_state_keys
 from zerocompile.passes.markers import UNSHARD, MarkerArgs
 from zerocompile.passes.stages import StagePolicy, stage_policy
@@ -407,15 +407,15 @@ def _offloaded_states(
                 f"the optimizer holds {len(foreign)} parameter(s) that are not the model's (shapes {foreign[:3]}): "
                 f"with offload={config.offload!r} pass only the optimizers of the model being sharded"
             )
-    layout = {
-        "local_numel": lambda p: infos[p].shard_numel,
-        "full_ndim": lambda p: len(infos[p].shape),
-        "device": device,
-        "describe": lambda p: repr(infos[p].fqn),
-    }
+    shards = Shards(
+        local_numel=lambda p: infos[p].shard_numel,
+        full_ndim=lambda p: len(infos[p].shape),
+        device=device,
+        describe=lambda p: repr(infos[p].fqn),
+    )
     if config.offload == "disk":
-        return [DiskState(passed, config.offload_dir, **layout) for passed in optimizers]
-    return [HostState(passed, **layout) for passed in optimizers]
+        return [DiskState(passed, shards, config.offload_dir) for passed in optimizers]
+    return [HostState(passed, shards) for passed in optimizers]
 
 
 def _shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
