@@ -284,7 +284,8 @@ def test_dump_adds_the_optimizer_steps_collectives_to_the_graphs(fake_two_ranks,
 @pytest.mark.fast
 def test_an_offloaded_optimizers_step_is_dumped_once_for_all_its_parameters(fake_two_ranks, tmp_path) -> None:
     """With offload the step's own code runs one bucket of parameters at a time; the ledger is
-    still the whole step's (one bucket per parameter here), written once."""
+    still the whole step's (one bucket per parameter here), written once; beside it, what the
+    offloaded state holds and moves per step."""
     model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False))
     muon = torch.optim.Muon(model.parameters())
     with mock.patch.object(zerocompile.offload, "STEP_BUCKET_BYTES", 1):
@@ -296,3 +297,10 @@ def test_an_offloaded_optimizers_step_is_dumped_once_for_all_its_parameters(fake
     optimizer_ledgers = [name for name, ledger in graphs.items() if ledger["kind"] == "optimizer"]
     assert optimizer_ledgers == ["optimizer-muon@0.weight"]
     assert [entry["params"] for entry in graphs["optimizer-muon@0.weight"]["entries"]] == [["0.weight", "1.weight"]] * 2
+    # What the store holds and moves: Muon's momentum of two 64-element fp32 shards in host memory;
+    # a step copies both shards and their gradients to the host and the shards back.
+    (store,) = dump.load_offloads(str(tmp_path))["rank0"].values()
+    assert (store["where"], store["state_bytes"], store["moved_bytes_per_step"], store["buckets"]) == ("host memory", 512, 1536, 2)
+    assert "optimizer-muon@0.weight: optimizer state in host memory, 512 B; per step 1.54 kB moved" in dump.report(
+        {"rank0": graphs}, offloads=dump.load_offloads(str(tmp_path))
+    )

@@ -427,3 +427,17 @@ def test_memory_backed_directory_gets_a_warning(single_rank) -> None:
 def test_config_errors(settings: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         zc.ZeroConfig(**settings)
+
+
+def test_the_dump_says_what_the_file_holds_and_a_step_moves(single_rank, tmp_path) -> None:
+    from zerocompile.tools import dump
+
+    model, optimizer = _model_and_adamw()
+    (tmp_path / "state").mkdir()
+    zc.shard(model, stage=3, optimizer=optimizer, offload="disk", offload_dir=str(tmp_path / "state"), dump_dir=str(tmp_path / "dump"))
+    model(global_batch("tied_gpt", 0)).backward()
+    optimizer.step()
+    (store,) = dump.load_offloads(str(tmp_path / "dump"))["rank0"].values()
+    on_disk = zc.model_state_bytes(model, optimizer)["optimizer_on_disk"]
+    assert (store["where"], store["state_bytes"], store["moved_bytes_per_step"]) == ("disk", on_disk, 2 * on_disk)
+    assert store["file"] == str(zerocompile.offload.offloaded_state(optimizer).path)

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     if args.diff:
         print(diff(ledgers, load(args.diff), args.directory, args.diff, args.verbose))
     else:
-        print(report(ledgers, args.verbose, args.ranks_per_node))
+        print(report(ledgers, args.verbose, args.ranks_per_node, load_offloads(args.directory)))
     if args.png:
         draw_timeline(ledgers, args.png)
         print(f"memory timeline written to {args.png}")
@@ -86,6 +86,14 @@ def load(directory: str) -> dict[str, dict[str, dict]]:
         paths = sorted(folder.glob("*-ledger.json"), key=lambda p: _graph_sort_key(p.name, order))
         ranks[folder.name] = {path.name.removesuffix("-ledger.json"): json.loads(path.read_text()) for path in paths}
     return ranks
+
+
+def load_offloads(directory: str) -> dict[str, dict[str, dict]]:
+    """{rank folder: {optimizer: what its offloaded store holds and moves per step}}."""
+    return {
+        folder.name: {path.name.removesuffix("-offload.json"): json.loads(path.read_text()) for path in sorted(folder.glob("*-offload.json"))}
+        for folder in sorted(Path(directory).glob("rank*"))
+    }
 
 
 def _graph_sort_key(name: str, order: dict[str, int]) -> tuple:
@@ -268,7 +276,12 @@ def sent_across_nodes(graphs: dict[str, dict], ranks_per_node: int) -> int:
     return sum(entry.sent_across_nodes(ranks_per_node) for entry in entries)
 
 
-def report(ranks: dict[str, dict[str, dict]], verbose: bool = False, ranks_per_node: int | None = None) -> str:
+def report(
+    ranks: dict[str, dict[str, dict]],
+    verbose: bool = False,
+    ranks_per_node: int | None = None,
+    offloads: dict[str, dict[str, dict]] | None = None,
+) -> str:
     lines = []
     for rank, graphs in ranks.items():
         lines.append(f"{rank}")
@@ -288,6 +301,11 @@ def report(ranks: dict[str, dict[str, dict]], verbose: bool = False, ranks_per_n
             f"  model state implied: params {_mb(s['params'])}, grads {_mb(s['grads'])}, "
             f"optimizer {_mb(s['optimizer'])} (Adam-like)"
         )
+        for name, store in (offloads or {}).get(rank, {}).items():
+            lines.append(
+                f"  {name}: optimizer state in {store['where']}, {_mb(store['state_bytes'])}; per step "
+                f"{_mb(store['moved_bytes_per_step'])} moved ({store['moves']}), in {store['buckets']} buckets"
+            )
     return "\n".join(lines)
 
 

@@ -5,7 +5,8 @@ Files go to DIR/rank{R}/{compile id}-{piece}-{before|after}-{pass}.py and
 DIR/rank{R}/{compile id}-{piece}-ledger.json, where a compile id is Dynamo's "frame/attempt" (one
 per graph-break fragment) and a piece is dynamo, joint, forward, backward or inference; and an
 optimizer's step (zerocompile.optim's, which exchanges slices of whole matrices) as
-DIR/rank{R}/optimizer-{class}@{its first parameter's FQN}-ledger.json. The same
+DIR/rank{R}/optimizer-{class}@{its first parameter's FQN}-ledger.json; an optimizer whose state
+is offloaded, what it holds where and moves per step, as ...-offload.json beside it. The same
 artifacts always go to torch's structured trace (TORCH_TRACE / tlparse), beside Dynamo's own.
 `zerocompile dump DIR` reads them.
 """
@@ -65,3 +66,8 @@ def emit_graph(directory: str | None, piece: str, when: str, pass_name: str, gra
 
 def emit_ledger(directory: str | None, piece: str, ledger: Callable[[], dict], origin: str | None = None) -> None:
     emit(directory, piece, "ledger", lambda: json.dumps(ledger(), indent=1), suffix="json", origin=origin)
+
+
+def emit_offload(directory: str | None, piece: str, traffic: Callable[[], dict]) -> None:
+    """An offloaded optimizer's store: where its state is and what a step moves (`OffloadedState.traffic`)."""
+    emit(directory, piece, "offload", lambda: json.dumps(traffic(), indent=1), suffix="json", origin="optimizer")

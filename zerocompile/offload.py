@@ -133,6 +133,7 @@ class OffloadedState:
                     self.regions[param][key] = _Region(dtype, offset, shards.local_numel(param))
                     offset = _page_aligned(offset + shards.local_numel(param) * dtype.itemsize)
         self.nbytes = offset
+        self.state_bytes = sum(region.nbytes for regions in self.regions.values() for region in regions.values())
         self._buckets = _buckets(optimizer, self.regions)
         self._views: dict[tuple[int, str], torch.Tensor] = {}
 
@@ -190,6 +191,10 @@ class OffloadedState:
         """Drop from this process's memory what the store need not keep there (nothing, unless
         the store is a file)."""
 
+    def traffic(self) -> dict[str, Any]:
+        """What the store holds and what a step moves, for the dump (`zerocompile dump`)."""
+        raise NotImplementedError
+
     def step(self, optimizer: torch.optim.Optimizer, base_step: Callable[[torch.optim.Optimizer], Any]) -> None:
         """`base_step` (the optimizer's own step) run on one bucket of parameters at a time."""
         if _groups_layout(optimizer) != self._groups_layout:
@@ -237,6 +242,13 @@ class DiskState(OffloadedState):
 
     def _flat(self, region: _Region) -> torch.Tensor:
         return torch.frombuffer(self._map, dtype=region.dtype, count=region.numel, offset=region.offset)
+
+    def traffic(self) -> dict[str, Any]:
+        """The state on disk, read once and written once by each step."""
+        return {
+            "where": "disk", "file": str(self.path), "state_bytes": self.state_bytes, "buckets": len(self._buckets),
+            "moved_bytes_per_step": 2 * self.state_bytes, "moves": "the state read from the file and written back",
+        }  # fmt: skip
 
     def release(self) -> None:
         """Drop every mapped page of the file from this process (the data stays in the file). At a
@@ -322,11 +334,12 @@ class HostState(OffloadedState):
         self._store = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=pinned)
         # Each bucket's parameters and gradients, at _STAGING_ALIGNMENT-aligned offsets.
         self._staging_layout = {}
+        self._shard_bytes = {param: shards.local_numel(param) * param.dtype.itemsize for param in self.regions}
         largest = 0
         for bucket in self._buckets:
             offset = 0
             for param in bucket.params():
-                nbytes = shards.local_numel(param) * param.dtype.itemsize
+                nbytes = self._shard_bytes[param]
                 self._staging_layout[param] = (offset, _aligned(offset + nbytes))
                 offset = _aligned(offset + nbytes) + _aligned(nbytes)
             largest = max(largest, offset)
@@ -338,6 +351,15 @@ class HostState(OffloadedState):
 
     def _flat(self, region: _Region) -> torch.Tensor:
         return self._store[region.offset : region.offset + region.nbytes].view(region.dtype)
+
+    def traffic(self) -> dict[str, Any]:
+        """The state in host memory; each step copies the shards and gradients there, the shards back."""
+        shard_bytes = sum(self._shard_bytes.values())
+        return {
+            "where": "host memory", "state_bytes": self.state_bytes, "buckets": len(self._buckets),
+            "moved_bytes_per_step": 3 * shard_bytes,
+            "moves": "parameter shards and gradients copied to the host, the parameters back",
+        }  # fmt: skip
 
     def _step_bucket(self, optimizer: torch.optim.Optimizer, number: int, base_step: Callable[[torch.optim.Optimizer], Any]) -> None:
         bucket = self._buckets[number]

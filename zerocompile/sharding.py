@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zerocompile import dump
 from zerocompile.accumulation import GradientSync, check_nothing_pending
 from zerocompile.buffers import broadcast_buffers_in_forward
 from zerocompile.config import (
@@ -225,6 +226,8 @@ def shard(
         _shard_optimizer_state(passed)
     for passed, store in zip(optimizers, offloaded):
         store.install(passed)
+        first = next((infos[p].fqn for p in store.regions), "")
+        dump.emit_offload(dump.dump_dir(config.dump_dir), f"{type(passed).__name__.lower()}@{first}", store.traffic)
     sync = GradientSync({shard_info(param).fqn: param for param in owners})
     notice = ShardedStateDictNotice()
     for module in {id(m): m for places in owners.values() for _p, m, _a in places}.values():
