@@ -300,7 +300,7 @@ def test_an_offloaded_optimizers_step_is_dumped_once_for_all_its_parameters(fake
     # What the store holds and moves: Muon's momentum of two 64-element fp32 shards in host memory;
     # a step copies both shards and their gradients to the host and the shards back.
     (store,) = dump.load_offloads(str(tmp_path))["rank0"].values()
-    assert (store["where"], store["state_bytes"], store["moved_bytes_per_step"], store["buckets"]) == ("host memory", 512, 1536, 2)
+    assert (store["where"], store["state_bytes"], store["moved_bytes_per_step"], store["buckets"]) == ("in host memory", 512, 1536, 2)
     assert "optimizer-muon@0.weight: optimizer state in host memory, 512 B; per step 1.54 kB moved" in dump.report(
         {"rank0": graphs}, offloads=dump.load_offloads(str(tmp_path))
     )

@@ -439,5 +439,5 @@ def test_the_dump_says_what_the_file_holds_and_a_step_moves(single_rank, tmp_pat
     optimizer.step()
     (store,) = dump.load_offloads(str(tmp_path / "dump"))["rank0"].values()
     on_disk = zc.model_state_bytes(model, optimizer)["optimizer_on_disk"]
-    assert (store["where"], store["state_bytes"], store["moved_bytes_per_step"]) == ("disk", on_disk, 2 * on_disk)
+    assert (store["where"], store["state_bytes"], store["moved_bytes_per_step"]) == ("on disk", on_disk, 2 * on_disk)
     assert store["file"] == str(zerocompile.offload.offloaded_state(optimizer).path)

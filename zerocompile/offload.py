@@ -246,7 +246,7 @@ class DiskState(OffloadedState):
     def traffic(self) -> dict[str, Any]:
         """The state on disk, read once and written once by each step."""
         return {
-            "where": "disk", "file": str(self.path), "state_bytes": self.state_bytes, "buckets": len(self._buckets),
+            "where": "on disk", "file": str(self.path), "state_bytes": self.state_bytes, "buckets": len(self._buckets),
             "moved_bytes_per_step": 2 * self.state_bytes, "moves": "the state read from the file and written back",
         }  # fmt: skip
 
@@ -356,7 +356,7 @@ class HostState(OffloadedState):
         """The state in host memory; each step copies the shards and gradients there, the shards back."""
         shard_bytes = sum(self._shard_bytes.values())
         return {
-            "where": "host memory", "state_bytes": self.state_bytes, "buckets": len(self._buckets),
+            "where": "in host memory", "state_bytes": self.state_bytes, "buckets": len(self._buckets),
             "moved_bytes_per_step": 3 * shard_bytes,
             "moves": "parameter shards and gradients copied to the host, the parameters back",
         }  # fmt: skip
