@@ -505,7 +505,7 @@ def _probe(optimizer: torch.optim.Optimizer, index: int, ndim: int, dtype: torch
         made = optimizer.state[stand_in]
     except Exception as error:
         raise TypeError(
-            f"offload='disk' could not learn which state {type(optimizer).__name__} keeps (a step of a "
+            f"offload could not learn which state {type(optimizer).__name__} keeps (a step of a "
             f"{ndim}-D stand-in parameter in param group {index} raised {type(error).__name__}: {error}); "
             "offload supports torch.optim's elementwise optimizers and zerocompile.optim's"
         ) from error
