@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 import zerocompile as zc
+import zerocompile.heap
 import zerocompile.offload
 import zerocompile.optim
 from matrix_optimizers import STEPS, MuonGPT, train_step
@@ -441,3 +442,22 @@ def test_the_dump_says_what_the_file_holds_and_a_step_moves(single_rank, tmp_pat
     on_disk = zc.model_state_bytes(model, optimizer)["optimizer_on_disk"]
     assert (store["where"], store["state_bytes"], store["moved_bytes_per_step"]) == ("on disk", on_disk, 2 * on_disk)
     assert store["file"] == str(zerocompile.offload.offloaded_state(optimizer).path)
+
+
+def test_offload_on_glibcs_malloc_warns_of_its_heap(single_rank, monkeypatch) -> None:
+    """Offloading frees memory only to have glibc's heap keep each step's freed buffers (the 2.0B
+    GPT of docs/results/2026-11-29-offload-capacity.md ran out of memory so): the warning names the fix,
+    and a process that applied it (MALLOC_MMAP_THRESHOLD_) gets none."""
+    if zerocompile.heap.glibc_malloc_trim() is None:
+        pytest.skip("this process does not allocate with glibc's malloc (an allocator is preloaded)")
+    for threshold_set in (False, True):
+        if threshold_set:
+            monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+        model, optimizer = _model_and_adamw()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            zc.shard(model, stage=3, optimizer=optimizer, offload="cpu")
+        warned = [str(w.message) for w in caught if "glibc's malloc" in str(w.message)]
+        assert len(warned) == (0 if threshold_set else 1), warned
+        if warned:
+            assert "MALLOC_MMAP_THRESHOLD_=65536" in warned[0] and "tcmalloc" in warned[0]

@@ -31,6 +31,7 @@ from zerocompile.config import (
     refuse_gloo_gathers_on_accelerator,
 )
 from zerocompile.distributed import agreed, backend_for, group_device, reduce_scatter_flavour
+from zerocompile.heap import glibc_malloc_trim
 from zerocompile.hybrid import hybrid_groups
 from zerocompile.meta_init import PartReader, built_on_meta, check_meta_model, local_slice, materialise_sharded
 from zerocompile.offload import DiskState, HostState, OffloadedState, Shards, offloaded_state
@@ -410,6 +411,14 @@ def _offloaded_states(
                 f"the optimizer holds {len(foreign)} parameter(s) that are not the model's (shapes {foreign[:3]}): "
                 f"with offload={config.offload!r} pass only the optimizers of the model being sharded"
             )
+    if device.type == "cpu" and glibc_malloc_trim() is not None and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        warnings.warn(
+            f"offload={config.offload!r} with the parameters on the CPU, allocating with glibc's malloc: its heap keeps "
+            "the holes of each step's freed buffers (gathered parameters, gradients), which can cost more memory than "
+            "the offload saves (a 2.0B GPT's job ran out of memory that way). Preload tcmalloc or jemalloc "
+            "(LD_PRELOAD; `zerocompile train` does) or set MALLOC_MMAP_THRESHOLD_=65536 in the ranks' environment",
+            stacklevel=3,
+        )
     shards = Shards(
         local_numel=lambda p: infos[p].shard_numel,
         full_ndim=lambda p: len(infos[p].shape),
