@@ -49,7 +49,6 @@ import shutil
 import socket
 import tempfile
 import time
-import warnings
 import weakref
 from collections import defaultdict
 from pathlib import Path
@@ -58,6 +57,7 @@ from typing import Any, Callable
 import torch
 
 from zerocompile.rank_deaths import process_start_time
+from zerocompile.user_warnings import warn_at_caller
 
 # Offloaded state bytes per bucket of the streamed step. Each bucket is one call of the optimizer's
 # step (foreach temporaries of about one bucket) and, for Muon/Adafactor, one exchange.
@@ -620,20 +620,18 @@ def _remove_leftovers(directory: Path) -> None:
             continue
         size = sum(f.stat().st_size for f in claimed.iterdir() if f.is_file())
         shutil.rmtree(claimed, ignore_errors=True)
-        warnings.warn(
+        warn_at_caller(
             f"offload='disk': removed {entry} ({size:,} bytes), left by process {pid} which ended without "
-            "removing its optimizer state",
-            stacklevel=4,
+            "removing its optimizer state"
         )
 
 
 def _warn_if_memory(directory: Path) -> None:
     kind = _file_system(directory)
     if kind in _MEMORY_FILE_SYSTEMS:
-        warnings.warn(
+        warn_at_caller(
             f"offload_dir {str(directory)!r} is on {kind}, which keeps files in memory: the optimizer state "
-            "offloaded there still uses RAM. Give a directory on a disk",
-            stacklevel=4,
+            "offloaded there still uses RAM. Give a directory on a disk"
         )
 
 

@@ -40,6 +40,7 @@ from zerocompile.passes.markers import UNSHARD, MarkerArgs
 from zerocompile.passes.stages import StagePolicy, stage_policy
 from zerocompile.process_hooks import ProcessHooks
 from zerocompile.rank_deaths import RANK_DEATHS, watch_job, worth_watching
+from zerocompile.user_warnings import warn_at_caller
 
 @dataclasses.dataclass(frozen=True)
 class ShardInfo:
@@ -412,12 +413,11 @@ def _offloaded_states(
                 f"with offload={config.offload!r} pass only the optimizers of the model being sharded"
             )
     if device.type == "cpu" and glibc_malloc_trim() is not None and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        warnings.warn(
+        warn_at_caller(
             f"offload={config.offload!r} with the parameters on the CPU, allocating with glibc's malloc: its heap keeps "
             "the holes of each step's freed buffers (gathered parameters, gradients), which can cost more memory than "
             "the offload saves (a 2.0B GPT's job ran out of memory that way). Preload tcmalloc or jemalloc "
-            "(LD_PRELOAD; `zerocompile train` does) or set MALLOC_MMAP_THRESHOLD_=65536 in the ranks' environment",
-            stacklevel=3,
+            "(LD_PRELOAD; `zerocompile train` does) or set MALLOC_MMAP_THRESHOLD_=65536 in the ranks' environment"
         )
     shards = Shards(
         local_numel=lambda p: infos[p].shard_numel,
