@@ -23,11 +23,12 @@ import os
 import re
 import shutil
 import struct
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from zerocompile.user_warnings import warn_at_caller
 
 FORMAT = "zerocompile-checkpoint"
 VERSION = 2  # 2 added "files": each data file's size and SHA-256; version 1 is still read
@@ -109,10 +110,9 @@ def resolve(path: str | os.PathLike) -> Path:
         return final
     previous = previous_dir(final)
     if (previous / METADATA).is_file():
-        warnings.warn(
+        warn_at_caller(
             f"{final} is missing: a save to it was interrupted while replacing the previous "
-            f"checkpoint; loading that previous checkpoint from {previous}",
-            stacklevel=3,
+            f"checkpoint; loading that previous checkpoint from {previous}"
         )
         return previous
     if final.exists():
