@@ -40,9 +40,9 @@ import torch
 from torch import nn
 
 import zerocompile as zc
-import zerocompile.heap
 import zerocompile.offload
 import zerocompile.optim
+import zerocompile.sharding
 from matrix_optimizers import STEPS, MuonGPT, train_step
 from models import global_batch
 from ranks import run_cases, run_on_ranks
@@ -401,18 +401,26 @@ def test_the_file_goes_with_the_optimizer_and_leftovers_of_dead_processes_are_re
     assert not path.exists() and not _our_directories(tmp_path)
 
 
-def test_memory_backed_directory_gets_a_warning(single_rank) -> None:
-    # /dev/shm is the tmpfs every Linux host mounts; where it is missing or not tmpfs there is no
-    # memory-backed directory to offer without mounting one (the namespace test above does that).
-    if not Path("/dev/shm").is_dir() or zerocompile.offload._file_system(Path("/dev/shm")) != "tmpfs":
-        pytest.skip("no tmpfs at /dev/shm (the full tmpfs test, where namespaces are allowed, checks the warning too)")
+def test_memory_backed_directory_gets_a_warning(single_rank, tmp_path, monkeypatch) -> None:
+    """The warning, attributed to the shard() call, for a directory the mount table calls tmpfs
+    (made so here: a real tmpfs needs /dev/shm or a mount namespace, which the full-disk test uses
+    where it may); the mount table itself is read in the next test."""
+    real = zerocompile.offload._file_system
+    monkeypatch.setattr(zerocompile.offload, "_file_system", lambda d: "tmpfs" if d == tmp_path else real(d))
     model, optimizer = _model_and_adamw()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        zc.shard(model, stage=3, optimizer=optimizer, offload="disk", offload_dir="/dev/shm")
+        zc.shard(model, stage=3, optimizer=optimizer, offload="disk", offload_dir=str(tmp_path))
     assert [w.filename for w in caught if "is on tmpfs, which keeps files in memory" in str(w.message)] == [__file__]
     del optimizer
     gc.collect()
+
+
+def test_the_file_system_is_read_from_the_mount_table() -> None:
+    """/proc is procfs on every Linux host, and the deepest mount wins over / for paths under it."""
+    assert zerocompile.offload._file_system(Path("/proc")) == "proc"
+    assert zerocompile.offload._file_system(Path("/proc/self")) == "proc"
+    assert zerocompile.offload._file_system(Path("/")) not in (None, "proc")
 
 
 @pytest.mark.fast
@@ -448,19 +456,23 @@ def test_the_dump_says_what_the_file_holds_and_a_step_moves(single_rank, tmp_pat
 
 def test_offload_on_glibcs_malloc_warns_of_its_heap(single_rank, monkeypatch) -> None:
     """Offloading frees memory only to have glibc's heap keep each step's freed buffers (the 2.0B
-    GPT of docs/results/2026-11-29-offload-capacity.md ran out of memory so): the warning names the fix,
-    and a process that applied it (MALLOC_MMAP_THRESHOLD_) gets none."""
-    if zerocompile.heap.glibc_malloc_trim() is None:
-        pytest.skip("this process does not allocate with glibc's malloc (an allocator is preloaded)")
-    for threshold_set in (False, True):
+    GPT of docs/results/2026-11-29-offload-capacity.md ran out of memory so): the warning names the
+    fix; a process that applied it (MALLOC_MMAP_THRESHOLD_), or whose malloc is not glibc's (an
+    allocator preloaded: heap.glibc_malloc_trim finds no glibc malloc, tested in test_heap), gets
+    none. Which malloc this process has is set here for each case."""
+    glibc = {"glibc": lambda: None, "preloaded": None}
+    for malloc, threshold_set, warns in [("glibc", False, True), ("glibc", True, False), ("preloaded", False, False)]:
+        monkeypatch.setattr(zerocompile.sharding, "glibc_malloc_trim", lambda malloc=malloc: glibc[malloc])
         if threshold_set:
             monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+        else:
+            monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
         model, optimizer = _model_and_adamw()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             zc.shard(model, stage=3, optimizer=optimizer, offload="cpu")
-        warned = [str(w.message) for w in caught if "glibc's malloc" in str(w.message)]
-        assert len(warned) == (0 if threshold_set else 1), warned
-        assert all(w.filename == __file__ for w in caught if "glibc's malloc" in str(w.message))
-        if warned:
-            assert "MALLOC_MMAP_THRESHOLD_=65536" in warned[0] and "tcmalloc" in warned[0]
+        warned = [w for w in caught if "glibc's malloc" in str(w.message)]
+        assert len(warned) == int(warns), (malloc, threshold_set, [str(w.message) for w in warned])
+        for warning in warned:
+            assert warning.filename == __file__
+            assert "MALLOC_MMAP_THRESHOLD_=65536" in str(warning.message) and "tcmalloc" in str(warning.message)

@@ -56,8 +56,9 @@ def test_the_run_reports_each_ranks_state_on_disk_and_what_each_step_moved(small
     assert not list(directory.iterdir()), "the ranks' state files outlived them"
 
 
-def test_exact_rss_needs_glibc(tmp_path: Path) -> None:
-    """--exact-rss lowers glibc's mmap threshold, meaningless under a preloaded tcmalloc."""
-    if offload_capacity.spawn.find_allocator("auto") is None:
-        pytest.skip("no tcmalloc or jemalloc installed: the ranks would use glibc, which --exact-rss is for")
+def test_exact_rss_needs_glibc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--exact-rss lowers glibc's mmap threshold, meaningless under a preloaded tcmalloc: refused
+    before any rank starts (the allocator the ranks would preload is set here, installed or not)."""
+    monkeypatch.setattr(offload_capacity.spawn, "find_allocator", lambda choice: "/usr/lib/libtcmalloc_minimal.so.4")
+    monkeypatch.setattr(offload_capacity, "spawn_ranks", lambda *args: pytest.fail("ranks started"))
     assert offload_capacity.run(_args("--size", "small", "--offload-dir", str(tmp_path), "--exact-rss")) == 2
