@@ -331,9 +331,6 @@ class _SessionMarker:
         pass
 
 
-# A transport failure or timeout, as gloo, NCCL and the c10d stores word them.
-
-
 def explain_collective_failures(run: Callable, context: GraphContext, kind: str) -> Callable:
     """`run` (a compiled graph), raising `CollectiveFailedError` from a failed collective's error.
 

@@ -48,13 +48,15 @@ from zerocompile._death_watcher import EXCEPTION_MARK
 
 WATCHER = Path(__file__).with_name("_death_watcher.py")
 _TOKEN_KEY = "zerocompile/rank-deaths/token"
-# How long a survivor looks for its dead peers' notes: a watcher writes within milliseconds of
-# the death, more under load.
+# A transport failure or timeout, as gloo, NCCL and the c10d stores word them.
 _PEER_FAILURE = re.compile(
     r"timed? ?out|timeout|connection (closed|reset|refused)|closed by peer|pair closure|broken pipe|socket",
     re.IGNORECASE,
 )
+# How `describe_deaths_in` begins when it found no dead peer.
 NO_DEATH = "no other rank of the group died"
+# How long a survivor looks for its dead peers' notes: a watcher writes within milliseconds of
+# the death, more under load.
 WAIT = 3.0
 POLL = 0.05
 # With no rank gone after this long, none died on this host: the failure was a stall, or a death
