@@ -278,7 +278,7 @@ class DiskState(OffloadedState):
     def _step_bucket(self, optimizer: torch.optim.Optimizer, number: int, base_step: Callable[[torch.optim.Optimizer], Any]) -> None:
         bucket = self._buckets[number]
         if number + 1 < len(self._buckets):
-            self._read_ahead(self._buckets[number + 1])
+            self._advise(mmap.MADV_WILLNEED, self._buckets[number + 1])
         for group, params in zip(optimizer.param_groups, bucket.params_by_group):
             group["params"] = list(params)
         params = bucket.params()
@@ -305,14 +305,16 @@ class DiskState(OffloadedState):
         return staged
 
     def _drop(self, bucket: _Bucket) -> None:
-        if bucket.end > bucket.start:
-            self._map.madvise(mmap.MADV_DONTNEED, bucket.start, bucket.end - bucket.start)
+        if self._advise(mmap.MADV_DONTNEED, bucket):
             # Start writing the bucket back now rather than when the kernel's dirty limits force it.
             os.posix_fadvise(self._file.fileno(), bucket.start, bucket.end - bucket.start, os.POSIX_FADV_DONTNEED)
 
-    def _read_ahead(self, bucket: _Bucket) -> None:
-        if bucket.end > bucket.start:
-            self._map.madvise(mmap.MADV_WILLNEED, bucket.start, bucket.end - bucket.start)
+    def _advise(self, advice: int, bucket: _Bucket) -> bool:
+        """`madvise` over the bucket's bytes of the file; False where it has none."""
+        if bucket.end == bucket.start:
+            return False
+        self._map.madvise(advice, bucket.start, bucket.end - bucket.start)
+        return True
 
 
 class HostState(OffloadedState):
@@ -395,7 +397,7 @@ class HostState(OffloadedState):
         stand_ins = {}
         for param in self._buckets[number].params():
             start, grad_start = self._staging_layout[param]
-            nbytes = param.numel() * param.dtype.itemsize
+            nbytes = self._shard_bytes[param]
             stand_in = buffer[start : start + nbytes].view(param.dtype).view(param.shape)
             stand_in.copy_(param.detach(), non_blocking=True)
             if param.grad is not None:
