@@ -735,13 +735,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", type=_stage_list, default=STAGES, help="comma-separated (default 0,1,2,3)")
     parser.add_argument("--compilers", type=_compiler_list, default=COMPILERS, help="comma-separated (default eager,inductor)")
     parser.add_argument("--json", type=Path, default=None, help="also write the environment and every row here")
-    parser.add_argument(
+    offload = parser.add_mutually_exclusive_group()
+    offload.add_argument(
         "--offload-dir",
         type=Path,
         default=None,
         help="train stages 1-3 with their optimizer state on disk there (offload='disk'), and measure its bandwidth",
     )
-    parser.add_argument(
+    offload.add_argument(
         "--offload-cpu",
         action="store_true",
         help="train stages 1-3 with their optimizer state in host memory and the update on the CPU (offload='cpu', "
@@ -757,8 +758,6 @@ def run(args: argparse.Namespace) -> int:
     device = args.device or (torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")).type
     try:
         offload_dir = str(args.offload_dir) if args.offload_dir is not None else None
-        if offload_dir is not None and args.offload_cpu:
-            raise ValueError("--offload-dir and --offload-cpu are two places for the optimizer state: give one")
         runs = plan(
             device, visible_devices(device), args.ranks, args.fake_ranks, args.stages, args.compilers, offload_dir, args.offload_cpu
         )

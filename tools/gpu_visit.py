@@ -400,23 +400,18 @@ def run_visit(args: argparse.Namespace) -> int:
              "--json", str(work / "check.json")],
             timeout=240 if gpu else 900,
         )
-        # offload="disk" with parameters on the accelerator: the state is copied to the device for
-        # each bucket's step and back (untestable on the CPU), against DDP like every check row.
+        # Stages 1 and 3 with their optimizer state offloaded, against DDP like every check row: on disk
+        # (the state copied to the device for each bucket's step and back) and in pinned host memory
+        # (the shards and gradients copied to the host, updated on the CPU, copied back, events
+        # ordering the copies). Neither path's device side runs on the CPU.
         (work / "offload").mkdir()
-        visit.step(
-            "check-offload",
-            ["zerocompile.tools.cli", "check", "--device", args.device, "--stages", "1,3", "--compilers", "eager",
-             "--offload-dir", str(work / "offload"), "--json", str(work / "check-offload.json")],
-            timeout=120 if gpu else 600,
-        )
-        # offload="cpu": the shards and gradients copied to pinned host buffers on a side of the
-        # step, updated on the CPU and copied back (events order the copies: only a GPU shows them).
-        visit.step(
-            "check-offload-cpu",
-            ["zerocompile.tools.cli", "check", "--device", args.device, "--stages", "1,3", "--compilers", "eager",
-             "--offload-cpu", "--json", str(work / "check-offload-cpu.json")],
-            timeout=120 if gpu else 600,
-        )
+        for name, flags in (("check-offload", ["--offload-dir", str(work / "offload")]), ("check-offload-cpu", ["--offload-cpu"])):
+            visit.step(
+                name,
+                ["zerocompile.tools.cli", "check", "--device", args.device, "--stages", "1,3", "--compilers", "eager",
+                 *flags, "--json", str(work / f"{name}.json")],
+                timeout=120 if gpu else 600,
+            )
         (work / "trace").mkdir()
         visit.step(
             "trace",
