@@ -89,6 +89,7 @@ from torch import nn
 
 import zerocompile as zc
 from zerocompile import torch_support
+from zerocompile.tools.arguments import positive_int
 from zerocompile.tools import spawn
 from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
 from zerocompile.tools.rss import reset_peak_rss
@@ -900,13 +901,6 @@ def big_table(big: dict[str, Any]) -> str:
 # The command
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def _listed(valid: tuple[str, ...] | list[str]) -> Callable[[str], list[str]]:
     def parse(text: str) -> list[str]:
         names = [name.strip() for name in text.split(",") if name.strip()]
@@ -919,7 +913,7 @@ def _listed(valid: tuple[str, ...] | list[str]) -> Callable[[str], list[str]]:
 
 
 def _rank_list(text: str) -> list[int]:
-    return [_positive_int(part) for part in text.split(",") if part.strip()]
+    return [positive_int(part) for part in text.split(",") if part.strip()]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -930,8 +924,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"rank counts N, comma-separated (default {','.join(map(str, DEFAULT_RANKS))})")
     parser.add_argument("--modes", type=_listed(MODES), default=list(MODES), help=f"comma-separated (default {','.join(MODES)})")
     parser.add_argument("--no-table", action="store_true", help="skip the capacity table (only --load-check / --big)")
-    parser.add_argument("--steps", type=_positive_int, default=3, help="training steps per job (default 3)")
-    parser.add_argument("--tokens", type=_positive_int, default=64, help="tokens of the one sequence per rank (default 64)")
+    parser.add_argument("--steps", type=positive_int, default=3, help="training steps per job (default 3)")
+    parser.add_argument("--tokens", type=positive_int, default=64, help="tokens of the one sequence per rank (default 64)")
     parser.add_argument("--compiler", choices=("eager", "inductor"), default="eager",
                         help="zero modes' compiler; ddp compiles with aot_eager or inductor to match (default eager)")
     parser.add_argument("--seed", type=int, default=0)
@@ -939,10 +933,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds to wait for MemAvailable before skipping a configuration (default 0)")
     parser.add_argument("--load-check", action="store_true", help="also measure the load_weights/save_weights memory bounds")
     parser.add_argument("--load-size", choices=sorted(SIZES), default="200m", help="GPT of the load check (default 200m)")
-    parser.add_argument("--load-ranks", type=_positive_int, default=2, help="ranks of the load check (default 2)")
+    parser.add_argument("--load-ranks", type=positive_int, default=2, help="ranks of the load check (default 2)")
     parser.add_argument("--big", action="store_true", help="also the one big run (stage 3; FSDP2 if it fits)")
     parser.add_argument("--big-size", choices=sorted(SIZES), default="1b", help="GPT of --big (default 1b)")
-    parser.add_argument("--big-ranks", type=_positive_int, default=8, help="ranks of --big (default 8)")
+    parser.add_argument("--big-ranks", type=positive_int, default=8, help="ranks of --big (default 8)")
     parser.add_argument("--big-lr", type=float, default=5e-6,
                         help="AdamW learning rate of --big (default 5e-6). Adam's first steps move every parameter by "
                         "about lr whatever its gradient, so the loss moves by about lr times the gradient's L1 norm, "

@@ -46,6 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 import zerocompile as zc
 from zerocompile import torch_support
 from zerocompile.distributed import _launcher_environment, leave_process_group
+from zerocompile.tools.arguments import positive_int
 from zerocompile.tools import spawn
 from benchmarks.allocations import allocation_census, format_census
 from zerocompile.tools.gpt import GPT, SIZES
@@ -58,23 +59,16 @@ MB = 1e6
 COMPILING_STEPS = 2
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `python -m benchmarks.soak`."""
-    parser.add_argument("--steps", type=_positive_int, default=1000, help="optimizer steps (default 1000)")
+    parser.add_argument("--steps", type=positive_int, default=1000, help="optimizer steps (default 1000)")
     parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=3, help="ZeRO stage (default 3)")
     parser.add_argument(
-        "--ranks", type=_positive_int, default=2, help="CPU ranks to spawn (default 2; ignored under torchrun/srun)"
+        "--ranks", type=positive_int, default=2, help="CPU ranks to spawn (default 2; ignored under torchrun/srun)"
     )
     parser.add_argument("--model-size", choices=sorted(SIZES), default="tiny", help="GPT size (default tiny)")
     parser.add_argument(
-        "--batch-size", type=_positive_int, default=8, help="sequences per global batch, split over the ranks (default 8)"
+        "--batch-size", type=positive_int, default=8, help="sequences per global batch, split over the ranks (default 8)"
     )
     parser.add_argument(
         "--compiler",
@@ -84,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--rss-from",
-        type=_positive_int,
+        type=positive_int,
         default=100,
         help="step whose RSS is the baseline of the growth (default 100; must be before --steps)",
     )
@@ -95,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="percent of RSS growth from --rss-from to the last step above which the soak fails (default 2)",
     )
     parser.add_argument(
-        "--rss-every", type=_positive_int, default=50, help="also record RSS every this many steps, for the JSON"
+        "--rss-every", type=positive_int, default=50, help="also record RSS every this many steps, for the JSON"
     )
     parser.add_argument(
         "--compare-ddp",

@@ -188,6 +188,7 @@ import zerocompile as zc
 from zerocompile import offload, torch_support
 from zerocompile.distributed import default_backend
 from zerocompile.hybrid import ranks_per_node
+from zerocompile.tools.arguments import positive_int
 from zerocompile.tools import gpt as gpt_module
 from zerocompile.tools import dispatched, link_budget, netsim, spawn
 from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
@@ -474,13 +475,6 @@ MODES: dict[str, Mode] = {
 }
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def _mode_list(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in MODES]
@@ -518,10 +512,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     world = parser.add_mutually_exclusive_group()
     # Default None (2 is decided in `bench`): argparse lets a mutually exclusive flag through when
     # its value is its default, so `--ranks 2 --fake-ranks 8` would pass.
-    world.add_argument("--ranks", type=_positive_int, default=None, help=f"ranks to spawn (default {DEFAULT_RANKS})")
+    world.add_argument("--ranks", type=positive_int, default=None, help=f"ranks to spawn (default {DEFAULT_RANKS})")
     world.add_argument(
         "--fake-ranks",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="instead, run each mode as rank 0 of N in one process on a fake process group: one rank's "
@@ -534,23 +528,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"GPT size (default {DEFAULTS[0]}; --quick: {QUICK[0]})",
     )
     parser.add_argument(
-        "--layers", type=_positive_int, default=None, help="blocks of the GPT (default: the size's own)"
+        "--layers", type=positive_int, default=None, help="blocks of the GPT (default: the size's own)"
     )
     parser.add_argument(
         "--steps",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help=f"timed steps per mode (default {DEFAULTS[1]}; --quick: {QUICK[1]})",
     )
     parser.add_argument(
         "--warmup",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help=f"untimed steps before them, the first compiles (default {DEFAULTS[2]}; --quick: {QUICK[2]})",
     )
     parser.add_argument(
         "--batch-size",
-        type=_positive_int,
+        type=positive_int,
         default=4,
         help="sequences of the model's block size per global batch, split over the ranks (default 4)",
     )

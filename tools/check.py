@@ -67,6 +67,7 @@ from zerocompile import offload, torch_support
 from zerocompile.distributed import default_backend
 from zerocompile.passes.stages import shard_numel
 from zerocompile.sharding import shard_info
+from zerocompile.tools.arguments import positive_int
 from zerocompile.tools import spawn
 from zerocompile.tools.gpt import GPT, GPTConfig
 
@@ -702,13 +703,6 @@ def _row_key(row: str) -> tuple[Any, str]:
 # ------------------------------------------------------------------------------------ the command
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"a number of ranks is 1 or more, got {value}")
-    return value
-
-
 def _stage_list(text: str) -> tuple[int, ...]:
     stages = tuple(int(part) for part in text.split(","))
     if not set(stages) <= set(STAGES):
@@ -728,9 +722,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device", default=None, help="cpu, or an accelerator type such as cuda (default: the accelerator torch finds, else cpu)"
     )
-    parser.add_argument("--ranks", type=_positive_int, default=None, help="ranks (default: 2 on the CPU, one per GPU)")
+    parser.add_argument("--ranks", type=positive_int, default=None, help="ranks (default: 2 on the CPU, one per GPU)")
     parser.add_argument(
-        "--fake-ranks", type=_positive_int, default=None, help="only stage 3 as rank 0 of N on the fake process group (memory)"
+        "--fake-ranks", type=positive_int, default=None, help="only stage 3 as rank 0 of N on the fake process group (memory)"
     )
     parser.add_argument("--stages", type=_stage_list, default=STAGES, help="comma-separated (default 0,1,2,3)")
     parser.add_argument("--compilers", type=_compiler_list, default=COMPILERS, help="comma-separated (default eager,inductor)")

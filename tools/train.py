@@ -35,6 +35,7 @@ import torch.distributed as dist
 import zerocompile as zc
 from zerocompile import checkpoint_files
 from zerocompile.distributed import _launcher_environment, group_device, leave_process_group
+from zerocompile.tools.arguments import positive_int
 from zerocompile.tools import spawn
 from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
 
@@ -42,13 +43,6 @@ MB = 1e6
 BYTES_PER_PARAMETER = 16  # fp32 parameter 4 + gradient 4 + AdamW's exp_avg and exp_avg_sq 8
 PARAM_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
 SAMPLE_PROMPT = b"The "
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def add_device_argument(parser: argparse.ArgumentParser, what: str) -> None:
@@ -72,13 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `zerocompile train`; the defaults finish in well under 2 minutes on 2 cores."""
     parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=3, help="ZeRO stage (default 3)")
     parser.add_argument(
-        "--ranks", type=_positive_int, default=2, help="CPU ranks to spawn (default 2; ignored under torchrun/srun)"
+        "--ranks", type=positive_int, default=2, help="CPU ranks to spawn (default 2; ignored under torchrun/srun)"
     )
-    parser.add_argument("--steps", type=_positive_int, default=200, help="optimizer steps (default 200)")
+    parser.add_argument("--steps", type=positive_int, default=200, help="optimizer steps (default 200)")
     parser.add_argument("--model-size", choices=sorted(SIZES), default="tiny", help="GPT size (default tiny)")
     parser.add_argument(
         "--batch-size",
-        type=_positive_int,
+        type=positive_int,
         default=64,
         help="sequences per global batch, split over the ranks (default 64)",
     )
@@ -112,7 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="inductor",
         help="inductor generates code; eager runs the rewritten graphs op by op and compiles fast",
     )
-    parser.add_argument("--log-every", type=_positive_int, default=10, help="print every this many steps (default 10)")
+    parser.add_argument("--log-every", type=positive_int, default=10, help="print every this many steps (default 10)")
     add_device_argument(parser, "the model, batches and sampling")
     parser.add_argument(
         "--param-dtype",
@@ -134,7 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--grad-accum",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="micro-batches per optimizer step, the global batch split between them (default 1)",
     )
@@ -146,7 +140,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--clip", type=float, default=None, help="clip the global gradient norm to this value")
     parser.add_argument("--save", type=Path, default=None, help="checkpoint directory, written every --save-every steps and at the end")
-    parser.add_argument("--save-every", type=_positive_int, default=None, help="steps between checkpoints (default: only at the end)")
+    parser.add_argument("--save-every", type=positive_int, default=None, help="steps between checkpoints (default: only at the end)")
     parser.add_argument(
         "--resume",
         type=Path,
