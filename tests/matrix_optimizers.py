@@ -34,14 +34,17 @@ class MuonGPT(nn.Module):
     """tests/models.py's TiedGPT plus two matrices an optimizer must handle as matrices: 7x13 (91
     elements, so shards end mid-row at N = 2 and 4) and 1x3 (fewer elements than 4 ranks)."""
 
-    def __init__(self) -> None:
+    def __init__(self, side_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.gpt = GPT(SIZES["tiny"])
         self.mix = nn.Linear(13, 7, bias=False)
         self.gate = nn.Linear(3, 1, bias=False)
+        # The side input is made inside forward, where no mixed-precision input cast sees it: with
+        # param_dtype it must be made in that dtype.
+        self.side_dtype = side_dtype
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        features = idx[:, :13].float() / 256
+        features = (idx[:, :13].float() / 256).to(self.side_dtype)
         side = self.gate(torch.tanh(self.mix(features))[:, :3]).square().mean()
         return self.gpt(idx[:, :-1], idx[:, 1:]) + side
 

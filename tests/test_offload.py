@@ -83,7 +83,7 @@ def resident_bytes(path: Path) -> int:
 
 def _train(rank: int, world_size: int, kind: str, stage: int, settings: dict) -> dict:
     torch.manual_seed(0)
-    model = MuonGPT()
+    model = MuonGPT(side_dtype=settings.get("param_dtype", torch.float32))
     optimizers = _optimizers(kind, model)
     zc.shard(model, stage=stage, optimizer=optimizers, compiler="eager", **settings)
     compiled = torch.compile(model, backend="zero")
@@ -101,7 +101,13 @@ def _train(rank: int, world_size: int, kind: str, stage: int, settings: dict) ->
         if isinstance(value, torch.Tensor)
     }
     held = zc.model_state_bytes(model, optimizers)
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "states": states, "resident": resident, "held": held}
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        # The weights at full precision: the store's masters where it keeps them (offload_masters).
+        "precise": {n: zerocompile.offload.full_precision(p).clone() for n, p in model.named_parameters()},
+        "full": zc.full_state_dict(model, rank0_only=False),
+        "states": states, "resident": resident, "held": held,
+    }  # fmt: skip
 
 
 CASES = [("adamw", 1), ("adamw", 2), ("adamw", 3), ("muon", 1), ("muon", 2), ("muon", 3), ("adafactor", 3), ("sgd", 2)]
@@ -161,6 +167,96 @@ def test_no_state_stays_in_memory_between_steps(reports, kind: str, stage: int) 
             assert disk["optimizer"] == 0
         host = result["held_on_host"]
         assert host["optimizer_on_host"] == disk["optimizer_on_disk"] and host["optimizer"] == disk["optimizer"]
+
+
+# Master weights in the store (offload_masters, the default): with param_dtype=bfloat16 the run in
+# memory keeps fp32 shards and casts them for the compute; the offloaded run keeps bf16 shards in
+# memory and the fp32 masters in the store. Gradients are reduced in bf16 in both (the default
+# reduce_dtype) and land as the same values, so every master must equal the in-memory fp32 shard,
+# every bf16 shard that shard rounded, and checkpoints must carry the masters both ways.
+MASTER_CASES = [("adamw", 1), ("adamw", 3), ("muon", 2), ("muon", 3), ("sgd", 3)]
+MIXED = {"param_dtype": torch.bfloat16}
+
+
+def _compare_masters(rank: int, world_size: int, directory: str) -> dict:
+    def differences(in_memory: dict, offloaded: dict) -> dict:
+        return {
+            "masters_differ": sorted(n for n, p in in_memory["params"].items() if not torch.equal(p, offloaded["precise"][n])),
+            "shards_differ": sorted(n for n, p in in_memory["params"].items() if not torch.equal(p.bfloat16(), offloaded["params"][n])),
+            "full_differ": sorted(n for n, t in in_memory["full"].items() if not torch.equal(t, offloaded["full"][n])),
+            "states_differ": sorted(k for k, v in in_memory["states"].items() if not torch.equal(v, offloaded["states"].get(k, torch.empty(0)))),
+            "held": offloaded["held"], "resident": offloaded["resident"],
+        }  # fmt: skip
+
+    def case(kind: str, stage: int) -> dict:
+        in_memory = _train(rank, world_size, kind, stage, MIXED)
+        with mock.patch.object(zerocompile.offload, "STEP_BUCKET_BYTES", SMALL_BUCKETS):
+            on_disk = _train(rank, world_size, kind, stage, {**MIXED, "offload": "disk", "offload_dir": directory})
+            on_host = _train(rank, world_size, kind, stage, {**MIXED, "offload": "cpu"})
+        return {"disk": differences(in_memory, on_disk), "host": differences(in_memory, on_host), "held_in_memory": in_memory["held"]}
+
+    return run_cases([((kind, stage), lambda kind=kind, stage=stage: case(kind, stage)) for kind, stage in MASTER_CASES])
+
+
+@pytest.fixture(scope="module")
+def master_reports(tmp_path_factory) -> list[dict]:
+    return run_on_ranks(2, _compare_masters, str(tmp_path_factory.mktemp("offload-masters")))
+
+
+@pytest.mark.parametrize("store", ["disk", "host"])
+@pytest.mark.parametrize("kind, stage", MASTER_CASES, ids=[f"{kind}-stage{stage}" for kind, stage in MASTER_CASES])
+def test_offloaded_masters_train_bit_for_bit_as_fp32_shards_in_memory(master_reports, kind: str, stage: int, store: str) -> None:
+    for rank, report in enumerate(master_reports):
+        differ, memory = report[(kind, stage)][store], report[(kind, stage)]["held_in_memory"]
+        assert not differ["masters_differ"], f"rank {rank}: masters differ from the in-memory fp32 shards: {differ['masters_differ']}"
+        assert not differ["shards_differ"], f"rank {rank}: bf16 shards are not the masters rounded: {differ['shards_differ']}"
+        assert not differ["full_differ"], f"rank {rank}: full_state_dict differs: {differ['full_differ']}"
+        assert not differ["states_differ"], f"rank {rank}: optimizer state differs: {differ['states_differ']}"
+        assert store == "host" or differ["resident"] == [0] * STEPS, "masters stayed mapped in memory between steps"
+        # Half the parameter bytes stay in memory; the store holds the state and the fp32 masters.
+        held = differ["held"]
+        assert held["params"] * 2 == memory["params"]
+        stored = held["optimizer_on_disk" if store == "disk" else "optimizer_on_host"]
+        assert stored + held["optimizer"] == memory["optimizer"] + memory["params"]
+
+
+def _masters_through_checkpoints(rank: int, world_size: int, root: str) -> dict:
+    """A run with its masters on disk saves after 3 steps; an in-memory run loads it, and a run
+    with masters on disk loads the in-memory run's checkpoint: both go on as the saving run."""
+    def trained(settings: dict, seed: int = 0, load: str | None = None, steps: range = range(3)):
+        torch.manual_seed(seed)
+        model = MuonGPT(side_dtype=torch.bfloat16)
+        optimizers = _optimizers("adamw", model)
+        zc.shard(model, stage=3, optimizer=optimizers, compiler="eager", **MIXED, **settings)
+        if load is not None:
+            zc.load(load, model, optimizers)
+        compiled = torch.compile(model, backend="zero")
+        for step in steps:
+            train_step(compiled, model, optimizers, step, rank, world_size, "plain", None)
+        return model, optimizers
+
+    on_disk = {"offload": "disk", "offload_dir": root}
+    saved = {}
+    for name, settings in (("memory", {}), ("disk", on_disk)):
+        model, optimizers = trained(settings)
+        zc.save(f"{root}/{name}", model, optimizers)
+        saved[name] = zc.full_state_dict(model, rank0_only=False)
+    later = {}
+    for name, settings, source in (("memory", {}, "disk"), ("disk", on_disk, "memory")):
+        model, optimizers = trained(settings, seed=1, load=f"{root}/{source}", steps=range(3, 5))
+        later[name] = zc.full_state_dict(model, rank0_only=False)
+    return {
+        "saved_differ": sorted(n for n, t in saved["memory"].items() if not torch.equal(t, saved["disk"][n])),
+        "later_differ": sorted(n for n, t in later["memory"].items() if not torch.equal(t, later["disk"][n])),
+        "dtypes": sorted({str(t.dtype) for t in later["disk"].values()}),
+    }
+
+
+def test_offloaded_masters_go_through_checkpoints_at_full_precision(tmp_path) -> None:
+    for rank, report in enumerate(run_on_ranks(2, _masters_through_checkpoints, str(tmp_path))):
+        assert report["saved_differ"] == [], f"rank {rank}: the checkpoint of the run with masters on disk differs"
+        assert report["later_differ"] == [], f"rank {rank}: after loading across the two, the runs part"
+        assert report["dtypes"] == ["torch.float32"]
 
 
 # zc.save -> zc.load across world sizes and stages: the same sequence in memory, on disk and in host memory.
@@ -476,3 +572,93 @@ def test_offload_on_glibcs_malloc_warns_of_its_heap(single_rank, monkeypatch) ->
         for warning in warned:
             assert warning.filename == __file__
             assert "MALLOC_MMAP_THRESHOLD_=65536" in str(warning.message) and "tcmalloc" in str(warning.message)
+
+
+# Master weights in the store, one rank: what reads or writes the weights at full precision.
+
+
+def _model_with_masters_on_host(**settings) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model, optimizer = _model_and_adamw()
+    model.side_dtype = torch.bfloat16
+    zc.shard(model, stage=3, optimizer=optimizer, offload="cpu", param_dtype=torch.bfloat16, **settings)
+    return model, optimizer
+
+
+def _a_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model(global_batch("tied_gpt", 0)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"reduce_dtype": torch.float32}, r"round the torch.float32 reductions reduce_dtype asks for: leave reduce_dtype unset"),
+        ({"reduce_quant": "int8"}, r"round the fp32 sums of reduce_quant='int8': drop reduce_quant"),
+    ],
+)
+def test_what_would_round_gradients_in_param_dtype_is_refused(single_rank, settings: dict, message: str) -> None:
+    model, optimizer = _model_and_adamw()
+    with pytest.raises(ValueError, match=message + r".*offload_masters=False"):
+        zc.shard(model, stage=3, optimizer=optimizer, offload="cpu", param_dtype=torch.bfloat16, **settings)
+    assert _unchanged(model) and model.gpt.wte.weight.dtype == torch.float32
+
+
+def test_without_offload_masters_the_fp32_shards_stay_in_memory(single_rank) -> None:
+    model, optimizer = _model_with_masters_on_host(offload_masters=False, reduce_dtype=torch.float32)
+    store = zerocompile.offload.offloaded_state(optimizer)
+    assert store.masters == {} and {p.dtype for p in model.parameters()} == {torch.float32}
+    _a_step(model, optimizer)
+
+
+def test_values_written_into_a_shard_become_its_master_with_a_warning(single_rank) -> None:
+    model, optimizer = _model_with_masters_on_host()
+    weight = model.gpt.wte._parameters["weight"]  # the shard itself (the attribute gives the full tensor)
+    assert weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        weight.fill_(0.5)
+    with pytest.warns(UserWarning, match=r"parameter 'gpt.wte.weight' was written outside .* rounded to torch.bfloat16"):
+        full = zc.full_state_dict(model)
+    assert torch.equal(full["gpt.wte.weight"], torch.full_like(full["gpt.wte.weight"], 0.5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # taken in once: the next reads and the step say nothing
+        zc.full_state_dict(model)
+        _a_step(model, optimizer)
+
+
+def test_gathered_weights_files_and_ema_see_the_fp32_masters(single_rank, tmp_path) -> None:
+    model, optimizer = _model_with_masters_on_host()
+    ema = zc.EMA(model, decay=0.5)
+    _a_step(model, optimizer)
+    ema.update()
+    masters = {n: zerocompile.offload.full_precision(p).clone() for n, p in model.named_parameters()}
+    assert {m.dtype for m in masters.values()} == {torch.float32} and {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    # The masters hold values bf16 cannot: a reader of the shards would see them rounded.
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in masters.values())
+    assert {s.dtype for s in ema.shadow.values()} == {torch.float32}
+    full = zc.full_state_dict(model)
+    with zc.gathered(model):
+        inside = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with torch.no_grad():
+            model.mix.weight.add_(1e-3)  # a change bf16 would round away
+    assert all(torch.equal(inside[n], full[n]) for n in inside)
+    shard = model.mix._parameters["weight"]
+    assert torch.equal(zc.full_state_dict(model)["mix.weight"], full["mix.weight"] + 1e-3)
+    assert torch.equal(shard.detach(), zerocompile.offload.full_precision(shard).bfloat16())
+    zc.save_weights(model, tmp_path / "weights")
+    fresh, fresh_optimizer = _model_with_masters_on_host()
+    zc.load_weights(fresh, tmp_path / "weights")
+    assert all(torch.equal(t, zc.full_state_dict(fresh)[n]) for n, t in zc.full_state_dict(model).items())
+    assert all(torch.equal(p.detach(), zerocompile.offload.full_precision(p).bfloat16()) for p in fresh.parameters())
+
+
+def test_fp16_masters_refuse_the_grad_scaler(single_rank) -> None:
+    model, optimizer = _model_and_adamw()
+    model.side_dtype = torch.float16
+    zc.shard(model, stage=3, optimizer=optimizer, offload="cpu", param_dtype=torch.float16)
+    scaler = zc.ShardedGradScaler("cpu")
+    scaler.scale(model(global_batch("tied_gpt", 0))).backward()
+    before = zerocompile.offload.full_precision(model.mix.weight).clone()
+    with pytest.raises(ValueError, match="unscaling them would underflow .* offload_masters=False"):
+        scaler.step(optimizer)
+    assert torch.equal(zerocompile.offload.full_precision(model.mix.weight), before)

@@ -26,7 +26,7 @@ from torch import nn
 
 from zerocompile import checkpoint_files as files
 from zerocompile.distributed import agreed
-from zerocompile.offload import offloaded_state
+from zerocompile.offload import full_precision, master_written, offloaded_state
 from zerocompile.optimizers import optimizer_list, replicated_state_keys
 from zerocompile.sharding import ShardInfo, _parameter_owners, own_state_dict, shard_info
 
@@ -171,7 +171,7 @@ def _check_group(params: dict[nn.Parameter, tuple[str, ...]]) -> None:
 
 
 def _model_state(params: dict[nn.Parameter, tuple[str, ...]], buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    state = {f"param.{names[0]}": _global_view(p, shard_info(p)) for p, names in params.items()}
+    state = {f"param.{names[0]}": _global_view(full_precision(p), shard_info(p)) for p, names in params.items()}
     state.update({f"buffer.{name}": b.detach() for name, b in buffers.items()})
     return state
 
@@ -284,7 +284,7 @@ def _describe(
         "stage": None if config is None else config.stage,
         "world_size": _rank_and_world()[1],
         "params": [
-            {"names": list(names), "shape": list(_full_shape(p)), "dtype": files.dtype_name(p.dtype)}
+            {"names": list(names), "shape": list(_full_shape(p)), "dtype": files.dtype_name(full_precision(p).dtype)}
             for p, names in params.items()
         ],
         "buffers": [
@@ -376,7 +376,7 @@ def _check_matches(
 ) -> None:
     """An error naming every parameter and buffer whose names, ties, shape or dtype differ."""
     model_side = {
-        names[0]: (names, tuple(_full_shape(p)), files.dtype_name(p.dtype)) for p, names in params.items()
+        names[0]: (names, tuple(_full_shape(p)), files.dtype_name(full_precision(p).dtype)) for p, names in params.items()
     }
     model_side.update({f"buffer {n}": ((n,), tuple(b.shape), files.dtype_name(b.dtype)) for n, b in buffers.items()})
     saved_side = {e["names"][0]: (tuple(e["names"]), tuple(e["shape"]), e["dtype"]) for e in saved["params"]}
@@ -527,6 +527,8 @@ def load(
             no_dist=not dist.is_initialized(),
         )
     _zero_padding(padded)
+    for param in parameter_names(model):
+        master_written(param)
     for one, described, state in installs:
         _install_optimizer_state(one, described, state)
     _release_disk_pages(optimizer)
@@ -583,4 +585,4 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu: bool = True)
     call it (it gathers); with `rank0_only` the other ranks get `{}`. With `cpu`, tensors are
     moved to the CPU.
     """
-    return gathered_state_dict(model, lambda p: p, rank0_only, cpu)
+    return gathered_state_dict(model, full_precision, rank0_only, cpu)

@@ -116,6 +116,12 @@ class ZeroConfig:
         the shards and their gradients are copied to the host, stepped there by the optimizer's own
         code, and copied back. None (the default): where the parameters are.
     offload_dir: the directory for `offload="disk"`, ideally on a local NVMe disk.
+    offload_masters: with `offload` and a `param_dtype` narrower than the parameters (bf16 on
+        fp32): the fp32 master weights go to the offload store too, and the shards kept in memory
+        and their gradients are in `param_dtype` (half the bytes); the step updates the masters
+        and writes the shards from them. Gradients are then reduced, clipped and accumulated in
+        `param_dtype` (a `reduce_dtype` wider than it, int8 reductions and fp16 with a GradScaler
+        are refused). False: the masters stay in memory as the shards, as without offload.
     broadcast_buffers: as DDP's (and its default): forwards first take group rank 0's buffers,
         inside the compiled graph, by DDP's rule (the first forward, and each after one that
         prepared a gradient reduction); False leaves each rank's buffers its own after `shard()`'s
@@ -142,6 +148,7 @@ class ZeroConfig:
     secondary_shard_size: int | str | None = None
     offload: str | None = None
     offload_dir: str | None = None
+    offload_masters: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -155,7 +162,7 @@ class ZeroConfig:
             dtype = getattr(self, name)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise ValueError(f"{name} must be a floating-point torch.dtype such as torch.bfloat16, got {dtype!r}")
-        for name in ("check_ranks", "trim_heap", "broadcast_buffers"):
+        for name in ("check_ranks", "trim_heap", "broadcast_buffers", "offload_masters"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("gather_quant", "reduce_quant"):

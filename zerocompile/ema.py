@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from zerocompile.checkpoint import gathered_state_dict, parameter_names, unwrap_model
+from zerocompile.offload import full_precision
 
 
 class EMA:
@@ -28,14 +29,14 @@ class EMA:
         self.decay = float(decay)
         with torch.no_grad():
             self.shadow: dict[nn.Parameter, torch.Tensor] = {
-                param: param.detach().clone() for param in parameter_names(self.model)
+                param: full_precision(param).detach().clone() for param in parameter_names(self.model)
             }
 
     @torch.no_grad()
     def update(self) -> None:
         """Move the average towards the parameters' current values (their shards)."""
         for param, shadow in self.shadow.items():
-            shadow.mul_(self.decay).add_(param.detach(), alpha=1.0 - self.decay)
+            shadow.mul_(self.decay).add_(full_precision(param).detach(), alpha=1.0 - self.decay)
 
     @property
     def nbytes(self) -> int:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import distributed_c10d as c10d
 
+from zerocompile.offload import full_precision, master_written
 from zerocompile.sharding import ShardInfo, _parameter_owners, shard_info
 
 
@@ -38,7 +39,10 @@ class _Held:
 
     param: nn.Parameter
     info: ShardInfo
-    shard: torch.Tensor  # the shard storage, written back into in place
+    shard: torch.Tensor  # the shard storage
+    # Its values at full precision, written back into in place: the shard, or its master weights
+    # in an offload store (`offload_masters`).
+    precise: torch.Tensor
     grad: torch.Tensor | None  # the shard's gradient, set aside
     places: list[tuple[nn.Module, str]]  # (module, attribute) holding it
 
@@ -83,8 +87,9 @@ class gathered:
             with torch.no_grad():
                 for param, places in owners.items():
                     info = shard_info(param)
-                    full = info.gather(param.detach())
-                    self._held.append(_Held(param, info, param.data, param.grad, [(m, a) for _p, m, a in places]))
+                    precise = full_precision(param).detach()
+                    full = info.gather(precise)
+                    self._held.append(_Held(param, info, param.data, precise, param.grad, [(m, a) for _p, m, a in places]))
                     param.grad = None  # a shard-shaped gradient cannot sit on a full tensor
                     param.data = full
                     param._zero_gathered = True
@@ -102,6 +107,7 @@ class gathered:
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
         problems = [] if error is not None else self._problems()
+        params = [held.param for held in self._held]
         failing: list[int] = []
         try:
             if self.writeback:
@@ -111,6 +117,9 @@ class gathered:
                     self._write_back(group)
         finally:
             self._restore()
+        if self.writeback and not failing and error is None and not problems:
+            for param in params:
+                master_written(param)
         if problems:
             raise RuntimeError("; ".join(problems))
         if failing and error is None:
@@ -130,10 +139,10 @@ class gathered:
                     f"parameter '{info.fqn}' was replaced ({replaced}) inside gathered(): change it in place "
                     "instead, e.g. `with torch.no_grad(): module.weight.copy_(new)`"
                 )
-            elif tuple(param.shape) != info.shape or param.dtype != held.shard.dtype:
+            elif tuple(param.shape) != info.shape or param.dtype != held.precise.dtype:
                 problems.append(
                     f"parameter '{info.fqn}' is now {tuple(param.shape)} {param.dtype}, but is sharded as "
-                    f"{info.shape} {held.shard.dtype}: change its values, not its shape or dtype"
+                    f"{info.shape} {held.precise.dtype}: change its values, not its shape or dtype"
                 )
             elif param.grad is not None:
                 problems.append(
@@ -151,7 +160,7 @@ class gathered:
                 full = held.param.detach()
                 if not held.info.policy.shards_parameters:
                     dist.broadcast(full, src=src, group=group)
-                    held.shard.copy_(full)
+                    held.precise.copy_(full)
                     continue
                 rows = None
                 if dist.get_rank(group) == 0:
@@ -159,7 +168,7 @@ class gathered:
                     flat = full.reshape(-1)
                     padded = torch.cat([flat, flat.new_zeros(held.info.shard_numel * world_size - flat.numel())])
                     rows = list(padded.view(world_size, held.info.shard_numel))
-                dist.scatter(held.shard, rows, src=src, group=group)
+                dist.scatter(held.precise, rows, src=src, group=group)
             for buffer in self.model.buffers():
                 dist.broadcast(buffer, src=src, group=group)
 

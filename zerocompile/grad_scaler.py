@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from zerocompile.offload import offloaded_state
 from zerocompile.sharding import shard_info
 
 
@@ -42,6 +43,14 @@ class ShardedGradScaler(torch.amp.GradScaler):
         found_inf: torch.Tensor,
         allow_fp16: bool,
     ) -> dict[torch.device, torch.Tensor]:
+        store = offloaded_state(optimizer)
+        if store is not None and store.masters and store.compute_dtype == torch.float16:
+            raise ValueError(
+                "the model's offload keeps its fp32 master weights in the offload store and the gradients in "
+                "float16, where unscaling them would underflow (torch refuses to unscale fp16 gradients): shard with "
+                "offload_masters=False to keep the masters and fp32 gradients in memory, or use bfloat16 without a "
+                "GradScaler"
+            )
         found_per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         groups = _sharded_groups(optimizer)
         if not groups:

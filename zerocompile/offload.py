@@ -21,6 +21,12 @@ runs on the CPU on those copies, and the parameters are copied back; two buffers
 copies of one bucket overlap the update of another. On CPU parameters it moves nothing useful (the
 state already is in host memory) but runs the same code, which is how its exactness is tested here.
 
+With `offload_masters` and a `param_dtype` narrower than the parameters, the store also keeps each
+parameter's master weights (its fp32 shard) and the shard in memory takes `param_dtype`: each step
+updates the masters (their gradients cast up from `param_dtype`) and writes the shards from them.
+Whatever reads or writes the weights at full precision (checkpoints, `full_state_dict`, weights
+files, `gathered`, EMA) goes through `full_precision` and `master_written`.
+
 The state tensors in `optimizer.state` are views of the store between steps, so `state_dict()`,
 `zc.save` and `zc.load` read and write it in place; torch's `load_state_dict` is followed by moving
 what it installed back into the store. The arithmetic is the optimizer's own, on the same values: a
@@ -89,6 +95,14 @@ class Shards:
     full_ndim: Callable[[torch.Tensor], int]  # dims of the parameter as written
     device: torch.device  # where the parameters will live
     describe: Callable[[torch.Tensor], str]  # the parameter's name, for errors
+    # `offload_masters`: the dtype the shards in memory take where the store keeps their masters.
+    compute_dtype: torch.dtype | None = None
+
+    def keeps_master(self, param: torch.Tensor) -> bool:
+        """Whether the store keeps `param`'s master weights (a floating-point parameter wider than
+        the compute dtype)."""
+        dtype = self.compute_dtype
+        return dtype is not None and param.is_floating_point() and dtype.itemsize < param.dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,17 +139,36 @@ class OffloadedState:
         self._groups_layout = _groups_layout(optimizer)
         kinds = _offloaded_kinds(optimizer, shards.full_ndim, step_device)
         self.regions: dict[torch.Tensor, dict[str, _Region]] = {}
+        # Parameters whose fp32 master weights the store keeps (`offload_masters`), and where.
+        self.masters: dict[torch.Tensor, _Region] = {}
+        self.compute_dtype = shards.compute_dtype
         offset = 0
+
+        def region(dtype: torch.dtype, numel: int) -> _Region:
+            nonlocal offset
+            placed = _Region(dtype, offset, numel)
+            offset = _page_aligned(offset + placed.nbytes)
+            return placed
+
         for index, group in enumerate(optimizer.param_groups):
             for param in group["params"]:
-                self.regions[param] = {}
-                for key, dtype in kinds[(index, shards.full_ndim(param), param.dtype)]:
-                    self.regions[param][key] = _Region(dtype, offset, shards.local_numel(param))
-                    offset = _page_aligned(offset + shards.local_numel(param) * dtype.itemsize)
+                if shards.keeps_master(param):
+                    self.masters[param] = region(param.dtype, shards.local_numel(param))
+                self.regions[param] = {
+                    key: region(dtype, shards.local_numel(param))
+                    for key, dtype in kinds[(index, shards.full_ndim(param), param.dtype)]
+                }
         self.nbytes = offset
         self.state_bytes = sum(region.nbytes for regions in self.regions.values() for region in regions.values())
-        self._buckets = _buckets(optimizer, self.regions)
+        self.master_bytes = sum(region.nbytes for region in self.masters.values())
+        self._buckets = _buckets(optimizer, {p: [*self.regions[p].values(), *self._master_list(p)] for p in self.regions})
         self._views: dict[tuple[int, str], torch.Tensor] = {}
+        # Each master's parameter's `_version` when the store last wrote it: a write by anyone else
+        # shows as a newer version.
+        self._versions: dict[torch.Tensor, int] = {}
+
+    def _master_list(self, param: torch.Tensor) -> list[_Region]:
+        return [self.masters[param]] if param in self.masters else []
 
     def _flat(self, region: _Region) -> torch.Tensor:
         """The store's elements of `region`, as a 1-D tensor of its dtype."""
@@ -149,6 +182,37 @@ class OffloadedState:
         optimizer._zero_offloaded = self
         optimizer.register_load_state_dict_post_hook(lambda loaded: self.move_all_into_store(loaded))
         self.move_all_into_store(optimizer)
+        with torch.no_grad():
+            for param in self.masters:
+                self.master(param).copy_(param.detach().reshape(self.master(param).shape))
+                param.data = param.detach().to(self.compute_dtype)
+                param._zero_masters = self
+                self._versions[param] = param._version
+        self.release()
+
+    def master(self, param: torch.Tensor) -> torch.Tensor:
+        """The store's master weights of `param` (its shard's shape, the parameter's own dtype)."""
+        return self._cached_view(param, "master", self.masters[param])
+
+    def current_master(self, param: torch.Tensor) -> torch.Tensor:
+        """`master(param)`, after taking in what was written into the parameter outside the
+        store since the store last wrote it (the user's `copy_`, a module's `load_state_dict`)."""
+        if param._version != self._versions[param]:
+            warn_at_caller(
+                f"parameter {self._describe(param)} was written outside zerocompile's loaders since the last step: "
+                f"its {self.masters[param].dtype} master weights in the offload store take the written values, "
+                f"rounded to {self.compute_dtype}. zerocompile.load and load_weights keep full precision"
+            )
+            with torch.no_grad():
+                self.master(param).copy_(param.detach())
+            self._versions[param] = param._version
+        return self.master(param)
+
+    def master_written(self, param: torch.Tensor) -> None:
+        """`param`'s shard taken from its master weights, which were just written."""
+        with torch.no_grad():
+            param.copy_(self.master(param))
+        self._versions[param] = param._version
 
     def move_all_into_store(self, optimizer: torch.optim.Optimizer) -> None:
         """`move_into_store` for every parameter, then `release`."""
@@ -159,8 +223,9 @@ class OffloadedState:
         """The store's tensor for `param`'s state `key` (its shard's shape), or None where that
         state stays where the optimizer keeps it."""
         region = self.regions.get(param, {}).get(key)
-        if region is None:
-            return None
+        return None if region is None else self._cached_view(param, key, region)
+
+    def _cached_view(self, param: torch.Tensor, key: str, region: _Region) -> torch.Tensor:
         cached = self._views.get((id(param), key))
         if cached is None:
             flat = self._flat(region)
@@ -203,6 +268,8 @@ class OffloadedState:
                 "their state: build the optimizer with all its groups before shard()"
             )
         self._before_step()
+        for param in self.masters:
+            self.current_master(param)
         groups = optimizer.param_groups
         everything = [group["params"] for group in groups]
         try:
@@ -219,6 +286,38 @@ class OffloadedState:
     def _step_bucket(self, optimizer: torch.optim.Optimizer, number: int, base_step: Callable[[torch.optim.Optimizer], Any]) -> None:
         """`base_step` on the parameters of bucket `number` (the ones after it are still to come)."""
         raise NotImplementedError
+
+    def _step_stand_ins(
+        self, optimizer: torch.optim.Optimizer, bucket: _Bucket, stand_ins: dict[torch.Tensor, torch.Tensor],
+        base_step: Callable[[torch.optim.Optimizer], Any],
+    ) -> None:
+        """`base_step` on tensors standing in for the bucket's parameters (host copies, masters),
+        with the parameters' state re-keyed to them and back."""
+        for group, params in zip(optimizer.param_groups, bucket.params_by_group):
+            group["params"] = [stand_ins[param] for param in params]
+        state = optimizer.state
+        optimizer.state = defaultdict(dict, {stand_ins[p]: state[p] for p in stand_ins if p in state})
+        try:
+            base_step(optimizer)
+        finally:
+            stepped, optimizer.state = optimizer.state, state
+        for param, stand_in in stand_ins.items():
+            if stand_in in stepped:
+                state[param] = stepped[stand_in]
+
+    def _stand_in_master(self, param: torch.Tensor, master: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor:
+        """`master` (or its copy on the step's device) made to stand in for `param` in the step:
+        `grad` in the master's dtype, and what zerocompile.optim reads of the parameter."""
+        master.grad = None if grad is None else grad.to(master.dtype)
+        master.requires_grad_(param.requires_grad)
+        master._zero = getattr(param, "_zero", None)
+        return master
+
+    @staticmethod
+    def _stood_in(stand_in: torch.Tensor) -> None:
+        """A master that stood in for its parameter, back to plain values (no gradient held)."""
+        stand_in.grad = None
+        stand_in.requires_grad_(False)
 
 
 class DiskState(OffloadedState):
@@ -244,10 +343,11 @@ class DiskState(OffloadedState):
         return torch.frombuffer(self._map, dtype=region.dtype, count=region.numel, offset=region.offset)
 
     def traffic(self) -> dict[str, Any]:
-        """The state on disk, read once and written once by each step."""
+        """The state (and masters) on disk, read once and written once by each step."""
         return {
-            "where": "on disk", "file": str(self.path), "state_bytes": self.state_bytes, "buckets": len(self._buckets),
-            "moved_bytes_per_step": 2 * self.state_bytes, "moves": "the state read from the file and written back",
+            "where": "on disk", "file": str(self.path), "state_bytes": self.state_bytes, "master_bytes": self.master_bytes,
+            "buckets": len(self._buckets), "moved_bytes_per_step": 2 * (self.state_bytes + self.master_bytes),
+            "moves": "the state read from the file and written back",
         }  # fmt: skip
 
     def release(self) -> None:
@@ -279,16 +379,28 @@ class DiskState(OffloadedState):
         bucket = self._buckets[number]
         if number + 1 < len(self._buckets):
             self._advise(mmap.MADV_WILLNEED, self._buckets[number + 1])
-        for group, params in zip(optimizer.param_groups, bucket.params_by_group):
-            group["params"] = list(params)
         params = bucket.params()
         staged = self._stage_on_device(optimizer, params)
-        base_step(optimizer)
+        stand_ins = {param: self._master_on_device(param) if param in self.masters else param for param in params}
+        self._step_stand_ins(optimizer, bucket, stand_ins, base_step)
         for param, key, host in staged:
             host.copy_(optimizer.state[param][key])
             optimizer.state[param][key] = host
+        with torch.no_grad():
+            for param in [param for param in params if param in self.masters]:
+                stand_in, master = stand_ins[param], self.master(param)
+                if stand_in is not master:
+                    master.copy_(stand_in)
+                self._stood_in(stand_in)
+                self.master_written(param)
         self.move_into_store(optimizer, params)
         self._drop(bucket)
+
+    def _master_on_device(self, param: torch.Tensor) -> torch.Tensor:
+        master = self.master(param)
+        if param.device != master.device:
+            master = master.to(param.device)
+        return self._stand_in_master(param, master, param.grad)
 
     def _stage_on_device(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[tuple[torch.Tensor, str, torch.Tensor]]:
         """Copies of the file's state on the parameters' accelerator for the step (none on the CPU)."""
@@ -323,8 +435,9 @@ class HostState(OffloadedState):
     gradients are copied to host buffers, the optimizer's own step updates those copies with the
     state in the store, and the parameters are copied back. Two buffers alternate, so on an
     accelerator the next bucket's copies to the host and this bucket's copy back run while the CPU
-    updates. The parameters on the device stay the only copy of the weights between steps: a
-    checkpoint loaded into them is what the next step updates."""
+    updates. Without `offload_masters` the parameters on the device stay the only copy of the
+    weights between steps; with it the store's masters step in place (only the gradients are
+    copied to the host) and the shards are copied back from them."""
 
     held_as = "optimizer_on_host"
 
@@ -336,7 +449,10 @@ class HostState(OffloadedState):
         self._store = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=pinned)
         # Each bucket's parameters and gradients, at _STAGING_ALIGNMENT-aligned offsets.
         self._staging_layout = {}
-        self._shard_bytes = {param: shards.local_numel(param) * param.dtype.itemsize for param in self.regions}
+        self._shard_bytes = {
+            param: shards.local_numel(param) * (self.compute_dtype if param in self.masters else param.dtype).itemsize
+            for param in self.regions
+        }
         largest = 0
         for bucket in self._buckets:
             offset = 0
@@ -347,8 +463,9 @@ class HostState(OffloadedState):
             largest = max(largest, offset)
         self._staging = [torch.zeros(largest, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
         self._copied_back: list[torch.Event | None] = [None, None]  # per buffer: where its last copy back ends
-        # Bucket number -> its stand-ins by parameter, and the event its copies to the host end at.
-        self._staged: dict[int, tuple[dict[torch.Tensor, torch.Tensor], torch.Event | None]] = {}
+        # Bucket number -> its stand-ins and staged gradients by parameter, and the event their
+        # copies to the host end at.
+        self._staged: dict[int, tuple[dict[torch.Tensor, torch.Tensor], dict[torch.Tensor, torch.Tensor], torch.Event | None]] = {}
         self._device = shards.device
 
     def _flat(self, region: _Region) -> torch.Tensor:
@@ -357,11 +474,19 @@ class HostState(OffloadedState):
     def traffic(self) -> dict[str, Any]:
         """The state in host memory; each step copies the shards and gradients there, the shards back."""
         shard_bytes = sum(self._shard_bytes.values())
+        copied_out = sum(nbytes for param, nbytes in self._shard_bytes.items() if param not in self.masters)
         return {
-            "where": "in host memory", "state_bytes": self.state_bytes, "buckets": len(self._buckets),
-            "moved_bytes_per_step": 3 * shard_bytes,
-            "moves": "parameter shards and gradients copied to the host, the parameters back",
+            "where": "in host memory", "state_bytes": self.state_bytes, "master_bytes": self.master_bytes,
+            "buckets": len(self._buckets), "moved_bytes_per_step": 2 * shard_bytes + copied_out,
+            "moves": "gradients and the parameter shards without masters there copied to the host, the shards back",
         }  # fmt: skip
+
+    def _before_step(self) -> None:
+        """The last step's copies of masters to the parameters read the store: they end before
+        this step writes it."""
+        for event in self._copied_back:
+            if event is not None:
+                event.synchronize()
 
     def _step_bucket(self, optimizer: torch.optim.Optimizer, number: int, base_step: Callable[[torch.optim.Optimizer], Any]) -> None:
         bucket = self._buckets[number]
@@ -369,22 +494,21 @@ class HostState(OffloadedState):
             self._stage(number)
         if number + 1 < len(self._buckets):
             self._stage(number + 1)
-        stand_ins, arrived = self._staged.pop(number)
+        stand_ins, grads, arrived = self._staged.pop(number)
         if arrived is not None:
             arrived.synchronize()
-        for group, params in zip(optimizer.param_groups, bucket.params_by_group):
-            group["params"] = [stand_ins[param] for param in params]
-        state = optimizer.state
-        optimizer.state = defaultdict(dict, {stand_ins[p]: state[p] for p in stand_ins if p in state})
-        try:
-            base_step(optimizer)
-        finally:
-            stepped, optimizer.state = optimizer.state, state
-        for param, stand_in in stand_ins.items():
-            if stand_in in stepped:
-                state[param] = stepped[stand_in]
-            with torch.no_grad():
+        for param, grad in grads.items():
+            if param in self.masters:
+                self._stand_in_master(param, stand_ins[param], grad)
+            else:
+                stand_ins[param].grad = grad
+        self._step_stand_ins(optimizer, bucket, stand_ins, base_step)
+        with torch.no_grad():
+            for param, stand_in in stand_ins.items():
                 param.copy_(stand_in, non_blocking=True)
+                if param in self.masters:
+                    self._stood_in(stand_in)
+                    self._versions[param] = param._version
         self._copied_back[number % 2] = self._record()
         self.move_into_store(optimizer, list(stand_ins))
 
@@ -394,20 +518,23 @@ class HostState(OffloadedState):
         buffer = self._staging[number % 2]
         if self._copied_back[number % 2] is not None:
             self._copied_back[number % 2].synchronize()
-        stand_ins = {}
+        stand_ins, grads = {}, {}
         for param in self._buckets[number].params():
             start, grad_start = self._staging_layout[param]
             nbytes = self._shard_bytes[param]
+            if param.grad is not None:
+                grads[param] = buffer[grad_start : grad_start + nbytes].view(param.dtype).view(param.shape)
+                grads[param].copy_(param.grad, non_blocking=True)
+            if param in self.masters:  # the master in the store is what steps: nothing to copy
+                stand_ins[param] = self.master(param)
+                continue
             stand_in = buffer[start : start + nbytes].view(param.dtype).view(param.shape)
             stand_in.copy_(param.detach(), non_blocking=True)
-            if param.grad is not None:
-                stand_in.grad = buffer[grad_start : grad_start + nbytes].view(param.dtype).view(param.shape)
-                stand_in.grad.copy_(param.grad, non_blocking=True)
             stand_in.requires_grad_(param.requires_grad)
             # zerocompile.optim's optimizers read which shard of which parameter they step.
             stand_in._zero = getattr(param, "_zero", None)
             stand_ins[param] = stand_in
-        self._staged[number] = (stand_ins, self._record())
+        self._staged[number] = (stand_ins, grads, self._record())
 
     def _record(self) -> torch.Event | None:
         """An event at the end of the work queued so far on the parameters' accelerator (None on
@@ -442,6 +569,21 @@ def describe_directory(directory: str | os.PathLike) -> str:
     """"/nvme/zc (ext4, 1,234,567,890 bytes free)": where offloaded state would go."""
     path = Path(directory)
     return f"{path} ({_file_system(path) or 'unknown file system'}, {shutil.disk_usage(path).free:,} bytes free)"
+
+
+def full_precision(param: torch.Tensor) -> torch.Tensor:
+    """`param`'s values at full precision: its master weights where an offload store keeps them
+    (`offload_masters`), else the parameter itself."""
+    store = getattr(param, "_zero_masters", None)
+    return param if store is None else store.current_master(param)
+
+
+def master_written(param: torch.Tensor) -> None:
+    """After `full_precision(param)` was written: the parameter's shard made to match (nothing
+    where the parameter is its own full precision)."""
+    store = getattr(param, "_zero_masters", None)
+    if store is not None:
+        store.master_written(param)
 
 
 def offloaded_state(optimizer: torch.optim.Optimizer) -> OffloadedState | None:
@@ -529,9 +671,10 @@ def _aligned(offset: int) -> int:
     return -(-offset // _STAGING_ALIGNMENT) * _STAGING_ALIGNMENT
 
 
-def _buckets(optimizer: torch.optim.Optimizer, regions: dict[torch.Tensor, dict[str, _Region]]) -> list[_Bucket]:
+def _buckets(optimizer: torch.optim.Optimizer, regions: dict[torch.Tensor, list[_Region]]) -> list[_Bucket]:
     """The parameters in the optimizer's order, cut into buckets of about STEP_BUCKET_BYTES of
-    offloaded state (the file is laid out in that order, so each bucket's bytes are one range)."""
+    offloaded state and masters (`regions`, each parameter's; the file is laid out in that order,
+    so each bucket's bytes are one range)."""
     buckets: list[_Bucket] = []
     current: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
     start = end = 0
@@ -544,7 +687,7 @@ def _buckets(optimizer: torch.optim.Optimizer, regions: dict[torch.Tensor, dict[
     for index, group in enumerate(optimizer.param_groups):
         for param in group["params"]:
             current[index].append(param)
-            for region in regions[param].values():
+            for region in regions[param]:
                 end = _page_aligned(region.offset + region.nbytes)
             if end - start >= STEP_BUCKET_BYTES:
                 close()

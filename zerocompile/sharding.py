@@ -424,7 +424,10 @@ def _offloaded_states(
         full_ndim=lambda p: len(infos[p].shape),
         device=device,
         describe=lambda p: repr(infos[p].fqn),
+        compute_dtype=config.param_dtype if config.offload_masters else None,
     )
+    if any(shards.keeps_master(p) for passed in optimizers for group in passed.param_groups for p in group["params"]):
+        _refuse_rounded_gradients(config)
     if config.offload == "disk":
         return [DiskState(passed, shards, config.offload_dir) for passed in optimizers]
     return [HostState(passed, shards) for passed in optimizers]
@@ -687,19 +690,37 @@ WHILE_SHARDED = ProcessHooks(
 )
 
 
+def _refuse_rounded_gradients(config: ZeroConfig) -> None:
+    """With the masters offloaded, gradients land in param_dtype: what would round them where the
+    masters in memory would not is refused, naming the fix."""
+    keep = "or keep the master weights in memory with offload_masters=False"
+    if config.reduce_dtype is not None and config.reduce_dtype.itemsize > config.param_dtype.itemsize:
+        raise ValueError(
+            f"offload={config.offload!r} keeps the master weights in the store and the gradients in param_dtype "
+            f"{config.param_dtype}, which would round the {config.reduce_dtype} reductions reduce_dtype asks for: "
+            f"leave reduce_dtype unset, {keep}"
+        )
+    if config.reduce_quant is not None:
+        raise ValueError(
+            f"offload={config.offload!r} keeps the master weights in the store and the gradients in param_dtype "
+            f"{config.param_dtype}, which would round the fp32 sums of reduce_quant={config.reduce_quant!r}: drop "
+            f"reduce_quant, {keep}"
+        )
+
+
 def model_state_bytes(
     model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None
 ) -> dict[str, int]:
     """Bytes this rank holds in parameters, gradients and the state of `optimizer` (one or
     several), tied parameters counted once; where an optimizer's state is offloaded, what its store
     holds is counted under "optimizer_on_disk" (`offload="disk"`) or "optimizer_on_host"
-    (`offload="cpu"`), not in "optimizer"."""
+    (`offload="cpu"`), not in "optimizer", with the master weights it keeps (`offload_masters`)."""
     params = list({id(p): p for p in model.parameters()}.values())
     held = {"optimizer": 0}
     for one in optimizer_list(optimizer):
         store = offloaded_state(one)
         if store is not None:
-            held.setdefault(store.held_as, 0)
+            held[store.held_as] = held.get(store.held_as, 0) + store.master_bytes
         for param, state in one.state.items():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:

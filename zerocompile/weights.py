@@ -38,6 +38,7 @@ from torch import nn
 from zerocompile.checkpoint import _is_sharded, _persistent_buffers, _resolve, _valid_numel, parameter_names, unwrap_model
 from zerocompile.checkpoint_files import SAFETENSORS_DTYPES, _fsync_directory, write_json
 from zerocompile.meta_init import PartReader
+from zerocompile.offload import full_precision, master_written
 from zerocompile.sharding import ShardInfo, shard_info
 
 SINGLE_FILE = "model.safetensors"
@@ -61,7 +62,7 @@ class _ModelTensor:
     """A distinct parameter (under every name it has) or a persistent buffer, as this rank holds it."""
 
     names: tuple[str, ...]
-    tensor: torch.Tensor  # this rank's shard, or the whole tensor
+    tensor: torch.Tensor  # this rank's shard (its master weights where offload keeps them), or the whole tensor
     info: ShardInfo | None
 
     @property
@@ -88,7 +89,7 @@ class _Stored:
 
 def _model_tensors(model: nn.Module) -> list[_ModelTensor]:
     params = parameter_names(model)
-    tensors = [_ModelTensor(names, param, shard_info(param)) for param, names in params.items()]
+    tensors = [_ModelTensor(names, full_precision(param), shard_info(param)) for param, names in params.items()]
     tensors += [_ModelTensor((name,), buffer, None) for name, buffer in _persistent_buffers(model, params).items()]
     return tensors
 
@@ -124,6 +125,8 @@ def load_weights(model: nn.Module, path: str | os.PathLike, strict: bool = True)
         with torch.no_grad():
             for target, source in pairs:
                 _read_into(target, source)
+    for param in parameter_names(model):
+        master_written(param)
     return None if strict else LoadResult(missing, unexpected)
 
 
