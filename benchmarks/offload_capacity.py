@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 import zerocompile as zc
 from benchmarks.capacity import EXACT_RSS_ENVIRONMENT, GB, GiB, Marks, Sampler, machine, mem_available, spawn_ranks
-from zerocompile import offload
+from zerocompile import offload, offload_files
 from zerocompile.tools import spawn
 from zerocompile.tools.gpt import GPT, SIZES
 from zerocompile.tools.train import GlobalBatches, load_text
@@ -97,7 +97,7 @@ def _rank(rank: int, settings: dict[str, Any]) -> dict[str, Any]:
             marks(f"step {step}" + (" (compiles)" if step == 1 else ""))
         held = zc.model_state_bytes(model, optimizer)
     dist.barrier()
-    bandwidth = offload.measure_disk_bandwidth(settings["offload_dir"], held["optimizer_on_disk"]) if rank == 0 else None
+    bandwidth = offload_files.measure_disk_bandwidth(settings["offload_dir"], held["optimizer_on_disk"]) if rank == 0 else None
     measured = {
         "rank": rank,
         "peak_rss": marks.marks[-1]["hwm"],
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "phi": phi,
         "training_state_bytes": 16 * phi,
-        "offload_dir": offload.describe_directory(args.offload_dir),
+        "offload_dir": offload_files.describe_directory(args.offload_dir),
     }
     head = (f"GPT {args.size} (Φ = {phi:,}; fp32 AdamW training state 16Φ = {16 * phi / GB:.1f} GB, RAM "
             f"{report['machine']['ram_bytes'] / GB:.1f} GB), stage 3, {args.ranks} ranks, state on disk in {args.offload_dir}")

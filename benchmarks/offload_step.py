@@ -50,7 +50,7 @@ def main() -> None:
     import torch
 
     import zerocompile as zc
-    from zerocompile import offload
+    from zerocompile import offload_files
 
     zc.init_distributed()
     memory_model, in_memory = _model(args.model_size, {})
@@ -63,7 +63,7 @@ def main() -> None:
             times[name].append(time.perf_counter() - started)
     same = all(torch.equal(a, b) for a, b in zip(memory_model.parameters(), disk_model.parameters()))
     state_bytes = zc.model_state_bytes(disk_model, on_disk)["optimizer_on_disk"]
-    bandwidth = offload.measure_disk_bandwidth(args.offload_dir, state_bytes)
+    bandwidth = offload_files.measure_disk_bandwidth(args.offload_dir, state_bytes)
     memory_step, disk_step = statistics.median(times["memory"]), statistics.median(times["disk"])
     moved = 2 * state_bytes
     floor = state_bytes / bandwidth["read"] + state_bytes / bandwidth["write"]

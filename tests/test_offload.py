@@ -41,6 +41,7 @@ from torch import nn
 
 import zerocompile as zc
 import zerocompile.offload
+import zerocompile.offload_files
 import zerocompile.optim
 import zerocompile.sharding
 from matrix_optimizers import STEPS, MuonGPT, train_step
@@ -501,8 +502,8 @@ def test_memory_backed_directory_gets_a_warning(single_rank, tmp_path, monkeypat
     """The warning, attributed to the shard() call, for a directory the mount table calls tmpfs
     (made so here: a real tmpfs needs /dev/shm or a mount namespace, which the full-disk test uses
     where it may); the mount table itself is read in the next test."""
-    real = zerocompile.offload._file_system
-    monkeypatch.setattr(zerocompile.offload, "_file_system", lambda d: "tmpfs" if d == tmp_path else real(d))
+    real = zerocompile.offload_files.file_system
+    monkeypatch.setattr(zerocompile.offload_files, "file_system", lambda d: "tmpfs" if d == tmp_path else real(d))
     model, optimizer = _model_and_adamw()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -514,9 +515,9 @@ def test_memory_backed_directory_gets_a_warning(single_rank, tmp_path, monkeypat
 
 def test_the_file_system_is_read_from_the_mount_table() -> None:
     """/proc is procfs on every Linux host, and the deepest mount wins over / for paths under it."""
-    assert zerocompile.offload._file_system(Path("/proc")) == "proc"
-    assert zerocompile.offload._file_system(Path("/proc/self")) == "proc"
-    assert zerocompile.offload._file_system(Path("/")) not in (None, "proc")
+    assert zerocompile.offload_files.file_system(Path("/proc")) == "proc"
+    assert zerocompile.offload_files.file_system(Path("/proc/self")) == "proc"
+    assert zerocompile.offload_files.file_system(Path("/")) not in (None, "proc")
 
 
 @pytest.mark.fast

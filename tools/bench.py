@@ -185,7 +185,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import zerocompile as zc
-from zerocompile import offload, torch_support
+from zerocompile import offload_files, torch_support
 from zerocompile.distributed import default_backend
 from zerocompile.hybrid import ranks_per_node
 from zerocompile.tools.arguments import positive_int
@@ -241,7 +241,7 @@ OFFLOAD_BOUND = 1.3
 OFFLOAD_METHOD = {
     "optimizer_on_disk": "modes with their optimizer state on disk (zc.shard(offload='disk') under --offload-dir): "
     "after the timed steps every rank at once (as in a step: the ranks of a machine share its disk) measures the "
-    "directory's bandwidth on a file of its state's size (zerocompile.offload.measure_disk_bandwidth: written and "
+    "directory's bandwidth on a file of its state's size (zerocompile.offload_files.measure_disk_bandwidth: written and "
     "fsync'd, its pages evicted, read back); state = the rank's state in the files; moved = the state read once and "
     "written once per step; floor = state / read bandwidth + state / write bandwidth; the rank with the largest "
     "floor is shown. optimizer = median over steps of the slowest rank's optimizer step; in memory = the same of "
@@ -1084,9 +1084,9 @@ def _disk_figures(held: dict[str, int], directory: str) -> dict[str, Any] | None
     # Every rank at once, as they stream their state in a step: the ranks of one machine share its
     # disk, and one rank measuring alone would get all of it, a floor up to N times too low.
     dist.barrier()
-    bandwidth = offload.measure_disk_bandwidth(directory, state)
+    bandwidth = offload_files.measure_disk_bandwidth(directory, state)
     return {
-        "directory": offload.describe_directory(directory),
+        "directory": offload_files.describe_directory(directory),
         "state_bytes": state,
         "bandwidth_bytes_per_s": bandwidth,
         "moved_bytes_per_step": 2 * state,

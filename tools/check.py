@@ -63,7 +63,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocompile as zc
-from zerocompile import offload, torch_support
+from zerocompile import offload_files, torch_support
 from zerocompile.distributed import default_backend
 from zerocompile.passes.stages import shard_numel
 from zerocompile.sharding import shard_info
@@ -208,9 +208,9 @@ def environment(device: str) -> dict[str, str]:
 
 def offload_directory_fact(directory: Path) -> str:
     """Where --offload-dir is and what it moves: the disk a step's optimizer state streams through."""
-    bandwidth = offload.measure_disk_bandwidth(directory)
+    bandwidth = offload_files.measure_disk_bandwidth(directory)
     return (
-        f"{offload.describe_directory(directory)}: write {bandwidth['write'] / 1e6:,.0f} MB/s (fsync'd), "
+        f"{offload_files.describe_directory(directory)}: write {bandwidth['write'] / 1e6:,.0f} MB/s (fsync'd), "
         f"read {bandwidth['read'] / 1e6:,.0f} MB/s (uncached), on 256 MiB"
     )
 
