@@ -304,3 +304,17 @@ def test_an_offloaded_optimizers_step_is_dumped_once_for_all_its_parameters(fake
     assert "optimizer-muon@0.weight: optimizer state in host memory, 512 B; per step 1.54 kB moved" in dump.report(
         {"rank0": graphs}, offloads=dump.load_offloads(str(tmp_path))
     )
+
+
+def test_the_dump_counts_master_weights_in_the_store(fake_two_ranks, tmp_path) -> None:
+    """With param_dtype the fp32 masters join the store: the two 64-element shards' 512 bytes; a
+    step copies only their bf16 gradients to the host (256 B) and the bf16 shards back (256 B)."""
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False))
+    muon = torch.optim.Muon(model.parameters())
+    zc.shard(model, stage=3, optimizer=muon, offload="cpu", param_dtype=torch.bfloat16, dump_dir=str(tmp_path))
+    (store,) = dump.load_offloads(str(tmp_path))["rank0"].values()
+    assert (store["state_bytes"], store["master_bytes"], store["moved_bytes_per_step"]) == (512, 512, 512)
+    graphs = dump.load(str(tmp_path))["rank0"]
+    assert "in host memory, 512 B and master weights 512 B; per step 512 B moved" in dump.report(
+        {"rank0": graphs}, offloads=dump.load_offloads(str(tmp_path))
+    )

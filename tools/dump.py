@@ -303,7 +303,9 @@ def report(
         )
         for name, store in (offloads or {}).get(rank, {}).items():
             lines.append(
-                f"  {name}: optimizer state {store['where']}, {_mb(store['state_bytes'])}; per step "
+                f"  {name}: optimizer state {store['where']}, {_mb(store['state_bytes'])}"
+                + (f" and master weights {_mb(store['master_bytes'])}" if store.get("master_bytes") else "")
+                + f"; per step "
                 f"{_mb(store['moved_bytes_per_step'])} moved ({store['moves']}), in {store['buckets']} buckets"
             )
     return "\n".join(lines)
