@@ -16,27 +16,6 @@ from .records import DTYPE_NAMES, PAPER, CountedParameter, Precision, StagePlan,
 from .text import bounded, format_bytes, table
 
 
-def node_layout_report(plans: list[NodeLayoutPlan], ranks: int, per_node: int) -> str:
-    header = ["stage 3", "setting", "formula", "model state", "sent/step", "to other nodes", "formula"]
-    rows = [
-        [plan.layout, plan.setting, plan.formula_state, format_bytes(plan.model_state), format_bytes(plan.sent_per_step),
-         format_bytes(plan.inter_node_per_step), plan.formula_inter]
-        for plan in plans
-    ]  # fmt: skip
-    return "\n".join(
-        [
-            f"Across nodes: N = {ranks} ranks, M = {per_node} per node ({ranks // per_node} nodes)",
-            "",
-            table(header, rows),
-            "",
-            "to other nodes: a rank's share of the bytes its node sends to other nodes per step, for ring "
-            "collectives (NCCL's; a ring over all N ranks leaves each node once, so 1/M of a rank's bytes; "
-            "zerocompile's ledger counts the same). hpZ also holds a 1/M slice of each parameter from its forward "
-            "use to its backward, pΦ/M at most.",
-        ]
-    )
-
-
 def _precision_line(precision: Precision) -> str:
     k = precision.optimizer_bytes
     return (
@@ -73,6 +52,27 @@ def paper_report(phi: int, ranks: int, precision: Precision, plans: list[StagePl
                 "bytes per parameter), only gathering, computing and reducing in bf16. `zerocompile plan "
                 "--model` shows what it holds and sends."
             ),
+        ]
+    )
+
+
+def node_layout_report(plans: list[NodeLayoutPlan], ranks: int, per_node: int) -> str:
+    header = ["stage 3", "setting", "formula", "model state", "sent/step", "to other nodes", "formula"]
+    rows = [
+        [plan.layout, plan.setting, plan.formula_state, format_bytes(plan.model_state), format_bytes(plan.sent_per_step),
+         format_bytes(plan.inter_node_per_step), plan.formula_inter]
+        for plan in plans
+    ]  # fmt: skip
+    return "\n".join(
+        [
+            f"Across nodes: N = {ranks} ranks, M = {per_node} per node ({ranks // per_node} nodes)",
+            "",
+            table(header, rows),
+            "",
+            "to other nodes: a rank's share of the bytes its node sends to other nodes per step, for ring "
+            "collectives (NCCL's; a ring over all N ranks leaves each node once, so 1/M of a rank's bytes; "
+            "zerocompile's ledger counts the same). hpZ also holds a 1/M slice of each parameter from its forward "
+            "use to its backward, pΦ/M at most.",
         ]
     )
 
