@@ -54,8 +54,9 @@ def run(args: argparse.Namespace) -> int:
             new = spawn.spawn_ranks(_new_route, 2, (directory, args.repeats), preload=preload, timeout=1800)
             old = spawn.spawn_ranks(_old_route, 2, (directory,), preload=preload, timeout=1800)
             rounds.append({"new": new, "old": old})
-            _print_round(len(rounds), new, old)
-    _print_summary(rounds)
+            for rank, (new_rank, old_rank) in enumerate(zip(new, old)):
+                print(_round_line(len(rounds), rank, new_rank, old_rank), flush=True)
+    print(_summary(rounds), flush=True)
     print(json.dumps(rounds))
     return 0 if all(r["rise"] <= _bound(r) for one in rounds for r in one["new"]) else 1
 
@@ -196,36 +197,35 @@ def _bound(report: dict) -> int:
     return report["shards"] + report["largest"] + SLACK
 
 
-def _print_round(number: int, new: list[dict], old: list[dict]) -> None:
-    for rank, (n, o) in enumerate(zip(new, old)):
-        ratios = ", ".join(f"{load / read:.2f}" for load, read in zip(n["load_s"], n["read_s"]))
-        print(
-            f"round {number} rank {rank}: from_pretrained {_listed(n['load_s'])} s, reading alone {_listed(n['read_s'])} s "
-            f"(ratios {ratios}), then the first step {n['step_s']:.1f} s; peak rise {n['rise'] / MB:.0f} MB against "
-            f"{_bound(n) / MB:.0f} MB (shards {n['shards'] / MB:.0f} + largest module {n['largest'] / MB:.0f} + 64) | "
-            f"old route {o['load_s']:.2f} s (init {o['init_s']:.2f} s), peak rise {o['rise'] / MB:.0f} MB",
-            flush=True,
-        )
+def _round_line(number: int, rank: int, n: dict, o: dict) -> str:
+    """One rank's round: the new route's load and read times and peak, beside the old route's."""
+    ratios = ", ".join(f"{load / read:.2f}" for load, read in zip(n["load_s"], n["read_s"]))
+    return (
+        f"round {number} rank {rank}: from_pretrained {_listed(n['load_s'])} s, reading alone {_listed(n['read_s'])} s "
+        f"(ratios {ratios}), then the first step {n['step_s']:.1f} s; peak rise {n['rise'] / MB:.0f} MB against "
+        f"{_bound(n) / MB:.0f} MB (shards {n['shards'] / MB:.0f} + largest module {n['largest'] / MB:.0f} + 64) | "
+        f"old route {o['load_s']:.2f} s (init {o['init_s']:.2f} s), peak rise {o['rise'] / MB:.0f} MB"
+    )
 
 
 def _listed(seconds: list[float]) -> str:
     return "/".join(f"{s:.2f}" for s in seconds)
 
 
-def _print_summary(rounds: list[dict]) -> None:
+def _summary(rounds: list[dict]) -> str:
+    """The medians over every round and rank, with the quartiles of the load-to-read ratio."""
     new = [r for one in rounds for r in one["new"]]
     old = [r for one in rounds for r in one["old"]]
     loads = [load for r in new for load in r["load_s"]]
     ratios = [load / read for r in new for load, read in zip(r["load_s"], r["read_s"])]
-    print(
+    return (
         f"medians over {len(rounds)} round(s) x 2 ranks: from_pretrained {statistics.median(loads):.2f} s, reading alone "
         f"{statistics.median(read for r in new for read in r['read_s']):.2f} s, ratio {statistics.median(ratios):.2f} "
         f"(quartiles {_quartiles(ratios)}; target <= 1.2); from_pretrained + first step "
         f"{statistics.median(r['load_s'][-1] + r['step_s'] for r in new):.1f} s; old route "
         f"{statistics.median(r['load_s'] for r in old):.2f} s (init {statistics.median(r['init_s'] for r in old):.2f} s); "
         f"peak rise {statistics.median(r['rise'] for r in new) / MB:.0f} MB against {_bound(new[0]) / MB:.0f} MB "
-        f"(old route {statistics.median(r['rise'] for r in old) / MB:.0f} MB)",
-        flush=True,
+        f"(old route {statistics.median(r['rise'] for r in old) / MB:.0f} MB)"
     )
 
 

@@ -45,7 +45,8 @@ import torch
 import torch.distributed as dist
 
 import zerocompile as zc
-from benchmarks.capacity import EXACT_RSS_ENVIRONMENT, GB, GiB, Marks, Sampler, machine, mem_available, spawn_ranks
+from benchmarks.capacity.measure import GB, GiB, Marks, Sampler, machine, mem_available
+from benchmarks.capacity.parent import EXACT_RSS_ENVIRONMENT, spawn_ranks
 from zerocompile import offload, offload_files
 from zerocompile.tools import spawn
 from zerocompile.tools.gpt import GPT, SIZES

@@ -32,7 +32,9 @@ from test_stages import DeepMLP, _wchar
 from zerocompile.passes.lowering import NATIVE_REDUCE_SCATTER
 from zerocompile.passes.markers import UNSHARD, is_unshard, unshard_args
 from zerocompile.passes.recompute_gathers import KEPT, tag_gathers_for_recompute
-from zerocompile.tools import plan
+from zerocompile.tools.plan import add_arguments as add_plan_arguments
+from zerocompile.tools.plan.command import plan
+from zerocompile.tools.plan.records import PlanError
 
 ABSENT = ("no-such-group", 2, NATIVE_REDUCE_SCATTER)  # resolving it would raise: the pass never asks
 # Full fp32 bytes of the traced joint graph's parameters.
@@ -368,8 +370,8 @@ def test_half_budget_ledger_predicts_bytes_sent_and_bounds_the_peak(reports, wor
 
 def _plan(argv: list[str]) -> dict:
     parser = argparse.ArgumentParser()
-    plan.add_arguments(parser)
-    return json.loads(plan.plan(parser.parse_args([*argv, "--json"])))
+    add_plan_arguments(parser)
+    return json.loads(plan(parser.parse_args([*argv, "--json"])))
 
 
 @pytest.mark.parametrize("budget", BYTES_CASES[2])
@@ -386,5 +388,5 @@ def test_plan_shows_what_the_budget_does_to_the_bytes_sent(reports, budget: str)
     else:
         assert row["sent_is_upper_bound"]
         assert stage2["sent_bytes_per_step"] < r["predicted"] <= row["sent_bytes_per_step"] < stage3["sent_bytes_per_step"]
-    with pytest.raises(plan.PlanError, match="--memory-budget is zerocompile's setting.*--model"):
+    with pytest.raises(PlanError, match="--memory-budget is zerocompile's setting.*--model"):
         _plan(["--params", "1e9", "--ranks", "2", "--memory-budget", "1000"])

@@ -25,7 +25,7 @@ import zerocompile as zc
 import zerocompile.optim
 from matrix_optimizers import STEPS, MuonGPT, case_id, largest_difference, parity_report, report_of, train_step
 from zerocompile.tools import dump as dump_tool
-from zerocompile.tools import plan as plan_tool
+from zerocompile.tools.plan.model import count_model, muon_exchange, muon_matrices
 from models import global_batch, local_batch
 from ranks import run_cases, run_on_ranks
 from test_stages import _wchar
@@ -151,11 +151,11 @@ def test_muon_step_sends_what_the_owners_need(reports, world_size: int) -> None:
     # counts what the rank's ledger predicts, and `zerocompile plan --muon` the busiest rank's.
     assert outcome["dumped"][0] == outcome["predicted"]
     with torch.device("meta"):
-        counted = plan_tool.count_model(MuonGPT(), "MuonGPT")
-    muon = plan_tool.muon_matrices(counted, r"^(gpt\.blocks|mix|gate)\.")
+        counted = count_model(MuonGPT(), "MuonGPT")
+    muon = muon_matrices(counted, r"^(gpt\.blocks|mix|gate)\.")
     hidden = [name for name, param in MuonGPT().named_parameters() if _is_hidden_matrix(name, param.shape)]
     assert [param.fqn for param in muon] == hidden
-    assert max(plan_tool.muon_exchange(muon, ranks)) == max(outcome["dumped"])
+    assert max(muon_exchange(muon, ranks)) == max(outcome["dumped"])
 
 
 @pytest.mark.fast
