@@ -30,6 +30,7 @@ from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import zerocompile as zc
+import zerocompile.offload
 from ranks import run_on_ranks
 from zerocompile.passes.stages import padded_numel
 from zerocompile.tools import plan
@@ -637,3 +638,29 @@ def test_one_billion_parameters_at_1024_ranks_in_2_gb() -> None:
     shards = sum(padded_numel(numel, 1024) // 1024 for numel in numels)
     held = report["stages"][3]["model_state_bytes"]  # an fp32 model with Adam, as zerocompile holds it
     assert (held["params"], held["grads"], held["optimizer"]) == (4 * shards, 4 * shards, 8 * shards)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_offload_plan_with_param_dtype_moves_the_masters_as_shard_does(fake_world: int, capsys, tmp_path, offload: str) -> None:
+    """--param-dtype bf16 on an fp32 model: the fp32 masters join the store and the shards and
+    gradients held are bf16 (offload_masters), per stage what zc.model_state_bytes reports after a
+    step; the host copies only gradients and shards back."""
+    argv = ["--model", "test_plan:gpt_tiny", "--ranks", str(fake_world), "--param-dtype", "bf16", "--offload", offload]
+    report = plan_json(argv, capsys)
+    example = torch.randint(0, 256, (2, 16))
+    directory = {"offload_dir": str(tmp_path)} if offload == "disk" else {}
+    for planned in report["offload"]:
+        model = gpt_tiny()
+        optimizer = torch.optim.AdamW(model.parameters())
+        zc.shard(model, stage=planned["stage"], optimizer=optimizer, offload=offload, param_dtype=torch.bfloat16, **directory)
+        model(example, example).backward()
+        optimizer.step()
+        held = zc.model_state_bytes(model, optimizer)
+        stored = held["optimizer_on_disk" if offload == "disk" else "optimizer_on_host"]
+        assert planned["offloaded"] == stored and held["optimizer"] == 0
+        assert planned["held"] == held["params"] + held["grads"]
+        traffic = zerocompile.offload.offloaded_state(optimizer).traffic()
+        assert planned["moved_per_step"] == traffic["moved_bytes_per_step"]
+    out = run_plan(argv, capsys)[1]
+    assert "the fp32 master weights (" in out and "held are in --param-dtype" in out

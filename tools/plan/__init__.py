@@ -28,7 +28,9 @@ moments in each shard's dtype). --param-dtype (ZeroConfig.param_dtype; default: 
 computes in its own dtype) is what parameters are gathered and computed in: it sizes the
 gathered buffers, the gradients awaiting reduction and the bytes sent. --reduce-dtype
 (ZeroConfig.reduce_dtype; default: the dtype gradients are computed in) is what gradients are
-reduced in: it sizes only the bytes the reductions send.
+reduced in: it sizes only the bytes the reductions send. With --offload and a --param-dtype
+narrower than the model, the masters leave too (ZeroConfig.offload_masters): the offload table
+counts them with the state and the shards and gradients held in --param-dtype.
 
 Sizes are decimal: 1 GB = 10^9 bytes, the unit that reproduces the paper's Figure 1 (in GiB its
 120 GB would be 111.8). --json prints exact byte counts instead of the table.

@@ -13,7 +13,7 @@ from zerocompile.passes.lowering import gathers_coalesced
 
 from .factory import build_on_meta, load_factory
 from .model import budget_plan, count_model, model_plan, muon_matrices
-from .offload import offload_plan, offload_report
+from .offload import Masters, masters, offload_plan, offload_report
 from .paper import node_layout_plan, paper_plan, precision_from
 from .records import PAPER_PARAM_DTYPE, PlanError, StagePlan, ZeroPrecision
 from .report import model_json, model_report, node_layout_report, paper_report
@@ -90,19 +90,21 @@ def plan(args: argparse.Namespace) -> str:
     plans = model_plan(counted, args.ranks, precision, muon, flat_gathers=not gathers_coalesced(flavour_of_backend(args.backend)))
     if args.memory_budget is not None:
         plans.append(budget_plan(counted, args.ranks, precision, plans[2], plans[3], args.memory_budget))
+    moved = masters(counted, args.ranks, args.param_dtype)
     if args.json:
-        return json.dumps({**model_json(counted, args.ranks, precision, plans, muon), **_offload_json(args, plans)}, indent=2)
-    return model_report(counted, args.ranks, precision, plans, muon) + _offload_text(args, plans)
+        return json.dumps({**model_json(counted, args.ranks, precision, plans, muon), **_offload_json(args, plans, moved)}, indent=2)
+    return model_report(counted, args.ranks, precision, plans, muon) + _offload_text(args, plans, moved)
 
 
-def _offload_json(args: argparse.Namespace, plans: list[StagePlan]) -> dict[str, Any]:
+def _offload_json(args: argparse.Namespace, plans: list[StagePlan], moved: Masters = Masters(0, 0)) -> dict[str, Any]:
     if args.offload is None:
         return {}
-    offloaded = offload_plan(plans, args.offload, args.disk_bandwidth)
+    offloaded = offload_plan(plans, args.offload, args.disk_bandwidth, moved)
     return {"offload": [p.as_json() for p in offloaded], "disk_bandwidth_mb_per_s": args.disk_bandwidth}
 
 
-def _offload_text(args: argparse.Namespace, plans: list[StagePlan]) -> str:
+def _offload_text(args: argparse.Namespace, plans: list[StagePlan], moved: Masters = Masters(0, 0)) -> str:
     if args.offload is None:
         return ""
-    return "\n\n" + offload_report(offload_plan(plans, args.offload, args.disk_bandwidth), args.offload, args.disk_bandwidth)
+    offloaded = offload_plan(plans, args.offload, args.disk_bandwidth, moved)
+    return "\n\n" + offload_report(offloaded, args.offload, args.disk_bandwidth, moved.stored)
