@@ -1,6 +1,7 @@
 """Pure FX graph passes of zerocompile: each takes a graph and rewrites it in place.
 
 - `stages`: the one table of what each ZeRO stage does; every pass asks it.
+- `marker_args`: each marker op's arguments, declared once (its schema and records derive from it).
 - `markers`: the `zerocompile::unshard` / `zerocompile::reduce_grad` marker ops the passes rewrite.
 - `lowering`: what a marker means in functional collectives (shared by eager kernels and graphs).
 - `merge_unshards`: one gather per parameter per Dynamo graph (tied / reused weights).

@@ -30,7 +30,8 @@ import torch
 import torch.fx as fx
 
 from .lowering import all_reduce_bucket, gather_bucket, reduce_scatter_bucket
-from .markers import UnshardArgs, is_reduce_grad, is_unshard, reduce_grad_args, unshard_args
+from .marker_args import UnshardArgs
+from .markers import is_reduce_grad, is_unshard, reduce_grad_args, unshard_args
 from .recording import record_ops
 from .stages import stage_policy
 
@@ -75,17 +76,10 @@ def lower_markers(
         markers = [reduce_grad_args(n) for n in bucket]
         first = markers[0]
         if stage_policy(first.stage).reduction == "all_reduce":
-            fn = lambda *grads: all_reduce_bucket(  # noqa: E731
-                list(grads), first.group_name, first.world_size, first.reduce_dtype, first.grad_dtype,
-                first.quant_block, first.replica_group, first.replicas, first.replica_quant_block,
-            )
+            fn = lambda *grads: all_reduce_bucket(list(grads), first)  # noqa: E731
         else:
             numels = [m.shard_numel for m in markers]
-            fn = lambda *grads: reduce_scatter_bucket(  # noqa: E731
-                list(grads), numels, first.group_name, first.world_size, first.reduce_scatter,
-                first.reduce_dtype, first.grad_dtype, first.quant_block, first.replica_group, first.replicas,
-                first.replica_quant_block,
-            )
+            fn = lambda *grads: reduce_scatter_bucket(list(grads), numels, first)  # noqa: E731
         reductions.append(tracer(bucket, bucket[-1], fn))
         counts["reductions"] += len(bucket)
     counts["gather_buckets"] = len(gathers) + len(gathers_up_front)

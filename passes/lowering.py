@@ -26,6 +26,7 @@ import math
 
 import torch
 
+from .marker_args import ReduceGradArgs
 from .stages import shard_numel
 
 funcol = torch.ops._c10d_functional
@@ -332,87 +333,59 @@ def _reduce_scatter_int8(rows: torch.Tensor, group_name: str, world_size: int, b
     return _dequantised_mean(received.view(world_size, -1), numel, block)
 
 
-def reduce_scatter_bucket(
-    grads: list[torch.Tensor],
-    shard_numels: list[int],
-    group_name: str,
-    world_size: int,
-    flavour: str,
-    reduce_dtype: torch.dtype | None = None,
-    grad_dtype: torch.dtype | None = None,
-    quant_block: int = 0,
-    replica_group: str = "",
-    replicas: int = 1,
-    replica_quant_block: int = 0,
-) -> list[torch.Tensor]:
-    """One reduce-scatter (of `flavour`) for several gradients in `reduce_dtype`, laid out so each
-    rank receives its shard of each, averaged over the group (padding zeros); the shards come back
-    in `grad_dtype` (the master parameters'). With `quant_block`: int8 rows, summed in fp32
-    (`reduce_dtype` and the flavour do not apply). With `replicas` > 1 (hybrid sharding) the
+def reduce_scatter_bucket(grads: list[torch.Tensor], shard_numels: list[int], marker: ReduceGradArgs) -> list[torch.Tensor]:
+    """One reduce-scatter for several gradients, as `marker` (the arguments their `reduce_grad`
+    markers share) says: in `reduce_dtype`, laid out so each rank receives its shard of each,
+    averaged over the group (padding zeros), by the group's `reduce_scatter` flavour; the shards
+    come back in `grad_dtype` (the master parameters'). With `quant_block`: int8 rows, summed in
+    fp32 (`reduce_dtype` and the flavour do not apply). With `replicas` > 1 (hybrid sharding) the
     reduced shards are then averaged across `replica_group` too: in one all-reduce, or with
     `replica_quant_block` in int8 (`_replica_mean`)."""
+    group_name, world_size = marker.group_name, marker.world_size
     shard_numel = sum(shard_numels)
-    if quant_block:
-        flat = _packed(grads, world_size, shard_numels, None, int8_row_width(shard_numel, quant_block))
-        reduced = _reduce_scatter_int8(flat.view(world_size, -1), group_name, world_size, quant_block)[:shard_numel]
+    if marker.quant_block:
+        flat = _packed(grads, world_size, shard_numels, None, int8_row_width(shard_numel, marker.quant_block))
+        reduced = _reduce_scatter_int8(flat.view(world_size, -1), group_name, world_size, marker.quant_block)
+        reduced = reduced[:shard_numel]
     else:
-        flat = _packed(grads, world_size, shard_numels, reduce_dtype)
-        if flavour == NATIVE_REDUCE_SCATTER:
+        flat = _packed(grads, world_size, shard_numels, marker.reduce_dtype)
+        if marker.reduce_scatter == NATIVE_REDUCE_SCATTER:
             reduced = funcol.wait_tensor(funcol.reduce_scatter_tensor(flat, "avg", world_size, group_name))
         else:
             splits = [shard_numel] * world_size
             received = funcol.wait_tensor(funcol.all_to_all_single(flat, splits, splits, group_name))
             reduced = average_rows(received.view(world_size, shard_numel), world_size)
-    reduced = _replica_mean(reduced, replica_group, replicas, replica_quant_block)
-    if grad_dtype is not None:
-        reduced = reduced.to(grad_dtype)  # once for the bucket, not once per shard
+    reduced = _replica_mean(reduced, marker)
+    if marker.grad_dtype is not None:
+        reduced = reduced.to(marker.grad_dtype)  # once for the bucket, not once per shard
     return list(reduced.split(shard_numels)) if len(grads) > 1 else [reduced]
 
 
-def all_reduce_bucket(
-    grads: list[torch.Tensor],
-    group_name: str,
-    world_size: int,
-    reduce_dtype: torch.dtype | None = None,
-    grad_dtype: torch.dtype | None = None,
-    quant_block: int = 0,
-    replica_group: str = "",
-    replicas: int = 1,
-    replica_quant_block: int = 0,
-) -> list[torch.Tensor]:
+def all_reduce_bucket(grads: list[torch.Tensor], marker: ReduceGradArgs) -> list[torch.Tensor]:
     """One all-reduce for several gradients (stage 0), averaged as DDP's buckets; dtypes as above.
     With `quant_block`: a quantised reduce-scatter, then an all-gather of the quantised means.
     With `replicas` > 1 (hybrid): averaged inside the group, then across `replica_group` (in int8
     with `replica_quant_block`)."""
-    if quant_block:
-        reduced = _all_reduce_int8(grads, group_name, world_size, quant_block, replica_group, replicas, replica_quant_block)
-    elif len(grads) == 1 and reduce_dtype in (None, grads[0].dtype):
-        mean = _all_reduce_mean(grads[0], group_name, world_size)
-        reduced = [_replica_mean(mean, replica_group, replicas, replica_quant_block)]
+    if marker.quant_block:
+        reduced = _all_reduce_int8(grads, marker)
+    elif len(grads) == 1 and marker.reduce_dtype in (None, grads[0].dtype):
+        reduced = [_replica_mean(_all_reduce_mean(grads[0], marker.group_name, marker.world_size), marker)]
     else:
         numels = [grad.numel() for grad in grads]
-        mean = _all_reduce_mean(pack(grads, 1, numels, reduce_dtype), group_name, world_size)
-        parts = _replica_mean(mean, replica_group, replicas, replica_quant_block).split(numels)
+        mean = _all_reduce_mean(pack(grads, 1, numels, marker.reduce_dtype), marker.group_name, marker.world_size)
+        parts = _replica_mean(mean, marker).split(numels)
         reduced = [part.view(grad.shape) for part, grad in zip(parts, grads)]
-    return [r.to(grad_dtype) for r in reduced] if grad_dtype is not None else reduced
+    return [r.to(marker.grad_dtype) for r in reduced] if marker.grad_dtype is not None else reduced
 
 
-def _all_reduce_int8(
-    grads: list[torch.Tensor],
-    group_name: str,
-    world_size: int,
-    block: int,
-    replica_group: str,
-    replicas: int,
-    replica_block: int,
-) -> list[torch.Tensor]:
+def _all_reduce_int8(grads: list[torch.Tensor], marker: ReduceGradArgs) -> list[torch.Tensor]:
     """Stage 0's quantised all-reduce: each gradient laid out in N aligned shards as stages 1-3
     shard it, reduce-scattered, (averaged across replicas,) and the means gathered back."""
+    group_name, world_size, block = marker.group_name, marker.world_size, marker.quant_block
     shard_numels = [shard_numel(grad.numel(), world_size) for grad in grads]
     row = sum(shard_numels)
     rows = _packed(grads, world_size, shard_numels, None, int8_row_width(row, block)).view(world_size, -1)
-    mean = _reduce_scatter_int8(rows, group_name, world_size, block)[:row]
-    mean = _replica_mean(mean, replica_group, replicas, replica_block)
+    mean = _replica_mean(_reduce_scatter_int8(rows, group_name, world_size, block)[:row], marker)
     (full,) = _gather_bucket_int8([mean], [[world_size, row]], group_name, world_size, coalesced=True, dtype=torch.float32, block=block)
     return [
         column.reshape(-1)[: grad.numel()].view(grad.shape)
@@ -420,11 +393,11 @@ def _all_reduce_int8(
     ]
 
 
-def _replica_mean(reduced: torch.Tensor, replica_group: str, replicas: int, block: int) -> torch.Tensor:
-    """A reduced shard's mean across the replicas (the shard itself with one replica): one
-    all-reduce, or with `block` sent as int8 (ZeRO++'s hierarchical qgZ): with hybrid sharding the
-    replica group is what crosses nodes, so an fp32 all-reduce there would leave the slow link's
-    bytes unquantised. The shard is cut into
+def _replica_mean(reduced: torch.Tensor, marker: ReduceGradArgs) -> torch.Tensor:
+    """A reduced shard's mean across the marker's replicas (the shard itself with one replica): one
+    all-reduce, or with `replica_quant_block` sent as int8 (ZeRO++'s hierarchical qgZ): with
+    hybrid sharding the replica group is what crosses nodes, so an fp32 all-reduce there would
+    leave the slow link's bytes unquantised. The shard is cut into
     one aligned row per replica, reduce-scattered as int8 rows and the means gathered as int8
     rows: 2(R-1)/R of its int8 bytes sent instead of 2(R-1)/R of its fp32 ones. Two replicas
     (two nodes) instead gather each other's whole shard as one int8 row and average both: the same
@@ -432,6 +405,7 @@ def _replica_mean(reduced: torch.Tensor, replica_group: str, replicas: int, bloc
     nodes: the reduce-scatter and gather made hybrid int8's step 1.12x hybrid fp32's on an
     unlimited link), and sum the two rows plane by plane as they are dequantised. Every replica
     dequantises every row, its own too, so all of them step with the same values."""
+    replica_group, replicas, block = marker.replica_group, marker.replicas, marker.replica_quant_block
     if replicas == 1:
         return reduced
     if not block:

@@ -27,123 +27,53 @@ default, so graphs without these features read as before.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, NamedTuple
+import collections
+from typing import Any
 
 import torch
 
 from .lowering import all_reduce_bucket, gather_bucket, reduce_scatter_bucket
+from .marker_args import ReduceGradArgs, UnshardArgs, op_schema
 from .stages import stage_policy
 
-# Marker arguments after the tensor: what the passes need to lower it, nothing else, so graphs are
-# rewritten without asking a process group: the group's name and size, and how it reduce-scatters.
-# `param` is the parameter's FQN (for people and tools reading graphs); the dtypes are mixed
-# precision's: gather (and compute) in `compute_dtype`, reduce gradients in `reduce_dtype`; None
-# means the shard's.
+# Each kernel takes its arguments as the dispatcher passes them (trailing defaults left out) and
+# reads them through its op's record, which fills the defaults back in.
 
 
-@torch.library.custom_op("zerocompile::unshard", mutates_args=())
-def unshard(
-    shard: torch.Tensor,
-    shape: list[int],
-    stage: int,
-    group_name: str,
-    world_size: int,
-    reduce_scatter: str,
-    param: str = "",
-    compute_dtype: torch.dtype | None = None,
-    reduce_dtype: torch.dtype | None = None,
-    local: bool = False,
-    pending: torch.Tensor | None = None,
-    gather_quant_block: int = 0,
-    reduce_quant_block: int = 0,
-    replica_group: str = "",
-    replicas: int = 1,
-    replica_quant_block: int = 0,
-    secondary_group: str = "",
-    secondary_size: int = 1,
-    secondary_quant_block: int = 0,
-) -> torch.Tensor:
-    if local or not stage_policy(stage).shards_parameters:
-        return shard.to(compute_dtype or shard.dtype, copy=True)
-    return gather_bucket([shard], [shape], group_name, world_size, reduce_scatter, compute_dtype, gather_quant_block)[0]
-
-
-@unshard.register_fake
-def _unshard_fake(
-    shard: torch.Tensor,
-    shape: list[int],
-    stage: int,
-    group_name: str,
-    world_size: int,
-    reduce_scatter: str,
-    param: str = "",
-    compute_dtype: torch.dtype | None = None,
-    reduce_dtype: torch.dtype | None = None,
-    local: bool = False,
-    pending: torch.Tensor | None = None,
-    gather_quant_block: int = 0,
-    reduce_quant_block: int = 0,
-    replica_group: str = "",
-    replicas: int = 1,
-    replica_quant_block: int = 0,
-    secondary_group: str = "",
-    secondary_size: int = 1,
-    secondary_quant_block: int = 0,
-) -> torch.Tensor:
-    dtype = compute_dtype or shard.dtype
-    if local or not stage_policy(stage).shards_parameters:
-        return torch.empty_like(shard, dtype=dtype)
-    return shard.new_empty(shape, dtype=dtype)
-
-
-@torch.library.custom_op("zerocompile::reduce_grad", mutates_args=())
-def reduce_grad(
-    grad: torch.Tensor,
-    shard_numel: int,
-    stage: int,
-    group_name: str,
-    world_size: int,
-    reduce_scatter: str,
-    param: str = "",
-    reduce_dtype: torch.dtype | None = None,
-    grad_dtype: torch.dtype | None = None,
-    quant_block: int = 0,
-    replica_group: str = "",
-    replicas: int = 1,
-    replica_quant_block: int = 0,
-) -> torch.Tensor:
-    if stage_policy(stage).reduction == "all_reduce":
-        return all_reduce_bucket(
-            [grad.contiguous()], group_name, world_size, reduce_dtype, grad_dtype, quant_block, replica_group, replicas,
-            replica_quant_block,
-        )[0]
-    return reduce_scatter_bucket(
-        [grad.contiguous()], [shard_numel], group_name, world_size, reduce_scatter, reduce_dtype, grad_dtype,
-        quant_block, replica_group, replicas, replica_quant_block,
+@torch.library.custom_op("zerocompile::unshard", mutates_args=(), schema=op_schema(UnshardArgs))
+def unshard(*args: Any, **kwargs: Any) -> torch.Tensor:
+    m = UnshardArgs(*args, **kwargs)
+    if m.local or not stage_policy(m.stage).shards_parameters:
+        return m.shard.to(m.compute_dtype or m.shard.dtype, copy=True)
+    return gather_bucket(
+        [m.shard], [m.shape], m.group_name, m.world_size, m.reduce_scatter, m.compute_dtype, m.gather_quant_block
     )[0]
 
 
+@unshard.register_fake
+def _unshard_fake(*args: Any, **kwargs: Any) -> torch.Tensor:
+    m = UnshardArgs(*args, **kwargs)
+    dtype = m.compute_dtype or m.shard.dtype
+    if m.local or not stage_policy(m.stage).shards_parameters:
+        return torch.empty_like(m.shard, dtype=dtype)
+    return m.shard.new_empty(m.shape, dtype=dtype)
+
+
+@torch.library.custom_op("zerocompile::reduce_grad", mutates_args=(), schema=op_schema(ReduceGradArgs))
+def reduce_grad(*args: Any, **kwargs: Any) -> torch.Tensor:
+    m = ReduceGradArgs(*args, **kwargs)
+    if stage_policy(m.stage).reduction == "all_reduce":
+        return all_reduce_bucket([m.grad.contiguous()], m)[0]
+    return reduce_scatter_bucket([m.grad.contiguous()], [m.shard_numel], m)[0]
+
+
 @reduce_grad.register_fake
-def _reduce_grad_fake(
-    grad: torch.Tensor,
-    shard_numel: int,
-    stage: int,
-    group_name: str,
-    world_size: int,
-    reduce_scatter: str,
-    param: str = "",
-    reduce_dtype: torch.dtype | None = None,
-    grad_dtype: torch.dtype | None = None,
-    quant_block: int = 0,
-    replica_group: str = "",
-    replicas: int = 1,
-    replica_quant_block: int = 0,
-) -> torch.Tensor:
-    dtype = grad_dtype or grad.dtype
-    if stage_policy(stage).reduction == "all_reduce":
-        return torch.empty_like(grad, dtype=dtype, memory_format=torch.contiguous_format)
-    return grad.new_empty(shard_numel, dtype=dtype)
+def _reduce_grad_fake(*args: Any, **kwargs: Any) -> torch.Tensor:
+    m = ReduceGradArgs(*args, **kwargs)
+    dtype = m.grad_dtype or m.grad.dtype
+    if stage_policy(m.stage).reduction == "all_reduce":
+        return torch.empty_like(m.grad, dtype=dtype, memory_format=torch.contiguous_format)
+    return m.grad.new_empty(m.shard_numel, dtype=dtype)
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:
@@ -180,67 +110,36 @@ UNSHARD = torch.ops.zerocompile.unshard.default
 REDUCE_GRAD = torch.ops.zerocompile.reduce_grad.default
 
 
-class UnshardArgs(NamedTuple):
-    """Arguments of `zerocompile::unshard`; `param` is the parameter's FQN, for people reading graphs."""
-
-    shard: torch.fx.Node
-    shape: list[int]
-    stage: int
-    group_name: str
-    world_size: int
-    reduce_scatter: str  # how the group reduce-scatters (a `lowering` *_REDUCE_SCATTER)
-    param: str = ""
-    compute_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    local: bool = False  # the input is a full local copy (no_sync): no gather, no reduction
-    pending: torch.fx.Node | None = None  # a gradient accumulated without sync, reduced with this one
-    gather_quant_block: int = 0  # > 0: gathered int8-quantised in blocks of this many elements
-    reduce_quant_block: int = 0  # > 0: its gradient reduced int8-quantised (`ReduceGradArgs.quant_block`)
-    replica_group: str = ""  # hybrid sharding: its reduced gradient is then averaged over this group
-    replicas: int = 1  # ... of this many ranks (1: no replicas, plain sharding)
-    replica_quant_block: int = 0  # > 0: that average int8-quantised (`ReduceGradArgs.replica_quant_block`)
-    secondary_group: str = ""  # hpZ: the stage-3 backward re-gathers over this group (`secondary_shards`)
-    secondary_size: int = 1  # ... of this many ranks (1: no secondary shards)
-    secondary_quant_block: int = 0  # > 0: that re-gather int8-quantised
-
-
 # What every marker passes positionally, through `reduce_dtype`; the arguments after it are keywords
 # passed only when not their default, so the graphs of a model without those features read as before.
 _POSITIONAL = UnshardArgs._fields[1 : UnshardArgs._fields.index("reduce_dtype") + 1]
+# A marker's own arguments rather than its parameter's: its tensors and no_sync's flag.
+_PER_CALL = ("shard", "local", "pending")
+_PARAMETER_ARGS = tuple(name for name in UnshardArgs._fields if name not in _PER_CALL)
 
 
-@dataclasses.dataclass(frozen=True)
-class MarkerArgs:
-    """A parameter's `zerocompile::unshard` arguments but its tensors (`shard`, `pending`) and
-    no_sync's `local`: what `shard()` decides for a parameter (`ShardInfo.marker_args`) and hands to
-    every marker its modules emit. Names, order and defaults are `UnshardArgs'`, the op's own
-    (`tests/test_passes.py` holds them to its schema)."""
+class MarkerArgs(
+    collections.namedtuple(
+        "MarkerArgs",
+        _PARAMETER_ARGS,
+        defaults=[UnshardArgs._field_defaults[name] for name in _PARAMETER_ARGS if name in UnshardArgs._field_defaults],
+    )
+):
+    """A parameter's `zerocompile::unshard` arguments but the per-call ones (its tensors and
+    no_sync's `local`), by `UnshardArgs`' names, order and defaults: what `shard()` decides for a
+    parameter (`ShardInfo.marker_args`) and hands to every marker its modules emit."""
 
-    shape: tuple[int, ...]
-    stage: int
-    group_name: str
-    world_size: int
-    reduce_scatter: str
-    param: str = ""
-    compute_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    gather_quant_block: int = 0
-    reduce_quant_block: int = 0
-    replica_group: str = ""
-    replicas: int = 1
-    replica_quant_block: int = 0
-    secondary_group: str = ""
-    secondary_size: int = 1
-    secondary_quant_block: int = 0
+    __slots__ = ()
 
     def call(self) -> tuple[tuple, dict[str, Any]]:
         """`(args, keywords)` of `unshard(shard, *args, **keywords)`: positional through
         `reduce_dtype`, then the keywords that are not their default."""
-        args = tuple(list(self.shape) if name == "shape" else getattr(self, name) for name in _POSITIONAL)
+        values = self._asdict()
+        args = tuple(list(self.shape) if name == "shape" else values[name] for name in _POSITIONAL)
         keywords = {
-            field.name: getattr(self, field.name)
-            for field in dataclasses.fields(self)
-            if field.name not in _POSITIONAL and getattr(self, field.name) != field.default
+            name: value
+            for name, value in values.items()
+            if name not in _POSITIONAL and value != self._field_defaults[name]
         }
         return args, keywords
 
@@ -248,24 +147,6 @@ class MarkerArgs:
         """The marker on `shard` (eager: its kernel, the blocking collective)."""
         args, keywords = self.call()
         return UNSHARD(shard, *args, **keywords)
-
-
-class ReduceGradArgs(NamedTuple):
-    """Arguments of `zerocompile::reduce_grad`."""
-
-    grad: torch.fx.Node
-    shard_numel: int
-    stage: int
-    group_name: str
-    world_size: int
-    reduce_scatter: str
-    param: str = ""
-    reduce_dtype: torch.dtype | None = None
-    grad_dtype: torch.dtype | None = None
-    quant_block: int = 0  # > 0: reduced int8-quantised in blocks of this many elements (`lowering`)
-    replica_group: str = ""  # hybrid sharding: then averaged over this group (`UnshardArgs`)
-    replicas: int = 1
-    replica_quant_block: int = 0  # > 0: that average int8-quantised too (what crosses nodes)
 
 
 def unshard_args(node: torch.fx.Node) -> UnshardArgs:

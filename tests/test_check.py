@@ -40,8 +40,8 @@ def _scale_reduce_scatter_by_world_size() -> None:
 
     right = lower_markers.reduce_scatter_bucket
 
-    def summed(grads, shard_numels, group_name, world_size, *args, **kwargs):
-        return [shard * world_size for shard in right(grads, shard_numels, group_name, world_size, *args, **kwargs)]
+    def summed(grads, shard_numels, marker):
+        return [shard * marker.world_size for shard in right(grads, shard_numels, marker)]
 
     lower_markers.reduce_scatter_bucket = summed
 

@@ -76,8 +76,8 @@ def _without_replica_average(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("reduce_scatter_bucket", "all_reduce_bucket"):
         correct = getattr(lower_markers, name)
 
-        def inside_only(*args, correct=correct):  # the last three: replica group, replicas, its quant block
-            return correct(*args[:-3], "", 1, 0)
+        def inside_only(*args, correct=correct):  # the last is the markers' arguments: drop their replicas
+            return correct(*args[:-1], args[-1]._replace(replica_group="", replicas=1, replica_quant_block=0))
 
         monkeypatch.setattr(lower_markers, name, inside_only)
 

@@ -11,7 +11,6 @@ up once for this module and destroyed at its end so other test modules start cle
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import operator
@@ -27,7 +26,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 from fx_helpers import WORLD, call_targets, markers_in, node_index, on, output_args, trace
 from zerocompile.passes import analysis
 from zerocompile.passes.lower_markers import lower_markers
-from zerocompile.passes.markers import REDUCE_GRAD, UNSHARD, MarkerArgs, UnshardArgs, is_unshard
+from zerocompile.passes.marker_args import UnshardArgs
+from zerocompile.passes.markers import REDUCE_GRAD, UNSHARD, MarkerArgs, is_unshard
 from zerocompile.passes.merge_unshards import merge_repeated_unshards
 from zerocompile.passes.recompute_gathers import tag_gathers_for_recompute
 
@@ -655,17 +655,28 @@ def test_end_to_end_stage1_keeps_gathered_weights_and_reduces_at_the_end(group_n
     assert tail == REDUCE_SCATTER_PADDED + REDUCE_SCATTER_PADDED
 
 
-def test_marker_args_are_the_unshard_schema_and_leave_defaults_out():
-    """`MarkerArgs` (what shard() decides for a parameter's markers) and `UnshardArgs` (what the
-    passes read off a marker) name the op's arguments in its order, with its defaults; a marker
-    passes them positionally through `reduce_dtype`, the rest as keywords only where set."""
-    schema = [
-        (a.name, a.default_value if a.has_default_value() else dataclasses.MISSING) for a in UNSHARD._schema.arguments
-    ]
-    assert [name for name, _ in schema] == list(UnshardArgs._fields)
-    assert {name: d for name, d in schema if d is not dataclasses.MISSING} == UnshardArgs._field_defaults
-    per_call = ("shard", "local", "pending")  # the tensors and no_sync's flag: not a parameter's
-    assert [(f.name, f.default) for f in dataclasses.fields(MarkerArgs)] == [(n, d) for n, d in schema if n not in per_call]
+# The schemas torch.library inferred from the ops' hand-written signatures, which every snapshot
+# was taken with: the ones `marker_args` derives must stay these.
+UNSHARD_SCHEMA = (
+    "zerocompile::unshard(Tensor shard, SymInt[] shape, SymInt stage, str group_name, SymInt world_size, "
+    'str reduce_scatter, str param="", ScalarType? compute_dtype=None, ScalarType? reduce_dtype=None, '
+    "bool local=False, Tensor? pending=None, SymInt gather_quant_block=0, SymInt reduce_quant_block=0, "
+    'str replica_group="", SymInt replicas=1, SymInt replica_quant_block=0, str secondary_group="", '
+    "SymInt secondary_size=1, SymInt secondary_quant_block=0) -> Tensor"
+)
+REDUCE_GRAD_SCHEMA = (
+    "zerocompile::reduce_grad(Tensor grad, SymInt shard_numel, SymInt stage, str group_name, SymInt world_size, "
+    'str reduce_scatter, str param="", ScalarType? reduce_dtype=None, ScalarType? grad_dtype=None, '
+    'SymInt quant_block=0, str replica_group="", SymInt replicas=1, SymInt replica_quant_block=0) -> Tensor'
+)
+
+
+def test_marker_schemas_come_from_their_records_and_markers_leave_defaults_out():
+    """The ops' schemas, derived from `UnshardArgs` and `ReduceGradArgs`, are the ones the graphs
+    were always traced with; `MarkerArgs` (what shard() decides for a parameter's markers) passes
+    its arguments positionally through `reduce_dtype`, the rest as keywords only where set."""
+    assert str(UNSHARD._schema) == UNSHARD_SCHEMA
+    assert str(REDUCE_GRAD._schema) == REDUCE_GRAD_SCHEMA
 
     assert MarkerArgs((3, 5), 1, "g", 4, "native").call() == (([3, 5], 1, "g", 4, "native", "", None, None), {})
     marker = MarkerArgs((3, 5), 3, "g", 4, "native", compute_dtype=torch.bfloat16, replica_group="r", replicas=2)

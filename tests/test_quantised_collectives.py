@@ -26,6 +26,7 @@ from models import MODELS, local_batch
 from ranks import run_on_ranks
 from zerocompile.passes import lowering, stages
 from zerocompile.passes.lowering import dequantise_int8, quantise_int8
+from zerocompile.passes.marker_args import ReduceGradArgs
 
 
 # -- the quantisation ---------------------------------------------------------------------------
@@ -121,12 +122,13 @@ def collectives_match_simulation(rank: int, world_size: int, block: int) -> dict
     grads_of = lambda r: [_rank_tensor(r, tuple(shape), 10 + salt) for salt, shape in enumerate(shapes)]  # noqa: E731
     buckets = [lowering.pack(grads_of(r), world_size, shard_numels).view(world_size, -1) for r in range(world_size)]
     means = [_simulated_rows([bucket[owner] for bucket in buckets], block).sum(0) / world_size for owner in range(world_size)]
-    reduced = lowering.reduce_scatter_bucket(
-        grads_of(rank), shard_numels, group_name, world_size, lowering.ALL_TO_ALL_REDUCE_SCATTER, None, None, block
-    )
+    # The reduce_grad arguments the bucket's gradients share (`grad` aside: the bucket passes its own).
+    flavour = lowering.ALL_TO_ALL_REDUCE_SCATTER
+    marker = ReduceGradArgs(None, sum(shard_numels), 2, group_name, world_size, flavour, quant_block=block)
+    reduced = lowering.reduce_scatter_bucket(grads_of(rank), shard_numels, marker)
     errors["reduce_scatter"] = (torch.cat(reduced) - means[rank]).abs().max().item()
     # Stage 0's all-reduce: that reduce-scatter, then every rank's means gathered quantised.
-    averaged = lowering.all_reduce_bucket(grads_of(rank), group_name, world_size, None, None, block)
+    averaged = lowering.all_reduce_bucket(grads_of(rank), marker)
     gathered = _simulated_rows(means, block)
     for grad, column, shape in zip(averaged, gathered.split(shard_numels, dim=1), shapes):
         expected = column.reshape(-1)[: grad.numel()].view(shape)

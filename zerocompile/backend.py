@@ -43,7 +43,8 @@ from zerocompile import dump, graph_records, torch_support, upstream_fixes
 from zerocompile.passes import analysis, ledger
 from zerocompile.passes.ledger import GraphLedger
 from zerocompile.passes.lower_markers import lower_markers
-from zerocompile.passes.markers import UnshardArgs, is_reduce_grad, is_unshard, reduce_grad_args, unshard_args
+from zerocompile.passes.marker_args import UnshardArgs
+from zerocompile.passes.markers import is_reduce_grad, is_unshard, reduce_grad_args, unshard_args
 from zerocompile.passes.merge_unshards import merge_repeated_unshards
 from zerocompile.passes.gloo_release import hold_until_gloo_releases
 from zerocompile.passes.one_in_flight import wait_before_each_collective
