@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from zerocompile.tools import gpu_visit
+from zerocompile.tools import check_verdict, gpu_visit
 
 
 @pytest.fixture
@@ -53,7 +53,7 @@ def test_a_parameter_off_ddp_is_a_mismatch_in_the_summary(visit: gpu_visit.Visit
         "tolerance": 1e-6, "state_bytes": [100, 100], "state_expected": 100, "sent_bytes": None,
         "sent_expected": None, "step_seconds": None, "ddp_compile_seconds": None, "device_peak_bytes": None,
     }
-    problems = gpu_visit.check.judge(row)
+    problems = check_verdict.judge(row)
     report = {"rows": [{**row, "problems": problems, "ok": False}], "problems": problems, "ok": False}
     (visit.work / "check.json").write_text(json.dumps(report))
     lines = visit.details({"name": "check", "returncode": 1, "output": ""})

@@ -1,8 +1,10 @@
-"""Argument types shared by the command-line tools and benchmarks (argparse `type=` callables)."""
+"""Arguments shared by the command-line tools and benchmarks: argparse `type=` callables and flags
+more than one tool takes."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def positive_int(text: str) -> int:
@@ -11,3 +13,12 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def add_offload_arguments(parser: argparse.ArgumentParser, disk_help: str, cpu_help: str) -> None:
+    """--offload-dir DIR (the optimizer state on disk there, offload='disk') and --offload-cpu (in host
+    memory, the update on the CPU, offload='cpu'), which exclude each other; each tool says what it
+    does with them in `disk_help` and `cpu_help`."""
+    offload = parser.add_mutually_exclusive_group()
+    offload.add_argument("--offload-dir", type=Path, default=None, help=disk_help)
+    offload.add_argument("--offload-cpu", action="store_true", help=cpu_help)
