@@ -85,7 +85,7 @@ LR = 1e-3
 STAGES = (0, 1, 2, 3)
 COMPILERS = ("eager", "inductor")
 # The eager compiler runs the same ATen ops as DDP on the same values: on gloo CPU ranks the
-# parameters came out bitwise equal (tools/gpu_visit.py, 2 ranks, AdamW and SGD). 1e-6 leaves room
+# parameters came out bitwise equal (benchmarks/gpu_visit.py, 2 ranks, AdamW and SGD). 1e-6 leaves room
 # for a reduction that sums in another order than DDP's all-reduce (NCCL's reduce-scatter over more
 # than 2 ranks) and nothing for a real error. Inductor fuses and reorders fp32 arithmetic, and
 # AdamW magnifies ulp-level gradient differences where gradients are tiny: tests/test_parity.py

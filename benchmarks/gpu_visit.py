@@ -1,6 +1,6 @@
 """One visit to a lent GPU, as one command: `zerocompile check`, the fake-group benchmark, a trace, a summary.
 
-    python -m zerocompile.tools.gpu_visit --device cuda --out "$OUT"
+    python -m benchmarks.gpu_visit --device cuda --out "$OUT"
 
 Device time is scarce (minutes per session), so everything a visit should learn runs in one call,
 in order of what matters most, each step in a process of its own with its own time limit: a step
@@ -14,7 +14,7 @@ that fails or hangs is reported with its output and the next one runs. What each
            >= 70 %); on a GPU, compile-bf16 and zero3-bf16 again with Inductor's CUDA-graph trees
   check    `zerocompile check --device <dev> --json ...`: a small GPT under DDP and under stages 0-3,
            eager compiler and Inductor, gradients, parameters, model-state bytes, bytes sent and
-           step time against DDP's (see zerocompile/tools/check.py for what runs on one GPU, on
+           step time against DDP's (see tools/check.py for what runs on one GPU, on
            several, and on the CPU); then stages 1 and 3 with the optimizer state on disk
            (check-offload: `--offload-dir`, the state staged on the device for each bucket's step;
            check-offload-cpu: `--offload-cpu`, the update on the CPU between pinned copies)
@@ -304,7 +304,7 @@ class Visit:
         lines = [
             f"# GPU visit, {self.started:%Y-%m-%d %H:%M} UTC",
             "",
-            f"Command: `python -m zerocompile.tools.gpu_visit {' '.join(sys.argv[1:])}`",
+            f"Command: `python -m benchmarks.gpu_visit {' '.join(sys.argv[1:])}`",
             "",
             *(f"- {key}: {value}" for key, value in self.facts.items()),
             "",
@@ -367,7 +367,7 @@ def environment(device: str) -> dict[str, str]:
 def run_visit(args: argparse.Namespace) -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     visit = Visit(args)
-    me = "zerocompile.tools.gpu_visit"
+    me = "benchmarks.gpu_visit"
     gpu = args.device != "cpu"
     quick = args.quick
     check_narrowing = ["--stages", "0,3", "--compilers", "eager"] if quick else []
@@ -452,7 +452,7 @@ def run_visit(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m zerocompile.tools.gpu_visit", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_visit", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="gpu-visit")
