@@ -21,7 +21,7 @@ import zerocompile as zc
 from zerocompile import torch_support
 from zerocompile.distributed import default_backend
 from zerocompile.tools import link_budget, netsim, spawn
-from zerocompile.tools.bench import report
+from zerocompile.tools.bench.report import described, markdown_table, plot, progress_line
 from zerocompile.tools.bench.method import method
 from zerocompile.tools.bench.modes import MODES, optimizer_description
 from zerocompile.tools.bench.rank import interleaved_rank, spawned_rank
@@ -60,7 +60,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     machine = {"node": platform.node(), "cpu_count": os.cpu_count(), "torch": torch_support.RELEASE}
     print(
         f"zerocompile bench on {machine['node']} ({machine['cpu_count']} CPUs, torch {machine['torch']}): "
-        f"{ranks} {backend} ranks, GPT {report.described(model_size, args.layers)} (Φ = {phi:,}), global batch {args.batch_size} x "
+        f"{ranks} {backend} ranks, GPT {described(model_size, args.layers)} (Φ = {phi:,}), global batch {args.batch_size} x "
         f"{config.block_size} tokens, {optimizer_description(args.optimizer)}, {args.warmup or warmup} warm-up + "
         f"{args.steps or steps} timed steps per mode",
         flush=True,
@@ -98,7 +98,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
         for name in settings.modes:
             measured[name] = launch(spawned_rank, (name, settings))
-            print(report.progress_line(measured[name]), flush=True)
+            print(progress_line(measured[name]), flush=True)
         interleaved = _run_interleaved(settings, launch) if settings.interleave else None
     if link is not None:
         add_floors(measured, interleaved, link["probe_bits_per_second"], unlimited_steps(args.floor_from))
@@ -131,9 +131,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.json").write_text(json.dumps(summary, indent=2) + "\n")
-    table = report.markdown_table(summary)
+    table = markdown_table(summary)
     (args.out / "bench.md").write_text(table)
-    report.plot(summary, args.out / "bench.png")
+    plot(summary, args.out / "bench.png")
     print(f"\n{table}\nwrote {args.out}/bench.json, bench.md, bench.png", flush=True)
     return summary
 
