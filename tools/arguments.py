@@ -4,6 +4,7 @@ more than one tool takes."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -13,6 +14,21 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def names_from(valid: Sequence[str], what: str = "") -> Callable[[str], list[str]]:
+    """An argparse type: comma-separated names, each one of `valid` (GPT sizes, modes), at least
+    one; `what` names them in the error ("mode(s)": "unknown mode(s) ['x']; valid: ...")."""
+
+    def parse(text: str) -> list[str]:
+        names = [name.strip() for name in text.split(",") if name.strip()]
+        unknown = [name for name in names if name not in valid]
+        if unknown or not names:
+            label = f"{what} " if what else ""
+            raise argparse.ArgumentTypeError(f"unknown {label}{unknown}; valid: {','.join(valid)}")
+        return names
+
+    return parse
 
 
 def add_offload_arguments(parser: argparse.ArgumentParser, disk_help: str, cpu_help: str) -> None:

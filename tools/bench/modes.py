@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import zerocompile as zc
 from zerocompile.hybrid import ranks_per_node
+from zerocompile.tools.arguments import names_from
 from zerocompile.tools.bench.settings import Settings
 from zerocompile.tools.gpt import GPT
 
@@ -251,13 +252,8 @@ MODES: dict[str, Mode] = {
 }
 
 
-def mode_list(text: str) -> list[str]:
-    """--modes' names, comma-separated, each one of MODES."""
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in MODES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; valid: {','.join(MODES)}")
-    return names
+# --modes' names, comma-separated, each one of MODES.
+mode_list = names_from(tuple(MODES), "mode(s)")
 
 
 def interleave_list(text: str) -> list[str]:
