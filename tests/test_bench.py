@@ -22,7 +22,7 @@ import zerocompile as zc
 import zerocompile.offload
 from zerocompile.passes.stages import shard_numel
 from zerocompile.tools import bench
-from zerocompile.tools.bench.modes import MODES, OPTIMIZERS
+from zerocompile.tools.bench.modes import MODES as BENCH_MODES, OPTIMIZERS
 from zerocompile.tools.bench.orchestration import bench as run_bench
 from zerocompile.tools.bench.rank import gpt_class_of_its_own
 from zerocompile.tools.bench.settings import Settings
@@ -258,7 +258,7 @@ def test_interleave_needs_two_different_modes() -> None:
 def test_zero3_budget_mode_keeps_half_the_models_bytes(single_rank) -> None:
     model = GPT(SIZES["tiny"])
     half = sum(p.numel() * p.element_size() for p in model.parameters()) // 2
-    MODES["zero3-budget"].build(model, "adamw")
+    BENCH_MODES["zero3-budget"].build(model, "adamw")
     settings = {(info.config.stage, info.config.memory_budget) for info in map(zc.sharding.shard_info, model.parameters())}
     assert settings == {(3, half)}
 
@@ -268,7 +268,7 @@ def test_offload_cpu_mode_keeps_its_optimizer_state_in_host_memory(single_rank) 
     memory (HostState); built for muon too (torch's Muon, made zerocompile's by shard())."""
     for kind in OPTIMIZERS:
         model = GPT(SIZES["tiny"])
-        prepared = MODES["zero3-offload-cpu"].build(model, kind)
+        prepared = BENCH_MODES["zero3-offload-cpu"].build(model, kind)
         assert {info.config.offload for info in map(zc.sharding.shard_info, model.parameters())} == {"cpu"}
         assert all(isinstance(zerocompile.offload.offloaded_state(o), zerocompile.offload.HostState) for o in prepared.optimizers)
 
@@ -292,7 +292,7 @@ def test_compile_cost_modes_use_the_eager_compilers_on_a_deeper_gpt(single_rank,
     batch = torch.randint(0, SIZES["tiny"].vocab_size, (1, 8))
     for name in args.modes:
         torch._dynamo.reset()
-        MODES[name].build(GPT(settings.config), "adamw").runner(batch, batch).backward()
+        BENCH_MODES[name].build(GPT(settings.config), "adamw").runner(batch, batch).backward()
 
 
 def test_interleaved_modes_trace_gpt_code_of_their_own() -> None:
@@ -428,7 +428,7 @@ def test_muon_modes_step_as_torchs_muon_does(single_rank) -> None:
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = GPT(SIZES["tiny"])
-        prepared = MODES[name].build(model, optimizer)
+        prepared = BENCH_MODES[name].build(model, optimizer)
         assert len(prepared.optimizers) == (2 if optimizer == "muon" else 1)
         for _ in range(2):
             prepared.runner(batch[:, :-1], batch[:, 1:]).backward()
