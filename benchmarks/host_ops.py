@@ -21,7 +21,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import zerocompile as zc
 from zerocompile.passes import analysis
-from zerocompile.tools import bench
+from zerocompile.tools.bench.modes import MODES as BENCH_MODES
 from zerocompile.tools.dispatched import dispatched_per_step, kernel_profiling
 from zerocompile.tools.gpt import GPT, GPTConfig
 
@@ -32,7 +32,7 @@ def measure(mode: str, config: GPTConfig, batch: int) -> dict:
     """`mode` as `zerocompile bench` builds it, stepped with fused AdamW instead of bench's."""
     torch.manual_seed(0)
     model = GPT(config)
-    forward = bench.MODES[mode].build(model, "adamw").runner
+    forward = BENCH_MODES[mode].build(model, "adamw").runner
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     tokens = torch.randint(config.vocab_size, (batch, config.block_size + 1), generator=torch.Generator().manual_seed(0))
 

@@ -18,15 +18,9 @@ from pathlib import Path
 
 from zerocompile.tools import spawn
 from zerocompile.tools.gpt import SIZES
+from zerocompile.tools.rss import reset_peak_rss, status_bytes
 
 MB = 2**20
-
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def _rank(rank: int, size: str, layers: int, path: str) -> dict:
@@ -39,17 +33,18 @@ def _rank(rank: int, size: str, layers: int, path: str) -> dict:
     zc.init_distributed()
     zc.shard(nn.Linear(4, 4), stage=3)  # imports what the first shard() imports
     config = dataclasses.replace(SIZES[size], n_layer=layers)
-    before = _status("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")
+    before = status_bytes("VmRSS")
+    if not reset_peak_rss():
+        raise RuntimeError("/proc/self/clear_refs refused: the peak of the build and the load cannot be taken")
     torch.manual_seed(0)  # shard() materialises the same initial values on every rank
     with torch.device("meta"):
         model = GPT(config)
     largest = max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in model.modules())
     zc.shard(model, stage=3)
-    built = {"rise": _status("VmHWM") - before, "after": _status("VmRSS") - before}
+    built = {"rise": status_bytes("VmHWM") - before, "after": status_bytes("VmRSS") - before}
     zc.load_weights(model, path)
     shards = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
-    return {"rise": _status("VmHWM") - before, "shards": shards, "largest": largest, "after": _status("VmRSS") - before, "built": built}
+    return {"rise": status_bytes("VmHWM") - before, "shards": shards, "largest": largest, "after": status_bytes("VmRSS") - before, "built": built}
 
 
 def main() -> None:

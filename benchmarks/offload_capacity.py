@@ -50,15 +50,10 @@ from benchmarks.capacity.parent import EXACT_RSS_ENVIRONMENT, spawn_ranks
 from zerocompile import offload, offload_files
 from zerocompile.tools import spawn
 from zerocompile.tools.gpt import GPT, SIZES
+from zerocompile.tools.measuring import io_counters
 from zerocompile.tools.train import GlobalBatches, load_text
 
 SLACK_BYTES = GiB  # the bound's "+ 1 GiB": interpreter, torch, activations, gathered parameters
-
-
-def _io() -> dict[str, int]:
-    """read_bytes and write_bytes of this process: what it made the block layer read and write."""
-    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
-    return {"read": int(fields["read_bytes"]), "write": int(fields["write_bytes"])}
 
 
 def _rank(rank: int, settings: dict[str, Any]) -> dict[str, Any]:
@@ -85,15 +80,15 @@ def _rank(rank: int, settings: dict[str, Any]) -> dict[str, Any]:
             optimizer.zero_grad(set_to_none=True)
             loss = runner(inputs, targets)
             loss.backward()
-            before, stepping = _io(), time.perf_counter()
+            before, stepping = io_counters(), time.perf_counter()
             optimizer.step()
-            after, ended = _io(), time.perf_counter()
+            after, ended = io_counters(), time.perf_counter()
             steps.append({
                 "loss": loss.item(),
                 "seconds": ended - started,
                 "optimizer_seconds": ended - stepping,
-                "disk_read_bytes": after["read"] - before["read"],
-                "disk_write_bytes": after["write"] - before["write"],
+                "disk_read_bytes": after["read_bytes"] - before["read_bytes"],
+                "disk_write_bytes": after["write_bytes"] - before["write_bytes"],
             })
             marks(f"step {step}" + (" (compiles)" if step == 1 else ""))
         held = zc.model_state_bytes(model, optimizer)

@@ -22,6 +22,10 @@ import zerocompile as zc
 import zerocompile.offload
 from zerocompile.passes.stages import shard_numel
 from zerocompile.tools import bench
+from zerocompile.tools.bench.modes import MODES as BENCH_MODES, OPTIMIZERS
+from zerocompile.tools.bench.orchestration import bench as run_bench
+from zerocompile.tools.bench.rank import gpt_class_of_its_own
+from zerocompile.tools.bench.settings import Settings
 from zerocompile.tools.cli import build_parser
 from zerocompile.tools.gpt import GPT, SIZES
 
@@ -254,7 +258,7 @@ def test_interleave_needs_two_different_modes() -> None:
 def test_zero3_budget_mode_keeps_half_the_models_bytes(single_rank) -> None:
     model = GPT(SIZES["tiny"])
     half = sum(p.numel() * p.element_size() for p in model.parameters()) // 2
-    bench.MODES["zero3-budget"].build(model, "adamw")
+    BENCH_MODES["zero3-budget"].build(model, "adamw")
     settings = {(info.config.stage, info.config.memory_budget) for info in map(zc.sharding.shard_info, model.parameters())}
     assert settings == {(3, half)}
 
@@ -262,9 +266,9 @@ def test_zero3_budget_mode_keeps_half_the_models_bytes(single_rank) -> None:
 def test_offload_cpu_mode_keeps_its_optimizer_state_in_host_memory(single_rank) -> None:
     """zero3-offload-cpu: its optimizers exist before shard(), which moves their state to host
     memory (HostState); built for muon too (torch's Muon, made zerocompile's by shard())."""
-    for kind in bench.OPTIMIZERS:
+    for kind in OPTIMIZERS:
         model = GPT(SIZES["tiny"])
-        prepared = bench.MODES["zero3-offload-cpu"].build(model, kind)
+        prepared = BENCH_MODES["zero3-offload-cpu"].build(model, kind)
         assert {info.config.offload for info in map(zc.sharding.shard_info, model.parameters())} == {"cpu"}
         assert all(isinstance(zerocompile.offload.offloaded_state(o), zerocompile.offload.HostState) for o in prepared.optimizers)
 
@@ -280,7 +284,7 @@ def test_compile_cost_modes_use_the_eager_compilers_on_a_deeper_gpt(single_rank,
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     args = parser.parse_args(["--model-size", "tiny", "--layers", "5", "--modes", "compile-aot-eager,zero3-eager"])
-    settings = bench.Settings(
+    settings = Settings(
         ranks=1, model_size=args.model_size, layers=args.layers, steps=1, warmup=1, batch_size=1, seed=0,
         modes=tuple(args.modes), interleave=(), cache_root="", device=None,
     )
@@ -288,13 +292,13 @@ def test_compile_cost_modes_use_the_eager_compilers_on_a_deeper_gpt(single_rank,
     batch = torch.randint(0, SIZES["tiny"].vocab_size, (1, 8))
     for name in args.modes:
         torch._dynamo.reset()
-        bench.MODES[name].build(GPT(settings.config), "adamw").runner(batch, batch).backward()
+        BENCH_MODES[name].build(GPT(settings.config), "adamw").runner(batch, batch).backward()
 
 
 def test_interleaved_modes_trace_gpt_code_of_their_own() -> None:
     """Dynamo's per-code state (a frame it gave up on) must not leak between modes of one process:
     FSDP2+compile gives up on GPT.forward, and zero3 sharing that code object ran eagerly."""
-    first, second = (bench._gpt_class_of_its_own(name) for name in ("fsdp2-compile", "zero3"))
+    first, second = (gpt_class_of_its_own(name) for name in ("fsdp2-compile", "zero3"))
     codes = [cls.forward.__code__ for cls in (first, second, GPT)]
     assert len({id(code) for code in codes}) == 3
     models = []
@@ -334,7 +338,7 @@ def test_device_flag_reaches_the_ranks(tmp_path: Path) -> None:
     argv = ["--quick", "--ranks", "2", "--modes", "ddp", "--interleave", "none", "--device", "meta"]
     args = parser.parse_args([*argv, "--out", str(tmp_path)])
     assert args.device == torch.device("meta")
-    summary = bench.bench(args)
+    summary = run_bench(args)
     assert summary["settings"]["device"] == "meta"
     (mode,) = summary["modes"]
     assert mode["status"] == "failed", mode
@@ -409,7 +413,7 @@ def test_fake_ranks_refuse_interleaving_and_real_ranks(tmp_path: Path) -> None:
     bench.add_arguments(parser)
     args = parser.parse_args(["--quick", "--fake-ranks", "2", "--interleave", "ddp,fsdp2", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="--interleave"):
-        bench.bench(args)
+        run_bench(args)
     with pytest.raises(SystemExit):
         parser.parse_args(["--ranks", "2", "--fake-ranks", "2"])
 
@@ -424,7 +428,7 @@ def test_muon_modes_step_as_torchs_muon_does(single_rank) -> None:
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = GPT(SIZES["tiny"])
-        prepared = bench.MODES[name].build(model, optimizer)
+        prepared = BENCH_MODES[name].build(model, optimizer)
         assert len(prepared.optimizers) == (2 if optimizer == "muon" else 1)
         for _ in range(2):
             prepared.runner(batch[:, :-1], batch[:, 1:]).backward()

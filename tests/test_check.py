@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ranks import run_on_ranks
-from zerocompile.tools import check, cli
+from zerocompile.tools import check, check_verdict, cli
 
 
 def test_cpu_check_passes_on_two_ranks(tmp_path: Path) -> None:
@@ -29,7 +29,7 @@ def test_cpu_check_passes_on_two_ranks(tmp_path: Path) -> None:
         assert row["ok"] and row["problems"] == [], row
         assert row["param_error"] <= check.TOLERANCE[row["compiler"]] and row["grad_error"] <= row["tolerance"]
         assert row["state_bytes"] == [row["state_expected"]] * 2
-        assert all(abs(sent / row["sent_expected"] - 1) <= check.SENT_TOLERANCE for sent in row["sent_bytes"])
+        assert all(abs(sent / row["sent_expected"] - 1) <= check_verdict.SENT_TOLERANCE for sent in row["sent_bytes"])
         assert row["step_seconds"] > 0 and row["ddp_compile_seconds"] > 0
     assert report["environment"]["gloo"] == "available"
 

@@ -606,7 +606,9 @@ def test_a_cpu_device_starts_gloo_on_a_machine_with_gpus(monkeypatch: pytest.Mon
 @pytest.mark.parametrize("tool", ["train", "bench"])
 def test_the_tools_start_the_backend_of_their_device(monkeypatch: pytest.MonkeyPatch, tool: str) -> None:
     """Each tool hands its --device to init_distributed (stopped there: nothing else runs)."""
-    from zerocompile.tools import bench, train
+    from zerocompile.tools import train
+    from zerocompile.tools.bench.rank import rank_session
+    from zerocompile.tools.bench.settings import Settings
 
     asked: list[Any] = []
 
@@ -625,11 +627,11 @@ def test_the_tools_start_the_backend_of_their_device(monkeypatch: pytest.MonkeyP
             train.add_arguments(parser)
             train.train_this_rank(parser.parse_args(["--device", "cpu"]))
         else:
-            settings = bench.Settings(
+            settings = Settings(
                 ranks=2, model_size="tiny", steps=1, warmup=1, batch_size=2, seed=0, modes=(),
                 interleave=(), cache_root="unused", device=torch.device("cpu"),
             )  # fmt: skip
-            with bench._rank_session(0, settings, cache_name="unused"):
+            with rank_session(0, settings, cache_name="unused"):
                 pass
     assert asked == [torch.device("cpu")]
     assert dict(os.environ) == environment, "a rank's variables come from its spawner, not from the rank's code"

@@ -1,4 +1,4 @@
-"""The GPU visit (zerocompile/tools/gpu_visit.py) keeps working between visits: device time is
+"""The GPU visit (benchmarks/gpu_visit.py) keeps working between visits: device time is
 minutes per session, so a visit that breaks on the device is a visit lost. Here its first step,
 `zerocompile check`, runs on two gloo CPU ranks through the visit's own step runner, and the
 summary must carry the check's table; a stage that trained differently from DDP must show as a
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from zerocompile.tools import gpu_visit
+from benchmarks import gpu_visit
+from zerocompile.tools import check_verdict
 
 
 @pytest.fixture
@@ -53,7 +54,7 @@ def test_a_parameter_off_ddp_is_a_mismatch_in_the_summary(visit: gpu_visit.Visit
         "tolerance": 1e-6, "state_bytes": [100, 100], "state_expected": 100, "sent_bytes": None,
         "sent_expected": None, "step_seconds": None, "ddp_compile_seconds": None, "device_peak_bytes": None,
     }
-    problems = gpu_visit.check.judge(row)
+    problems = check_verdict.judge(row)
     report = {"rows": [{**row, "problems": problems, "ok": False}], "problems": problems, "ok": False}
     (visit.work / "check.json").write_text(json.dumps(report))
     lines = visit.details({"name": "check", "returncode": 1, "output": ""})
@@ -64,9 +65,10 @@ def test_a_parameter_off_ddp_is_a_mismatch_in_the_summary(visit: gpu_visit.Visit
 def test_profile_step_times_phases_and_writes_its_table(tmp_path: Path) -> None:
     # The visit's profile step, as a smoke run on the CPU (the eager compiler keeps it cheap): on a
     # GPU its kernel families are what explain a mode's step; here only the host side is profiled.
-    command = [sys.executable, "-m", "zerocompile.tools.gpu_visit", "profile", "--device", "cpu", "--mode", "zero3-eager",
+    command = [sys.executable, "-m", "benchmarks.gpu_visit", "profile", "--device", "cpu", "--mode", "zero3-eager",
                "--model-size", "tiny", "--batch-size", "8", "--warmup", "1", "--steps", "2", "--out", str(tmp_path)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    root = Path(__file__).resolve().parent.parent  # benchmarks/ is not packaged: run from the repository root
+    result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "profile-zero3-eager.json").read_text())
     assert (report["group"], report["ranks"], report["batch_size"]) == ("fake", 8, 8)

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from zerocompile.tools import bench, link_budget
+from zerocompile.tools import link_budget
+from zerocompile.tools.bench.orchestration import add_floors, unlimited_steps
 
 pytestmark = pytest.mark.fast
 
@@ -62,12 +63,12 @@ def test_floors_come_from_the_unlimited_run_and_the_link(tmp_path) -> None:
                  "interleaved": {"step_time_s": {"zero3": 0.6}}}  # fmt: skip
     path = tmp_path / "bench.json"
     path.write_text(__import__("json").dumps(unlimited))
-    steps = bench._unlimited_steps(path)
+    steps = unlimited_steps(path)
     assert steps == {"zero3": 0.6}  # the interleaved median, as the ratios to quote are
     measured = {"zero3": {"status": "ok", "step_time_s": 1.5, "link_bytes_per_step": [125e6, 50e6]},
                 "ddp": {"status": "ok", "step_time_s": 0.3, "link_bytes_per_step": [12.5e6]}}  # fmt: skip
     interleaved = {"step_time_s": {"zero3": 1.2}, "link": {"zero3": {"link_bytes_per_step": [25e6]}}}
-    bench._add_floors(measured, interleaved, 1e9, steps)
+    add_floors(measured, interleaved, 1e9, steps)
     assert measured["zero3"]["floor_s"] == pytest.approx(1.0) and measured["zero3"]["step_over_floor"] == pytest.approx(1.5)
     # No unlimited step for ddp: its floor is the link's part alone.
     assert measured["ddp"]["floor_s"] == pytest.approx(0.1) and measured["ddp"]["unlimited_step_s"] is None

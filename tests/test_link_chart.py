@@ -1,4 +1,4 @@
-"""tools/link_chart.py on hand-written bench summaries: rows ordered by the probed rate, each
+"""benchmarks/link_chart.py on hand-written bench summaries: rows ordered by the probed rate, each
 mode's paired ratio to the first mode, and refusals for runs that are not one job over links."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from zerocompile.tools import link_chart
+from benchmarks import link_chart
 
 pytestmark = pytest.mark.fast
 

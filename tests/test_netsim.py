@@ -18,6 +18,7 @@ from typing import Callable
 import pytest
 
 from zerocompile.tools import bench, netsim
+from zerocompile.tools.bench.orchestration import bench as run_bench
 from zerocompile.tools.spawn import RanksFailed
 
 # A rate the shaper holds well below what one core moves over loopback (10-15 Gbit/s here), so a
@@ -244,7 +245,7 @@ def test_bench_refuses_a_network_it_cannot_simulate(argv: list[str], message: st
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     with pytest.raises(SystemExit, match=message):
-        bench.bench(parser.parse_args(["--quick", *argv, "--out", str(tmp_path)]))
+        run_bench(parser.parse_args(["--quick", *argv, "--out", str(tmp_path)]))
     assert not (tmp_path / "bench.json").exists()
 
 

@@ -1,9 +1,11 @@
-"""Argument types shared by the command-line tools and benchmarks (argparse `type=` callables)."""
+"""Arguments shared by the command-line tools and benchmarks: argparse `type=` callables and flags
+more than one tool takes."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 
 def positive_int(text: str) -> int:
@@ -27,3 +29,12 @@ def names_from(valid: Sequence[str], what: str = "") -> Callable[[str], list[str
         return names
 
     return parse
+
+
+def add_offload_arguments(parser: argparse.ArgumentParser, disk_help: str, cpu_help: str) -> None:
+    """--offload-dir DIR (the optimizer state on disk there, offload='disk') and --offload-cpu (in host
+    memory, the update on the CPU, offload='cpu'), which exclude each other; each tool says what it
+    does with them in `disk_help` and `cpu_help`."""
+    offload = parser.add_mutually_exclusive_group()
+    offload.add_argument("--offload-dir", type=Path, default=None, help=disk_help)
+    offload.add_argument("--offload-cpu", action="store_true", help=cpu_help)

@@ -67,9 +67,11 @@ from zerocompile import offload_files, torch_support
 from zerocompile.distributed import default_backend
 from zerocompile.passes.stages import shard_numel
 from zerocompile.sharding import shard_info
-from zerocompile.tools.arguments import positive_int
+from zerocompile.tools.arguments import add_offload_arguments, positive_int
 from zerocompile.tools import spawn
+from zerocompile.tools.check_verdict import judge, render
 from zerocompile.tools.gpt import GPT, GPTConfig
+from zerocompile.tools.measuring import device_peak, finish_queued_work, reset_device_peak, written_bytes
 
 # Two layers keep Inductor's compiles short (they cost the time here, not the steps); a width of
 # 99 makes Φ = 266,112, enough that collectives' headers and a barrier stay far below 2 % of the
@@ -83,15 +85,12 @@ LR = 1e-3
 STAGES = (0, 1, 2, 3)
 COMPILERS = ("eager", "inductor")
 # The eager compiler runs the same ATen ops as DDP on the same values: on gloo CPU ranks the
-# parameters came out bitwise equal (tools/gpu_visit.py, 2 ranks, AdamW and SGD). 1e-6 leaves room
+# parameters came out bitwise equal (benchmarks/gpu_visit.py, 2 ranks, AdamW and SGD). 1e-6 leaves room
 # for a reduction that sums in another order than DDP's all-reduce (NCCL's reduce-scatter over more
 # than 2 ranks) and nothing for a real error. Inductor fuses and reorders fp32 arithmetic, and
 # AdamW magnifies ulp-level gradient differences where gradients are tiny: tests/test_parity.py
 # measures 5e-6 on a GPT after 5 steps at every stage, 0 included; 1e-4 is the bound to report.
 TOLERANCE = {"eager": 1e-6, "inductor": 1e-4}
-SENT_TOLERANCE = 0.02
-# Under the fake group (one rank of N): padding, at most 0.9 % of Φ for CHECK_GPT up to N = 8.
-FAKE_STATE_TOLERANCE = 0.01
 FAKE_RANKS = 8
 FP32_BYTES = 4
 # A run that is still going after this long is stuck (a rank waiting for a peer that died): the
@@ -366,17 +365,17 @@ def _train(model: _Model, device: torch.device, batches: list, count_sent: bool)
     seconds, sent, first_grads = [], [], {}
     for step, (inputs, targets) in enumerate(batches):
         optimizer.zero_grad(set_to_none=True)
-        _finish_queued_work(device)
+        finish_queued_work(device)
         dist.barrier()
-        written = _wchar() if count_sent else 0
+        written = written_bytes() if count_sent else 0
         start = time.perf_counter()
         model.runner(inputs.to(device), targets.to(device)).backward()
         if step == 0:  # the untimed step
             first_grads = _full(model.module, lambda param: param.grad)
         optimizer.step()
-        _finish_queued_work(device)
+        finish_queued_work(device)
         seconds.append(time.perf_counter() - start)
-        sent.append(_wchar() - written if count_sent else 0)
+        sent.append(written_bytes() - written if count_sent else 0)
     held = zc.model_state_bytes(model.module, optimizer)
     params = _full(model.module, lambda param: param)
     return Trace(first_grads, params, seconds[1:], sent[1:] if count_sent else None, sum(held.values()), held.get("optimizer_on_disk", held.get("optimizer_on_host", 0)))
@@ -429,10 +428,10 @@ def _measure_fake_row(run: Run, device: torch.device, batches: list, stage: int,
     peaks = []
     for inputs, targets in batches[:2]:
         optimizer.zero_grad(set_to_none=True)
-        _reset_device_peak(device)
+        reset_device_peak(device)
         model.runner(inputs.to(device), targets.to(device)).backward()
         optimizer.step()
-        peaks.append(_device_peak(device))
+        peaks.append(device_peak(device))
     return {
         **_row_head(run, stage, compiler),
         # What a fake group cannot give: its collectives return garbage and send nothing.
@@ -474,30 +473,6 @@ def _row(name: str) -> Iterator[None]:
         raise RowFailed(name) from error
 
 
-def _finish_queued_work(device: torch.device) -> None:
-    """An accelerator runs kernels after the call that queued them returns; a step's time must include them."""
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
-
-
-def _reset_device_peak(device: torch.device) -> None:
-    if device.type != "cpu":
-        torch.accelerator.reset_peak_memory_stats(device)
-
-
-def _device_peak(device: torch.device) -> int | None:
-    """The most bytes allocated at once on `device` since the reset; None on the CPU (no such counter)."""
-    return torch.accelerator.max_memory_allocated(device) if device.type != "cpu" else None
-
-
-def _wchar() -> int:
-    """Bytes this process has passed to write-like system calls, sockets included (Linux)."""
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("wchar:"):
-            return int(line.split()[1])
-    raise RuntimeError("no wchar in /proc/self/io: bytes sent are measured on Linux only")
-
-
 # -------------------------------------------------------------------------------------- formulas
 
 
@@ -529,82 +504,6 @@ def zero_sent_bytes(stage: int, ranks: int) -> float:
 
 
 # ---------------------------------------------------------------------------------- the verdict
-
-
-def row_name(row: dict[str, Any]) -> str:
-    """"stage 2, inductor (gloo x2 cpu)"; a failure outside the rows is named by what ran ("DDP reference")."""
-    what = f"stage {row['stage']}, {row['compiler']}" if isinstance(row["stage"], int) else row["compiler"]
-    return f"{what} ({row['run']})"
-
-
-def judge(row: dict[str, Any]) -> list[str]:
-    """What is out of bounds in `row`, each naming the row and the figure; empty if nothing."""
-    name = row_name(row)
-    if "error" in row:
-        return [f"{name}: FAILED: {row['error']}"]
-    problems = []
-    for kind in ("grad", "param"):
-        error = row.get(f"{kind}_error")
-        if error is not None and not error <= row["tolerance"]:  # NaN fails too
-            problems.append(
-                f"{name}: max |Δ {kind}| {error:.2e} against DDP at {row[f'{kind}_fqn']} exceeds {row['tolerance']:.0e}"
-            )
-    for rank, held in enumerate(row["state_bytes"]):
-        if held != row["state_expected"]:
-            problems.append(
-                f"{name}: rank {rank} holds {held:,} B of model state, expected {row['state_expected']:,} B "
-                "(16 B per padded shard element; 16Φ at stage 0)"
-            )
-    if row.get("state_16phi_over_n") is not None:
-        ideal = row["state_16phi_over_n"]
-        off = row["state_bytes"][0] / ideal - 1
-        if abs(off) > FAKE_STATE_TOLERANCE:
-            problems.append(f"{name}: {row['state_bytes'][0]:,} B of model state is {off:+.2%} off 16Φ/N = {ideal:,.0f} B")
-    for rank, sent in enumerate(row.get("sent_bytes") or []):
-        off = _sent_deviation(sent, row["sent_expected"])
-        if off is not None and abs(off) > SENT_TOLERANCE:
-            problems.append(
-                f"{name}: rank {rank} sent {sent:,.0f} B per step, ZeRO's formula {row['sent_expected']:,.0f} B "
-                f"({off:+.1%}, allowed ±{SENT_TOLERANCE:.0%})"
-            )
-    return problems
-
-
-def _sent_deviation(sent: float, expected: float) -> float | None:
-    """Relative deviation from the formula; None for one rank (the formula is 0: nothing to compare)."""
-    return None if expected == 0 else sent / expected - 1
-
-
-def render(rows: list[dict[str, Any]]) -> str:
-    """The one table: a row per (ranks, stage, compiler)."""
-    lines = [
-        "| ranks | stage | compiler | max abs Δ grad | max abs Δ param | state B/rank (expected) | sent B/step (ZeRO formula) "
-        "| step time (x DDP+compile) | verdict |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in rows:
-        lines.append("| " + " | ".join([row["run"], str(row["stage"]), row["compiler"], *_cells(row)]) + " |")
-    return "\n".join(lines)
-
-
-def _cells(row: dict[str, Any]) -> list[str]:
-    verdict = "ok" if not judge(row) else "MISMATCH"
-    if "error" in row:
-        return ["", "", "", "", "", f"FAILED: {row['error'][:200]}"]
-    grads = "n/a (fake group)" if row.get("grad_error") is None else f"{row['grad_error']:.2e}"
-    params = "n/a (fake group)" if row.get("param_error") is None else f"{row['param_error']:.2e} (tol {row['tolerance']:.0e})"
-    state = f"{max(row['state_bytes']):,} ({row['state_expected']:,})"
-    if row.get("device_peak_bytes") is not None:
-        state += f"; device peak {row['device_peak_bytes']:,}"
-    if row.get("sent_bytes") is None:
-        sent = "n/a" + (" (fake group)" if row["backend"] == "fake" else f" ({row['backend']})")
-    else:
-        sent = f"{max(row['sent_bytes']):,.0f} ({row['sent_expected']:,.0f})"
-    if row.get("step_seconds") is None:
-        time_cell = "n/a"
-    else:
-        time_cell = f"{row['step_seconds'] * 1e3:.1f} ms ({row['step_seconds'] / row['ddp_compile_seconds']:.2f}x)"
-    return [grads, params, state, sent, time_cell, verdict]
 
 
 def conclude(facts: dict[str, str], runs: list[Run], rows: list[dict[str, Any]], json_path: Path | None) -> int:
@@ -729,17 +628,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", type=_stage_list, default=STAGES, help="comma-separated (default 0,1,2,3)")
     parser.add_argument("--compilers", type=_compiler_list, default=COMPILERS, help="comma-separated (default eager,inductor)")
     parser.add_argument("--json", type=Path, default=None, help="also write the environment and every row here")
-    offload = parser.add_mutually_exclusive_group()
-    offload.add_argument(
-        "--offload-dir",
-        type=Path,
-        default=None,
-        help="train stages 1-3 with their optimizer state on disk there (offload='disk'), and measure its bandwidth",
-    )
-    offload.add_argument(
-        "--offload-cpu",
-        action="store_true",
-        help="train stages 1-3 with their optimizer state in host memory and the update on the CPU (offload='cpu', "
+    add_offload_arguments(
+        parser,
+        disk_help="train stages 1-3 with their optimizer state on disk there (offload='disk'), and measure its bandwidth",
+        cpu_help="train stages 1-3 with their optimizer state in host memory and the update on the CPU (offload='cpu', "
         "for parameters on an accelerator)",
     )
     spawn.add_allocator_argument(parser)

@@ -25,6 +25,8 @@ from typing import Callable, Iterator
 import torch
 from torch.autograd.profiler_util import FunctionEvent
 
+from zerocompile.tools.measuring import finish_queued_work
+
 # Allocations and queries: no kernel runs.
 _NOT_KERNELS = frozenset(
     {
@@ -107,8 +109,7 @@ def dispatched_per_step(step: Callable[[], None], device: torch.device) -> dict[
         activities.append(torch.profiler.ProfilerActivity.CUDA if device.type == "cuda" else torch.profiler.ProfilerActivity.XPU)
     with torch.profiler.profile(activities=activities) as profile:
         step()
-        if accelerator:
-            torch.accelerator.synchronize(device)
+        finish_queued_work(device)
     events = profile.events()
     counts = count_kernel_like(events)
     kernels = (

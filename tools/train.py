@@ -35,9 +35,10 @@ import torch.distributed as dist
 import zerocompile as zc
 from zerocompile import checkpoint_files
 from zerocompile.distributed import _launcher_environment, group_device, leave_process_group
-from zerocompile.tools.arguments import positive_int
+from zerocompile.tools.arguments import add_offload_arguments, positive_int
 from zerocompile.tools import spawn
 from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
+from zerocompile.tools.rss import status_bytes
 
 MB = 1e6
 BYTES_PER_PARAMETER = 16  # fp32 parameter 4 + gradient 4 + AdamW's exp_avg and exp_avg_sq 8
@@ -147,17 +148,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="continue from this checkpoint; if it does not exist yet, start afresh (for restarts)",
     )
-    offload = parser.add_mutually_exclusive_group()
-    offload.add_argument(
-        "--offload-dir",
-        type=Path,
-        default=None,
-        help="keep each rank's AdamW state on disk in this directory (offload='disk', stages 1-3)",
-    )
-    offload.add_argument(
-        "--offload-cpu",
-        action="store_true",
-        help="keep each rank's AdamW state in host memory and update on the CPU (offload='cpu', stages 1-3; for "
+    add_offload_arguments(
+        parser,
+        disk_help="keep each rank's AdamW state on disk in this directory (offload='disk', stages 1-3)",
+        cpu_help="keep each rank's AdamW state in host memory and update on the CPU (offload='cpu', stages 1-3; for "
         "parameters on an accelerator)",
     )
     parser.add_argument("--out", type=Path, default=Path("train-out"), help="where loss.png goes (default ./train-out)")
@@ -307,9 +301,7 @@ def _build(config: GPTConfig, how: str, device: torch.device) -> GPT:
 def _peak_rss_per_rank(world_size: int, device: torch.device) -> list[int]:
     """Every rank's peak resident memory so far (VmHWM), in bytes (gathered on the group's device:
     NCCL takes no CPU tensor)."""
-    with open("/proc/self/status") as status:
-        kilobytes = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
-    mine = torch.tensor([kilobytes * 1024], dtype=torch.int64, device=device)
+    mine = torch.tensor([status_bytes("VmHWM")], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(every, mine)
     return [int(peak) for peak in every]

@@ -7,7 +7,7 @@ unlimited link at its probe's rate (shaped rates are what the probe moved; loopb
 of its own); the table gives, per rate, each mode's step and its ratio to the first mode of the
 runs (the median over rounds of the paired ratio, quartiles in brackets).
 
-    python -m zerocompile.tools.link_chart link1-1gbit link1-2.5gbit link1-10gbit link1-unlimited --out chart
+    python -m benchmarks.link_chart link1-1gbit link1-2.5gbit link1-10gbit link1-unlimited --out chart
 """
 
 from __future__ import annotations

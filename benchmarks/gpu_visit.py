@@ -1,6 +1,6 @@
 """One visit to a lent GPU, as one command: `zerocompile check`, the fake-group benchmark, a trace, a summary.
 
-    python -m zerocompile.tools.gpu_visit --device cuda --out "$OUT"
+    python -m benchmarks.gpu_visit --device cuda --out "$OUT"
 
 Device time is scarce (minutes per session), so everything a visit should learn runs in one call,
 in order of what matters most, each step in a process of its own with its own time limit: a step
@@ -14,7 +14,7 @@ that fails or hangs is reported with its output and the next one runs. What each
            >= 70 %); on a GPU, compile-bf16 and zero3-bf16 again with Inductor's CUDA-graph trees
   check    `zerocompile check --device <dev> --json ...`: a small GPT under DDP and under stages 0-3,
            eager compiler and Inductor, gradients, parameters, model-state bytes, bytes sent and
-           step time against DDP's (see zerocompile/tools/check.py for what runs on one GPU, on
+           step time against DDP's (see tools/check.py for what runs on one GPU, on
            several, and on the CPU); then stages 1 and 3 with the optimizer state on disk
            (check-offload: `--offload-dir`, the state staged on the device for each bucket's step;
            check-offload-cpu: `--offload-cpu`, the update on the CPU between pinned copies)
@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from zerocompile.tools import check
+from zerocompile.tools import check, check_verdict
 
 # ----------------------------------------------------------------------------------------- trace
 
@@ -109,7 +109,10 @@ def run_profile(args: argparse.Namespace) -> int:
     from torch._dynamo.utils import counters
 
     from zerocompile.distributed import default_backend
-    from zerocompile.tools import bench, dispatched
+    from zerocompile.tools import dispatched
+    from zerocompile.tools.bench.modes import MODES
+    from zerocompile.tools.bench.settings import Settings
+    from zerocompile.tools.bench.steps import RandomBatches, one_step, training_step
     from zerocompile.tools.gpt import SIZES, GPT
     from zerocompile.tools.spawn import free_loopback_port
 
@@ -128,23 +131,23 @@ def run_profile(args: argparse.Namespace) -> int:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.ranks)
     torch.manual_seed(0)
     config = SIZES[args.model_size]
-    prepared = bench.MODES[args.mode].build(GPT(config).to(device), "adamw")
+    prepared = MODES[args.mode].build(GPT(config).to(device), "adamw")
     ranks = 1 if args.real_group else args.ranks
     # bench's own step and batches: phases timed to the end of the device's queued work.
-    settings = bench.Settings(
+    settings = Settings(
         ranks=ranks, model_size=args.model_size, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
         seed=0, modes=(args.mode,), interleave=(), cache_root="", device=device, fake=not args.real_group,
     )  # fmt: skip
-    batches = bench._RandomBatches(config, settings, 0, device)
+    batches = RandomBatches(config, settings, 0, device)
 
     def step() -> tuple[float, float, float]:
-        return bench._one_step(prepared, batches).phases
+        return one_step(prepared, batches).phases
 
     with dispatched.kernel_profiling():
         for _ in range(args.warmup):
             step()
     phases = [step() for _ in range(args.steps)]
-    host = dispatched.dispatched_per_step(lambda: bench._training_step(prepared, batches), device)
+    host = dispatched.dispatched_per_step(lambda: training_step(prepared, batches), device)
     on_device = device.type != "cpu"
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])]
     with profile(activities=activities) as profiler:
@@ -301,7 +304,7 @@ class Visit:
         lines = [
             f"# GPU visit, {self.started:%Y-%m-%d %H:%M} UTC",
             "",
-            f"Command: `python -m zerocompile.tools.gpu_visit {' '.join(sys.argv[1:])}`",
+            f"Command: `python -m benchmarks.gpu_visit {' '.join(sys.argv[1:])}`",
             "",
             *(f"- {key}: {value}" for key, value in self.facts.items()),
             "",
@@ -347,11 +350,11 @@ class Visit:
 
 def check_details(report: dict[str, Any]) -> list[str]:
     """The check's table, what was off in it, and the traceback of a row that failed."""
-    lines = [check.render(report["rows"]), ""]
+    lines = [check_verdict.render(report["rows"]), ""]
     lines += [f"- {problem}" for problem in report["problems"]]
     for row in report["rows"]:
         if row.get("traceback"):
-            lines += [f"{check.row_name(row)}:", "```", row["traceback"].strip(), "```", ""]
+            lines += [f"{check_verdict.row_name(row)}:", "```", row["traceback"].strip(), "```", ""]
     return [*lines, ""]
 
 
@@ -364,7 +367,7 @@ def environment(device: str) -> dict[str, str]:
 def run_visit(args: argparse.Namespace) -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     visit = Visit(args)
-    me = "zerocompile.tools.gpu_visit"
+    me = "benchmarks.gpu_visit"
     gpu = args.device != "cpu"
     quick = args.quick
     check_narrowing = ["--stages", "0,3", "--compilers", "eager"] if quick else []
@@ -449,7 +452,7 @@ def run_visit(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m zerocompile.tools.gpu_visit", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_visit", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="gpu-visit")
