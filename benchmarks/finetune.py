@@ -124,7 +124,7 @@ class _Clock:
     def __init__(self) -> None:
         from transformers import TrainerCallback
 
-        from zerocompile.tools.rss import reset_peak_rss, status_bytes
+        from zerocompile.tools.measuring import reset_peak_rss, status_bytes
 
         clock = self
 
@@ -144,7 +144,7 @@ def train(options: argparse.Namespace) -> dict[str, Any] | None:
     from transformers import Trainer, default_data_collator
 
     from zerocompile.hf import ZeroTrainer
-    from zerocompile.tools.rss import status_bytes
+    from zerocompile.tools.measuring import status_bytes
 
     seq_len = int(Path(options.pretrained, "seq_len").read_text())
     model = _model(options)

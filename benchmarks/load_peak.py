@@ -18,7 +18,7 @@ from pathlib import Path
 
 from zerocompile.tools import spawn
 from zerocompile.tools.gpt import SIZES
-from zerocompile.tools.rss import reset_peak_rss, status_bytes
+from zerocompile.tools.measuring import reset_peak_rss, status_bytes
 
 MB = 2**20
 

@@ -91,7 +91,7 @@ class _Clock:
     """Time and peak RSS from `start()`: the peak as the rise of VmHWM over VmRSS at the start."""
 
     def start(self) -> None:
-        from zerocompile.tools.rss import reset_peak_rss, status_bytes
+        from zerocompile.tools.measuring import reset_peak_rss, status_bytes
 
         self.rss_before = status_bytes("VmRSS")
         if not reset_peak_rss():
@@ -102,7 +102,7 @@ class _Clock:
         return time.perf_counter() - self.started
 
     def rise(self) -> int:
-        from zerocompile.tools.rss import status_bytes
+        from zerocompile.tools.measuring import status_bytes
 
         return status_bytes("VmHWM") - self.rss_before
 

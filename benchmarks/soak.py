@@ -50,7 +50,7 @@ from zerocompile.tools.arguments import positive_int
 from zerocompile.tools import spawn
 from benchmarks.allocations import allocation_census, format_census
 from zerocompile.tools.gpt import GPT, SIZES
-from zerocompile.tools.rss import reset_peak_rss, status_bytes
+from zerocompile.tools.measuring import reset_peak_rss, status_bytes
 from zerocompile.tools.train import GlobalBatches, load_text
 
 MB = 1e6

@@ -38,7 +38,7 @@ from zerocompile.distributed import _launcher_environment, group_device, leave_p
 from zerocompile.tools.arguments import add_offload_arguments, positive_int
 from zerocompile.tools import spawn
 from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
-from zerocompile.tools.rss import status_bytes
+from zerocompile.tools.measuring import status_bytes
 
 MB = 1e6
 BYTES_PER_PARAMETER = 16  # fp32 parameter 4 + gradient 4 + AdamW's exp_avg and exp_avg_sq 8

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import os
 import platform
-import re
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from zerocompile import torch_support
-from zerocompile.tools.rss import reset_peak_rss
+from zerocompile.tools.measuring import reset_peak_rss, status_bytes
 
 MB = 1e6
 GB = 1e9
@@ -45,12 +44,7 @@ def machine() -> dict[str, Any]:
 
 def process_memory() -> dict[str, int]:
     """VmRSS, VmHWM, RssAnon, RssFile of this process, in bytes."""
-    text = Path("/proc/self/status").read_text()
-    return {
-        field: int(match.group(1)) * 1024
-        for field in ("VmRSS", "VmHWM", "RssAnon", "RssFile")
-        if (match := re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE))
-    }
+    return {field: status_bytes(field) for field in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
 
 
 def reset_peak() -> int:

@@ -33,7 +33,7 @@ from zerocompile.tools.bench.steps import RandomBatches, Step, one_step, trainin
 from zerocompile.tools.bench.summaries import summarise, summarise_interleaved
 from zerocompile.tools.gpt import GPT
 from zerocompile.tools.measuring import device_peak, reset_device_peak
-from zerocompile.tools.rss import reset_peak_rss, status_bytes
+from zerocompile.tools.measuring import reset_peak_rss, status_bytes
 from zerocompile.tools.train import chosen_device
 
 
