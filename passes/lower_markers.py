@@ -18,6 +18,10 @@ Where they go is the stage's policy (`stages.py`):
   die after their last use, which Inductor's buffer reuse and FX's generated `del`s both honour.
 
 Every inserted node carries `meta["val"]`, a fake tensor of the graph's own fake mode (`recording`).
+
+We bucket here rather than with Inductor's `bucket_all_gathers_fx` / `bucket_reduce_scatters_fx`:
+those merge `reduce_scatter_tensor`, not gloo's all-to-all reduce-scatter, and the eager
+compiler's path has no such pass.
 """
 
 from __future__ import annotations
