@@ -1,8 +1,9 @@
 """Replace the marker ops of a partitioned forward or backward graph with collectives, per stage.
 
 Runs on each graph AOTAutograd hands to the compiler (after partitioning), so the rewrite sees the
-forward and the backward separately. Each bucket of `unshard`s becomes one coalesced all-gather +
-a wait per parameter + slice + view, and each bucket of `reduce_grad`s pack + reduce-scatter (or
+forward and the backward separately. Each bucket of `unshard`s becomes one gather (on gloo a
+coalesced all-gather with a wait per parameter, on every other backend one flat all-gather, one
+wait and one copy out) + slice + view, and each bucket of `reduce_grad`s pack + reduce-scatter (or
 all-reduce) + wait, traced from the same functions the markers run eagerly (`lowering.py`).
 Where they go is the stage's policy (`stages.py`):
 
