@@ -27,7 +27,7 @@ from models import FrozenAndBuffer, GraphBreak, TiedGPT, UnevenMLP
 from ranks import run_cases, run_on_ranks
 from test_hf_models import build_model
 from zerocompile.checkpoint import _valid_numel
-from zerocompile.sharding import shard_info
+from zerocompile.sharded_parameters import shard_info
 
 pytestmark = pytest.mark.core
 
