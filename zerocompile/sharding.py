@@ -45,6 +45,7 @@ from zerocompile.state_dicts import ShardedStateDictNotice, keep_this_ranks_slic
 from zerocompile.user_warnings import warn_at_caller
 from zerocompile.weights import file_readers
 
+
 def shard(
     model: nn.Module,
     stage: int | ZeroConfig | None = None,
