@@ -45,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import zerocompile as zc
 from zerocompile import torch_support
-from zerocompile.distributed import _launcher_environment, leave_process_group
+from zerocompile.distributed import launcher_environment, leave_process_group
 from zerocompile.tools.arguments import positive_int
 from zerocompile.tools import spawn
 from benchmarks.allocations import allocation_census, format_census
@@ -125,7 +125,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any] | None:
     Under torchrun or srun this process is one rank of theirs; otherwise it spawns --ranks
     processes and waits for them.
     """
-    if _launcher_environment() is not None:
+    if launcher_environment() is not None:
         if args.compare_ddp:
             raise SystemExit("python -m benchmarks.soak: --compare-ddp spawns its own ranks; run it without torchrun/srun")
         results = _soak_this_rank(args, ZERO)

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from .lowering import pack, unpack
-from .recompute_gathers import KEPT, _is_view_or_cast
+from .recompute_gathers import KEPT, is_view_or_cast
 
 funcol = torch.ops._c10d_functional
 COLLECTIVES = {
@@ -94,7 +94,7 @@ def gathered_values(graph: fx.Graph) -> set[fx.Node]:
             user
             for user in node.users
             if user not in values
-            and (user.target is funcol.wait_tensor.default or _is_view_or_cast(user) or _spliced(user))
+            and (user.target is funcol.wait_tensor.default or is_view_or_cast(user) or _spliced(user))
         )
     return values
 
@@ -276,7 +276,7 @@ def _gradient_producers(node: fx.Node) -> list[fx.Node]:
         inputs = node.all_input_nodes
     elif node.target in _PACKING_LISTS:
         inputs = node.args[0]
-    elif _is_view_or_cast(node) and node.target is not operator.getitem:
+    elif is_view_or_cast(node) and node.target is not operator.getitem:
         inputs = [node.args[0]]
     else:
         return [node]

@@ -52,7 +52,8 @@ _CASTS = {
 }
 
 
-def _is_view_or_cast(node: fx.Node) -> bool:
+def is_view_or_cast(node: fx.Node) -> bool:
+    """Whether `node` only views or casts its input (a gathered parameter's reshape, slice, dtype cast)."""
     target = node.target
     if node.op != "call_function":
         return False
@@ -103,7 +104,7 @@ def gathered_values_of(marker: fx.Node) -> list[fx.Node]:
     seen = {marker}
     for node in found:  # grows while it is walked: a breadth-first walk of the view/cast users
         for user in node.users:
-            if user not in seen and _is_view_or_cast(user):
+            if user not in seen and is_view_or_cast(user):
                 seen.add(user)
                 found.append(user)
     return found

@@ -37,7 +37,7 @@ def _adafactor(model: nn.Module, ours: bool) -> list[torch.optim.Optimizer]:
 
 def _factored_matrices_sharded_vectors(optimizers: list[torch.optim.Optimizer]) -> None:
     for param, state in optimizers[0].state.items():
-        info = zc.sharding.shard_info(param)
+        info = zc.sharded_parameters.shard_info(param)
         if len(info.shape) == 1:
             assert state["variance"].shape == (info.shard_numel,)
         else:

@@ -207,7 +207,7 @@ def test_shard_keeps_parameter_objects_and_names(single_rank) -> None:
     assert after.keys() == before.keys()
     assert all(after[name] is before[name] for name in before)
     assert model.gpt.lm_head.weight.shape == model.gpt.wte.weight.shape == (256, 32)
-    tied = zc.sharding.shard_info(model.gpt.wte._parameters["weight"])
+    tied = zc.sharded_parameters.shard_info(model.gpt.wte._parameters["weight"])
     assert tied.names == ("gpt.wte.weight", "gpt.lm_head.weight")
     assert all(p.dim() == 1 for p in model.parameters())
 

@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_leaves
 import zerocompile as zc
 from ranks import run_on_ranks
 from zerocompile import distributed as zc_distributed
-from zerocompile.sharding import shard_info
+from zerocompile.sharded_parameters import shard_info
 from zerocompile.config import ZeroConfig, refuse_gloo_gathers_on_accelerator
 
 WORLD_SIZE = 2

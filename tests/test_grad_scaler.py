@@ -19,7 +19,7 @@ from torch import nn
 import zerocompile as zc
 from models import UnevenMLP, local_batch
 from ranks import run_cases, run_on_ranks
-from zerocompile.sharding import shard_info
+from zerocompile.sharded_parameters import shard_info
 
 STEPS = 6
 # The loss's own gradient is the scale, in fp16, whose largest finite value is 65504 < 2**16: so

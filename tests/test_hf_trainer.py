@@ -165,7 +165,7 @@ def test_bf16_shards_with_bf16_compute(single_rank, tmp_path):
     from transformers import TrainingArguments
 
     from zerocompile.hf import ZeroTrainer
-    from zerocompile.sharding import shard_info
+    from zerocompile.sharded_parameters import shard_info
 
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16=True)
     trainer = ZeroTrainer(model=_tiny_llama(), args=args)

@@ -488,7 +488,7 @@ def test_quant_scope_decides_which_collectives_of_a_layout_are_int8(scope: str) 
     """What shard() hands the markers of a parameter for each layout (no process group needed):
     with "cross_node" the collectives inside a node (hybrid's shard group, hpZ's re-gather) stay
     exact; plain sharding's span every rank and stay quantised."""
-    from zerocompile.sharding import ShardInfo
+    from zerocompile.sharded_parameters import ShardInfo
 
     def blocks(replicas: int = 1, secondary_size: int = 1, **settings: object) -> tuple[int, int, int, int]:
         config = zc.ZeroConfig(stage=3, reduce_quant="int8", quant_block=64, quant_scope=scope, **settings)

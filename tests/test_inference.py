@@ -23,7 +23,7 @@ import zerocompile as zc
 from models import UnevenMLP, local_batch
 from ranks import run_cases, run_on_ranks
 from test_parity import _full_parameters
-from zerocompile.sharding import shard_info
+from zerocompile.sharded_parameters import shard_info
 from zerocompile.tools.gpt import GPT, SIZES
 
 STAGES = (0, 1, 2, 3)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from zerocompile.distributed import _first_host, _launcher_environment, _slurm_master_port
+from zerocompile.distributed import _first_host, launcher_environment, _slurm_master_port
 from zerocompile.tools.spawn import free_loopback_port
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "gpt2_zero.py"
@@ -96,7 +96,7 @@ def test_srun_environment_gives_rank_and_step_size(monkeypatch: pytest.MonkeyPat
     srun = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "8"}
     for name, value in {**srun, "SLURM_STEP_NUM_TASKS": "6", "SLURM_JOB_ID": "4242"}.items():
         monkeypatch.setenv(name, value)
-    assert _launcher_environment() == (5, 6, 1)
+    assert launcher_environment() == (5, 6, 1)
     assert _slurm_master_port() == 29500 + 242
 
 
@@ -144,6 +144,6 @@ def test_sbatch_without_srun_is_an_error_not_a_hang(monkeypatch: pytest.MonkeyPa
     monkeypatch.delenv("SLURM_STEP_ID", raising=False)
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(RuntimeError, match=r"SLURM_NTASKS=4.*not started by srun.*srun python"):
-        _launcher_environment()
+        launcher_environment()
     monkeypatch.setenv("SLURM_NTASKS", "1")  # a one-task job alone is simply one rank
-    assert _launcher_environment() is None
+    assert launcher_environment() is None

@@ -259,7 +259,7 @@ def _deep_mlp_bytes(budget: str) -> dict:
         "kept_bytes": max(graph.ledger.kept_bytes for graph in graphs),
         "backward_peak": next(g.ledger.peak_gathered_bytes for g in graphs if g.kind == "backward"),
         "optimizer_bytes": zc.model_state_bytes(model, optimizer)["optimizer"],
-        "shard_numel": sum(zc.sharding.shard_info(p).shard_numel for p in model.parameters()),
+        "shard_numel": sum(zc.sharded_parameters.shard_info(p).shard_numel for p in model.parameters()),
     }
 
 

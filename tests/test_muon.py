@@ -64,7 +64,7 @@ def _muon_and_adamw(model: nn.Module, ours: bool) -> list[torch.optim.Optimizer]
 
 def _momentum_is_one_shard(optimizers: list[torch.optim.Optimizer]) -> None:
     for param, state in optimizers[0].state.items():  # Muon's state is 1/N: one shard's momentum
-        assert state["momentum_buffer"].shape == (zc.sharding.shard_info(param).shard_numel,)
+        assert state["momentum_buffer"].shape == (zc.sharded_parameters.shard_info(param).shard_numel,)
 
 
 # Each case costs a compile on every rank (4 ranks share 2 cores in CI), so the cases cover every

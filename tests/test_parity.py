@@ -47,7 +47,7 @@ def _full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     full = {}
     with torch.no_grad():
         for fqn, param in model.named_parameters():
-            info = zc.sharding.shard_info(param)
+            info = zc.sharded_parameters.shard_info(param)
             if info is None or info.stage == 0:
                 full[fqn] = param.detach().clone()
             else:

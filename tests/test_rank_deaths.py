@@ -1,5 +1,5 @@
 """When a rank dies of a signal, its peers' error names it, the signal and where it was
-(zerocompile/rank_deaths.py, zerocompile/_death_watcher.py, the guard's CollectiveFailedError).
+(zerocompile/rank_deaths.py, zerocompile/death_watcher.py, the guard's CollectiveFailedError).
 
 The description is tested on hand-written faulthandler reports and job directories; the watcher
 as the process it is, fed through a pipe; the whole path on spawned gloo ranks, one of which dies
@@ -29,7 +29,7 @@ from torch import nn
 
 import zerocompile as zc
 from ranks import run_on_ranks
-from zerocompile import _death_watcher, rank_deaths
+from zerocompile import death_watcher, rank_deaths
 from zerocompile.rank_deaths import Frame, RankDeaths, crashing_frames, describe_deaths_in
 from zerocompile.tools import spawn
 
@@ -307,7 +307,7 @@ def test_the_watcher_writes_no_note_when_the_pipe_closes_without_a_report(tmp_pa
 @pytest.mark.fast
 def test_the_watcher_records_an_exception_the_rank_left_on_and_does_not_print_the_mark(tmp_path: Path) -> None:
     text = 'Traceback (most recent call last):\n  File "/work/train.py", line 9, in <module>\nValueError: boom\n'
-    mark = _death_watcher.EXCEPTION_MARK + json.dumps(text).encode() + b"\n"
+    mark = death_watcher.EXCEPTION_MARK + json.dumps(text).encode() + b"\n"
     note, stderr = _run_watcher(tmp_path, mark[:7], mark[7:])
     assert stderr == b""
     assert (note["kind"], note["exception"], note["signal"]) == ("exception", text, None)
@@ -331,7 +331,7 @@ def test_the_watcher_imports_the_standard_library_only() -> None:
      ("Floating point exception", "SIGFPE"), ("Illegal instruction", "SIGILL")],
 )  # fmt: skip
 def test_each_fatal_signal_faulthandler_reports_is_named(words: str, name: str) -> None:
-    assert _death_watcher.fatal_signal(f"Fatal Python error: {words}\n\nStack (most recent call first):\n") == name
+    assert death_watcher.fatal_signal(f"Fatal Python error: {words}\n\nStack (most recent call first):\n") == name
 
 
 @pytest.mark.fast
@@ -347,7 +347,7 @@ def test_the_crashing_threads_frames_are_read_innermost_first() -> None:
 
 
 def _note(pid: int, report: str = REPORT, exception: str | None = None) -> dict:
-    return _death_watcher.death_note(1, pid, "node7", report, exception)
+    return death_watcher.death_note(1, pid, "node7", report, exception)
 
 
 def _write(directory: Path, name: str, value: dict) -> None:

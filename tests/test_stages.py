@@ -73,7 +73,7 @@ def stage_report(rank: int, world_size: int) -> dict[int, dict]:
                 optimizer.zero_grad()
         report[stage] = {
             "phi": zc.full_numel(model),
-            "shard_numels": [zc.sharding.shard_info(p).shard_numel for p in model.parameters()],
+            "shard_numels": [zc.sharded_parameters.shard_info(p).shard_numel for p in model.parameters()],
             "held": held,
             "sent_per_step": sent[-1],
             "graphs": graphs,
@@ -178,7 +178,7 @@ def shard_layout(rank: int, world_size: int) -> dict[tuple, dict]:
             full = {name: p.detach().reshape(-1).clone() for name, p in model.named_parameters()}
             zc.shard(model, stage=stage)
             for name, param in model.named_parameters():
-                info = zc.sharding.shard_info(param)
+                info = zc.sharded_parameters.shard_info(param)
                 entry = {"shape": info.shape, "numel": info.numel, "shard_numel": info.shard_numel}
                 entry["held"] = tuple(param.shape)
                 if info.policy.shards_parameters:

@@ -26,8 +26,7 @@ import zerocompile.weights as weights
 from models import FrozenAndBuffer, GraphBreak, TiedGPT, UnevenMLP
 from ranks import run_cases, run_on_ranks
 from test_hf_models import build_model
-from zerocompile.checkpoint import _valid_numel
-from zerocompile.sharding import shard_info
+from zerocompile.sharded_parameters import shard_info
 
 pytestmark = pytest.mark.core
 
@@ -226,7 +225,7 @@ def _bytes_read(root: Path, rank: int) -> dict[str, int]:
         "read": sum(_CountingOpen.reads),
         "largest_read": max(_CountingOpen.reads),
         "most_tensors_per_mapping": max(len(names) for names in _CountingOpen.mappings),
-        "held": sum(_valid_numel(shard_info(p)) for p in params) + sum(b.numel() for b in model.buffers()),
+        "held": sum(shard_info(p).valid_numel for p in params) + sum(b.numel() for b in model.buffers()),
         "full": sum(shard_info(p).numel for p in params),
         "largest_full": max(shard_info(p).numel for p in params),
     }

@@ -66,7 +66,7 @@ import zerocompile as zc
 from zerocompile import offload_files, torch_support
 from zerocompile.distributed import default_backend
 from zerocompile.passes.stages import shard_numel
-from zerocompile.sharding import shard_info
+from zerocompile.sharded_parameters import shard_info
 from zerocompile.tools.arguments import add_offload_arguments, positive_int
 from zerocompile.tools import spawn
 from zerocompile.tools.check_verdict import judge, render

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 import zerocompile as zc
 from zerocompile import checkpoint_files
-from zerocompile.distributed import _launcher_environment, group_device, leave_process_group
+from zerocompile.distributed import group_device, launcher_environment, leave_process_group
 from zerocompile.tools.arguments import add_offload_arguments, positive_int
 from zerocompile.tools import spawn
 from zerocompile.tools.gpt import GPT, SIZES, GPTConfig
@@ -198,7 +198,7 @@ def _quantisations(args: argparse.Namespace) -> dict[str, str | None]:
 
 def _launched_by_torchrun_or_slurm() -> bool:
     """Whether `zc.init_distributed()` will take this rank from torchrun or srun."""
-    return _launcher_environment() is not None
+    return launcher_environment() is not None
 
 
 def _spawned_rank(rank: int, args: argparse.Namespace) -> list[float]:

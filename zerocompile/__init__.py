@@ -17,7 +17,8 @@ from zerocompile.graph_records import record_graphs
 from zerocompile.grad_scaler import ShardedGradScaler
 from zerocompile import optim
 from zerocompile.pretrained import from_pretrained
-from zerocompile.sharding import full_numel, full_shape, model_state_bytes, shard
+from zerocompile.sharded_parameters import full_shape
+from zerocompile.sharding import full_numel, model_state_bytes, shard
 from zerocompile.weights import LoadResult, load_weights, save_weights
 
 __all__ = [

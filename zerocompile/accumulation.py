@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from zerocompile.passes.markers import UNSHARD
+from zerocompile.sharded_modules import module_state
 
 
 class AccumulationSlot:
@@ -138,7 +139,8 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     (parts sharded by separate `shard()` calls included).
     """
     root = getattr(model, "_orig_mod", model)  # the torch.compile wrapper's model
-    syncs = {id(m._zero_sync): m._zero_sync for m in root.modules() if hasattr(m, "_zero_sync")}
+    states = [state for m in root.modules() if (state := module_state(m)) is not None]
+    syncs = {id(state.sync): state.sync for state in states}
     if not syncs:
         raise TypeError(
             f"zerocompile.no_sync() takes a model zerocompile.shard() sharded (or its torch.compile "

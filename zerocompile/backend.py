@@ -51,7 +51,8 @@ from zerocompile.passes.one_in_flight import wait_before_each_collective
 from zerocompile.passes.recompute_gathers import KEPT, tag_gathers_for_recompute
 from zerocompile.passes.recording import meta_like
 from zerocompile.passes.secondary_shards import regather_from_secondary_shards
-from zerocompile.sharding import WHILE_SHARDED, ShardInfo, shard_info
+from zerocompile.sharded_parameters import ShardInfo, shard_info
+from zerocompile.sharding import WHILE_SHARDED
 from zerocompile.upstream_fixes import keep_every_iteration_of_split_loops, remove_loop_split_fix
 
 

@@ -23,12 +23,14 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import distributed_c10d as c10d
 
 from zerocompile import checkpoint_files as files
 from zerocompile.distributed import agreed
 from zerocompile.offload import full_precision, master_written, offloaded_state
 from zerocompile.optimizers import optimizer_list, replicated_state_keys
-from zerocompile.sharding import ShardInfo, _parameter_owners, own_state_dict, shard_info
+from zerocompile.sharded_parameters import ShardInfo, is_sharded, parameter_owners, shard_info
+from zerocompile.state_dicts import own_state_dict, persistent_buffers
 
 if TYPE_CHECKING:
     from zerocompile.ema import EMA
@@ -51,28 +53,8 @@ def parameter_names(model: nn.Module) -> dict[nn.Parameter, tuple[str, ...]]:
     """Each distinct parameter with all its FQNs (tied ones have several; the first is primary)."""
     return {
         param: tuple(f"{prefix}{'.' if prefix else ''}{attr}" for prefix, _module, attr in places)
-        for param, places in _parameter_owners(model).items()
+        for param, places in parameter_owners(model).items()
     }
-
-
-def _persistent_buffers(model: nn.Module, params: dict[nn.Parameter, tuple[str, ...]]) -> dict[str, torch.Tensor]:
-    param_names = {name for names in params.values() for name in names}
-    return {k: v for k, v in own_state_dict(model).items() if k not in param_names}
-
-
-def _valid_numel(info: ShardInfo) -> int:
-    """Elements of this rank's shard that hold the parameter (the rest is padding)."""
-    return max(0, min(info.shard_numel, info.numel - info.shard_offset))
-
-
-def _is_sharded(info: ShardInfo | None) -> bool:
-    return info is not None and info.policy.shards_parameters
-
-
-def _resolve(group_name: str) -> dist.ProcessGroup:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(group_name)
 
 
 @functools.cache
@@ -102,7 +84,7 @@ def _global_view(local: torch.Tensor, info: ShardInfo | None) -> torch.Tensor:
 
     Writing into what this returns writes into `local`, which is how loading fills shards in place.
     """
-    if not _is_sharded(info):
+    if not is_sharded(info):
         return local.detach().view(-1)
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
@@ -113,8 +95,8 @@ def _global_view(local: torch.Tensor, info: ShardInfo | None) -> torch.Tensor:
     # placements cannot describe) gives DCP this rank's offset and size instead.
     offset = min(info.shard_offset, info.numel)
     return DTensor.from_local(
-        LocalShardsWrapper([local.detach()[: _valid_numel(info)]], [(offset,)]),
-        _mesh(_resolve(info.group_name), local.device.type),
+        LocalShardsWrapper([local.detach()[: info.valid_numel]], [(offset,)]),
+        _mesh(c10d._resolve_process_group(info.group_name), local.device.type),
         [Shard(0)],
         run_check=False,
         shape=torch.Size([info.numel]),
@@ -157,7 +139,7 @@ def _check_group(params: dict[nn.Parameter, tuple[str, ...]]) -> None:
         info = shard_info(param)
         # With hybrid sharding each shard group holds every shard, and the replicas' identical
         # copies of one chunk are written once (DCP drops duplicate chunks from the plan).
-        if _is_sharded(info) and info.world_size * info.replicas != dist.get_world_size():
+        if is_sharded(info) and info.world_size * info.replicas != dist.get_world_size():
             raise ValueError(
                 f"parameter {names[0]!r} is sharded over a process group of {info.world_size} ranks "
                 f"({info.replicas} replica(s)), not all {dist.get_world_size()}: checkpoints support models "
@@ -321,7 +303,7 @@ def save(
     def gather_state() -> tuple[dict[str, torch.Tensor], dict[str, Any], tuple[dict, str]]:
         params = parameter_names(model)
         _check_group(params)
-        buffers = _persistent_buffers(model, params)
+        buffers = persistent_buffers(model, params)
         state = _model_state(params, buffers)
         description = _describe(model, params, buffers)
         description["optimizer"] = description["ema"] = None
@@ -467,8 +449,8 @@ def _zero_padding(tensors: list[tuple[torch.Tensor, ShardInfo | None]]) -> None:
     """The padding past a shard's valid part stays zero, as shard() made it."""
     with torch.no_grad():
         for tensor, info in tensors:
-            if _is_sharded(info):
-                tensor.view(-1)[_valid_numel(info) :].zero_()
+            if is_sharded(info):
+                tensor.view(-1)[info.valid_numel :].zero_()
 
 
 @_meshes_per_call
@@ -497,7 +479,7 @@ def load(
         extra = files.read_extra(directory, rank)
         params = parameter_names(model)
         _check_group(params)
-        buffers = _persistent_buffers(model, params)
+        buffers = persistent_buffers(model, params)
         _check_matches(directory, saved, params, buffers)
         views = _model_state(params, buffers)
         padded = [(p, shard_info(p)) for p in params]
@@ -564,7 +546,7 @@ def gathered_state_dict(
     with torch.no_grad():
         for param, names in params.items():
             info, values = shard_info(param), local(param).detach()
-            if _is_sharded(info):
+            if is_sharded(info):
                 tensor = info.gather(values)
             else:
                 tensor = values.clone()
@@ -573,7 +555,7 @@ def gathered_state_dict(
                 full.update(dict.fromkeys(names, tensor))
         if not keep:
             return {}
-        for name, buffer in _persistent_buffers(model, params).items() if only is None else ():
+        for name, buffer in persistent_buffers(model, params).items() if only is None else ():
             full[name] = buffer.detach().clone().cpu() if cpu else buffer.detach().clone()
     return {name: full[name] for name in own_state_dict(model) if only is None or name in full}
 

@@ -90,12 +90,13 @@ def publish(staging: Path, final: Path) -> None:
             shutil.rmtree(previous)
         os.rename(final, previous)
     os.rename(staging, final)
-    _fsync_directory(final.parent)
+    fsync_directory(final.parent)
     if previous.exists():
         shutil.rmtree(previous)
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
+    """Make the entries just renamed or created in `directory` durable, as the files' own fsync does not."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)

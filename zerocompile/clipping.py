@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed import distributed_c10d as c10d
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from zerocompile.sharding import ShardInfo, shard_info
+from zerocompile.sharded_parameters import ShardInfo, shard_info
 
 
 def clip_grad_norm_(

@@ -16,7 +16,7 @@ from zerocompile.passes.lowering import ALL_TO_ALL_REDUCE_SCATTER, NATIVE_REDUCE
 T = TypeVar("T")
 
 
-def _launcher_environment() -> tuple[int, int, int] | None:
+def launcher_environment() -> tuple[int, int, int] | None:
     """(rank, world size, local rank) from torchrun's or srun's variables, if either launched us.
 
     Inside a Slurm allocation but outside `srun` (the body of an sbatch script, an salloc shell),
@@ -107,7 +107,7 @@ def init_distributed(
     if backend is None:
         backend = default_backend(device)
     kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
-    launched = _launcher_environment()
+    launched = launcher_environment()
     rank, world_size, local_rank = launched if launched is not None else (0, 1, 0)
     gpu = _cuda_device(backend, local_rank)
     if gpu is not None:

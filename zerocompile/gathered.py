@@ -25,7 +25,8 @@ from torch import nn
 from torch.distributed import distributed_c10d as c10d
 
 from zerocompile.offload import full_precision, master_written
-from zerocompile.sharding import ShardInfo, _parameter_owners, shard_info
+from zerocompile.sharded_modules import plain_class
+from zerocompile.sharded_parameters import ShardInfo, parameter_owners, shard_info
 
 
 def is_gathered(param: torch.Tensor) -> bool:
@@ -66,7 +67,7 @@ class gathered:
         self._classes: list[tuple[nn.Module, type]] = []
 
     def __enter__(self) -> nn.Module:
-        owners = {p: places for p, places in _parameter_owners(self.model).items() if shard_info(p) is not None}
+        owners = {p: places for p, places in parameter_owners(self.model).items() if shard_info(p) is not None}
         if not owners:
             raise RuntimeError(
                 "gathered() got a model with no sharded parameters: call zerocompile.shard(model, stage=...) first"
@@ -95,8 +96,8 @@ class gathered:
                     param._zero_gathered = True
             modules = {id(m): m for held in self._held for m, _a in held.places}.values()
             self._classes = [(module, type(module)) for module in modules]
-            for module, sharded_class in self._classes:
-                module.__class__ = sharded_class._zero_plain_class
+            for module, _ in self._classes:
+                module.__class__ = plain_class(module)
             self.model._zero_gathered = True  # the mixed-precision input cast stands aside
         except BaseException:
             self._restore()

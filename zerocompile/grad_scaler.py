@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from zerocompile.offload import offloaded_state
-from zerocompile.sharding import shard_info
+from zerocompile.sharded_parameters import shard_info
 
 
 class ShardedGradScaler(torch.amp.GradScaler):

@@ -43,7 +43,8 @@ from zerocompile.checkpoint import gathered_state_dict, load, save
 from zerocompile.clipping import clip_grad_norm_
 from zerocompile.config import ZeroConfig, config_from_kwargs
 from zerocompile.distributed import init_distributed
-from zerocompile.sharding import shard, shard_info
+from zerocompile.sharded_parameters import shard_info
+from zerocompile.sharding import shard
 from zerocompile.weights import save_weights
 
 # A Trainer checkpoint's zerocompile part (model and optimizer shards, resharded on load), beside

@@ -37,7 +37,7 @@ from zerocompile import dump
 from zerocompile.matrix_owners import assign_owners, bytes_sent_each_way, compute_on_owners
 from zerocompile.passes.ledger import PAIRWISE, GraphLedger, LedgerEntry, predicted_sent_bytes
 from zerocompile.passes.stages import shard_numel
-from zerocompile.sharding import ShardInfo, full_shape, shard_info
+from zerocompile.sharded_parameters import ShardInfo, full_shape, is_sharded, shard_info
 
 # Newton-Schulz rounds its input to bfloat16 first and returns bfloat16 (torch 2.11-2.15), so the
 # updates travel in it: half the bytes, the same result.
@@ -132,9 +132,9 @@ class _FactoredPiece:
         self.param, self.state, self.group = param, state, group
         self.shape = tuple(full_shape(param))
         self.numel = math.prod(self.shape)
-        self.offset = info.shard_offset if _is_sharded(info) else 0
+        self.offset = info.shard_offset if is_sharded(info) else 0
         self.valid = max(0, min(param.numel(), self.numel - self.offset))
-        self.group_name = info.group_name if _is_sharded(info) else None
+        self.group_name = info.group_name if is_sharded(info) else None
         grad = param.grad if not group["maximize"] else -param.grad
         self.grad = grad.reshape(-1)[: self.valid]
         self.factored = len(self.shape) >= 2
@@ -254,7 +254,7 @@ def _sharded_by_group(optimizer: torch.optim.Optimizer) -> dict[str, _Members]:
     for group in optimizer.param_groups:
         for param in group["params"]:
             info = shard_info(param)
-            if _is_sharded(info) and param.requires_grad:
+            if is_sharded(info) and param.requires_grad:
                 groups.setdefault(info.group_name, []).append((param, info))
     return groups
 
@@ -390,7 +390,7 @@ def _orthogonalise_on_owners(updates: list[tuple[torch.Tensor, torch.Tensor, dic
     sharded: dict[str, list[int]] = {}
     for index, (param, update, group) in enumerate(updates):
         info = shard_info(param)
-        if _is_sharded(info):
+        if is_sharded(info):
             sharded.setdefault(info.group_name, []).append(index)
         else:
             results[index] = _newton_schulz(update.view(full_shape(param)), group)
@@ -407,7 +407,3 @@ def _orthogonalise_on_owners(updates: list[tuple[torch.Tensor, torch.Tensor, dic
         for i, result in zip(indices, orthogonal):
             results[i] = result
     return results
-
-
-def _is_sharded(info: ShardInfo | None) -> bool:
-    return info is not None and info.policy.shards_parameters

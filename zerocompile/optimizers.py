@@ -17,6 +17,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
+from zerocompile.optim import SHARDED_EQUIVALENTS
 from zerocompile.passes.stages import STAGES
 
 _SHARDED_STAGES = frozenset(stage for stage, policy in STAGES.items() if policy.shards_parameters)
@@ -83,8 +84,6 @@ def replicated_state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
 def refuse_unsupported_optimizer(optimizer: torch.optim.Optimizer, stages: Collection[int]) -> None:
     """Raise TypeError if `optimizer` cannot step on parameters sharded at any of `stages`, naming
     it, why, and what works instead."""
-    from zerocompile.optim import SHARDED_EQUIVALENTS  # optim builds on sharding, which imports this module
-
     ours = tuple(SHARDED_EQUIVALENTS.values())
 
     for optimizer_class, unsupported in _UNSUPPORTED.items():

@@ -4,7 +4,7 @@ When a rank dies of a signal (SIGSEGV in a kernel, SIGABRT, SIGKILL) its peers s
 connection in their next collective. The dying process cannot tell them more itself: a segmentation
 fault in C code runs no more Python, and SIGKILL runs nothing. So while a sharded model lives on a
 group of more than one rank, each rank points faulthandler (every thread's stack, on a fatal signal)
-at a pipe read by a small watcher process (`_death_watcher.py`), which copies the report to the
+at a pipe read by a small watcher process (`death_watcher.py`), which copies the report to the
 rank's stderr and, when the pipe closes after a report, writes a death note into a directory of
 the job on this host. Each rank also records its pid there, so a peer on the same host can tell a
 rank whose process is gone without any report (SIGKILL: the OOM killer, a launcher or a user).
@@ -44,9 +44,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from zerocompile._death_watcher import EXCEPTION_MARK
+from zerocompile.death_watcher import EXCEPTION_MARK
 
-WATCHER = Path(__file__).with_name("_death_watcher.py")
+WATCHER = Path(__file__).with_name("death_watcher.py")
 _TOKEN_KEY = "zerocompile/rank-deaths/token"
 # A transport failure or timeout, as gloo, NCCL and the c10d stores word them.
 _PEER_FAILURE = re.compile(
@@ -273,7 +273,7 @@ def _traceback_frames(text: str) -> list[Frame]:
 
 
 def describe_note(note: dict, who: str) -> str:
-    """One dead rank, from its death note (see `_death_watcher.death_note`); `who` names it
+    """One dead rank, from its death note (see `death_watcher.death_note`); `who` names it
     ("rank 1 of 2 (pid 123)")."""
     if note["kind"] == "exception":
         text = note["exception"].rstrip()

@@ -1,19 +1,17 @@
 """`shard(model, stage)`: turn an ordinary model into a ZeRO-sharded one, in place.
 
 Each Parameter object stays where it is, under its name, so optimizers and user code holding it
-keep working; at stages 1-3 its data becomes this rank's flat 1-D slice of the padded parameter.
-Each module holding parameters gets a generated subclass whose `weight`/`bias`/... properties
-return `zerocompile::unshard(shard)`: a class property wins over `nn.Module.__getattr__`, so model code is
-untouched and every use of a parameter becomes a marker in the traced graph.
+keep working; at stages 1-3 its data becomes this rank's flat 1-D slice of the padded parameter,
+and it carries a `ShardInfo` (`zerocompile.sharded_parameters`). Each module gets a `ModuleState`,
+and those holding parameters a generated class whose properties emit the unshard markers
+(`zerocompile.sharded_modules`). While a sharded model lives, process-wide hooks check optimizer
+steps and refuse parameters or submodules set on it (`WHILE_SHARDED`).
 """
 
 from __future__ import annotations
 
-import contextvars
-import dataclasses
 import functools
 import os
-import warnings
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -31,93 +29,21 @@ from zerocompile.config import (
     refuse_gloo_gathers_on_accelerator,
 )
 from zerocompile.distributed import agreed, backend_for, group_device, reduce_scatter_flavour
+from zerocompile.gathered import is_gathered
 from zerocompile.heap import glibc_malloc_trim
 from zerocompile.hybrid import hybrid_groups
 from zerocompile.meta_init import PartReader, built_on_meta, check_meta_model, local_slice, materialise_sharded
 from zerocompile.offload import DiskState, HostState, OffloadedState, Shards, offloaded_state
+from zerocompile.optim import SHARDED_EQUIVALENTS, take_over
 from zerocompile.optimizers import optimizer_list, refuse_unsupported_optimizer, replicated_state_keys
-from zerocompile.passes.markers import UNSHARD, MarkerArgs
 from zerocompile.passes.stages import StagePolicy, stage_policy
 from zerocompile.process_hooks import ProcessHooks
 from zerocompile.rank_deaths import RANK_DEATHS, watch_job, worth_watching
+from zerocompile.sharded_modules import FIX_BEFORE_SHARD, data_replaced_message, install_state, module_state
+from zerocompile.sharded_parameters import ShardInfo, parameter_owners, shard_info, sharded_shape
+from zerocompile.state_dicts import ShardedStateDictNotice, keep_this_ranks_slice_of_full_tensors
 from zerocompile.user_warnings import warn_at_caller
-
-@dataclasses.dataclass(frozen=True)
-class ShardInfo:
-    """What a sharded Parameter is, attached to it as `param._zero`."""
-
-    fqn: str
-    names: tuple[str, ...]  # every FQN it is reachable under (tied parameters have several)
-    shape: tuple[int, ...]
-    numel: int
-    shard_numel: int
-    group_name: str
-    group_rank: int
-    world_size: int  # of the group
-    reduce_scatter: str  # how the group reduce-scatters this parameter's gradient (its device's backend)
-    # The settings of the shard() call that made it: the backend compiles a graph with those of
-    # the parameters it holds, so two models on one group keep their own.
-    config: ZeroConfig
-    # Hybrid sharding (`zerocompile.hybrid`): `group_name` is the shard group, and the shard is
-    # replicated on the ranks of this group (its gradient averaged across them).
-    replica_group_name: str = ""
-    replicas: int = 1
-    # hpZ (`zerocompile.passes.secondary_shards`): the stage-3 backward re-gathers over this group.
-    secondary_group_name: str = ""
-    secondary_size: int = 1
-
-    @property
-    def stage(self) -> int:
-        return self.config.stage
-
-    @property
-    def policy(self) -> StagePolicy:
-        return stage_policy(self.config.stage)
-
-    def marker_args(self, dtype: torch.dtype) -> MarkerArgs:
-        """The arguments of the markers this parameter's modules emit, `dtype` being its shard's: the
-        config's dtypes, and the block sizes of the collectives it quantises and the replica and
-        secondary groups only where they apply (so default graphs read as before). A parameter that
-        is not floating point (an integer table) travels exactly: int8 codes would round it. No FQN:
-        the backend fills it in from the traced tensors. With `quant_scope="cross_node"` the
-        collectives inside a node stay exact: hybrid sharding's inside the shard group, hpZ's
-        re-gathers inside the secondary group."""
-        config, quantisable = self.config, dtype.is_floating_point
-        gather_block = config.quant_block if quantisable and config.gather_quant and self.policy.shards_parameters else 0
-        reduce_block = config.quant_block if quantisable and config.reduce_quant else 0
-        hybrid, hpz = self.replicas > 1, self.secondary_size > 1
-        inside_nodes_too = config.quant_scope == "all"
-        return self._marker(
-            compute_dtype=config.param_dtype,
-            reduce_dtype=config.reduce_dtype,
-            gather_quant_block=gather_block if inside_nodes_too or not hybrid else 0,
-            reduce_quant_block=reduce_block if inside_nodes_too or not hybrid else 0,
-            replica_group=self.replica_group_name if hybrid else "",
-            replicas=self.replicas,
-            replica_quant_block=reduce_block if hybrid else 0,
-            secondary_group=self.secondary_group_name if hpz else "",
-            secondary_size=self.secondary_size,
-            secondary_quant_block=gather_block if hpz and inside_nodes_too else 0,
-        )
-
-    def gather(self, shard: torch.Tensor) -> torch.Tensor:
-        """The full parameter from every rank's `shard` (the marker's eager kernel, blocking), exact
-        and in the master dtype; a copy of `shard` where the stage keeps parameters whole."""
-        return self._marker(param=self.fqn).unshard(shard)
-
-    def _marker(self, **optional: Any) -> MarkerArgs:
-        return MarkerArgs(
-            shape=self.shape, stage=self.stage, group_name=self.group_name, world_size=self.world_size,
-            reduce_scatter=self.reduce_scatter, **optional,
-        )
-
-    @property
-    def shard_offset(self) -> int:
-        return self.group_rank * self.shard_numel
-
-
-def shard_info(param: torch.Tensor) -> ShardInfo | None:
-    return getattr(param, "_zero", None)
+from zerocompile.weights import file_readers
 
 
 def shard(
@@ -161,8 +87,6 @@ def shard(
     on_meta = built_on_meta(model)
     _check_can_shard(model, on_meta)
     loaded = _weight_readers(model, weights, weights_strict, on_meta) if weights is not None else None
-    from zerocompile.optim import SHARDED_EQUIVALENTS, take_over  # optim builds on this module
-
     optimizers = optimizer_list(optimizer)
     policy = stage_policy(config.stage)
     for passed in optimizers:
@@ -182,7 +106,7 @@ def shard(
     secondary = hybrid_groups(group, config.secondary_shard_size, "secondary_shard_size").shard
     secondary_name, secondary_size = ("", 1) if secondary is group else (secondary.group_name, dist.get_world_size(secondary))
 
-    owners = _parameter_owners(model)
+    owners = parameter_owners(model)
     infos = {}
     flavour = reduce_scatter_flavour(hybrid.shard, device)
     for param, places in owners.items():
@@ -232,8 +156,10 @@ def shard(
         dump.emit_offload(dump.dump_dir(config.dump_dir), f"{type(passed).__name__.lower()}@{first}", store.traffic)
     sync = GradientSync({shard_info(param).fqn: param for param in owners})
     notice = ShardedStateDictNotice()
-    for module in {id(m): m for places in owners.values() for _p, m, _a in places}.values():
-        _make_module_unshard_on_access(module, sync, notice)
+    for prefix, module in model.named_modules():
+        if install_state(module, prefix, sync).shards:
+            module.register_load_state_dict_pre_hook(keep_this_ranks_slice_of_full_tensors)
+            module.register_state_dict_post_hook(notice)
     if config.broadcast_buffers:
         broadcast_buffers_in_forward(model, group, sync)
     if config.param_dtype is not None:
@@ -241,8 +167,6 @@ def shard(
             functools.partial(_cast_floating_inputs, dtype=config.param_dtype), with_kwargs=True
         )
     model._zero_config = config
-    for prefix, module in model.named_modules():
-        module._zero_prefix = prefix  # what the registration guard names; its mark of a sharded model
     WHILE_SHARDED.hold(model)
     if worth_watching(group):
         # Peers that can die: how this rank dies is recorded for them while a sharded model lives.
@@ -260,8 +184,6 @@ def _weight_readers(
             "zerocompile.load_weights(model, path) after shard() instead, or build the model under "
             "`with torch.device('meta'):`"
         )
-    from zerocompile.weights import file_readers  # weights builds on this module
-
     return file_readers(model, weights, strict=strict)
 
 
@@ -373,16 +295,6 @@ def _broadcast_from_group_rank0(model: nn.Module, group: dist.ProcessGroup) -> N
             dist.broadcast(tensor.data, src=src, group=group)
 
 
-def _parameter_owners(model: nn.Module) -> dict[nn.Parameter, list[tuple[str, nn.Module, str]]]:
-    """Each distinct Parameter with every (module prefix, module, attribute) holding it."""
-    owners: dict[nn.Parameter, list[tuple[str, nn.Module, str]]] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        for attr, param in module._parameters.items():
-            if param is not None:
-                owners.setdefault(param, []).append((prefix, module, attr))
-    return owners
-
-
 def _install_materialised(
     local: dict[nn.Parameter, torch.Tensor], buffers: dict[tuple[nn.Module, str], torch.Tensor], policy: StagePolicy
 ) -> None:
@@ -447,182 +359,20 @@ def _shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 state[key] = local_slice(value.reshape(-1), info.shard_numel, info.group_rank)
 
 
-def full_shape(param: torch.Tensor) -> torch.Size:
-    """The shape `param` has in the model as written, sharded or not: what optimizer groups that
-    look at shapes (weight decay only where `dim() >= 2`, as nanoGPT's `configure_optimizers`) must
-    ask once `shard()` has made every parameter a flat 1-D shard."""
-    info = shard_info(param)
-    return param.shape if info is None else torch.Size(info.shape)
-
-
-def sharded_shape(info: ShardInfo) -> tuple[int, ...]:
-    """The shape a sharded Parameter's data has on every rank: its flat shard, or whole where the
-    stage keeps parameters whole."""
-    return (info.shard_numel,) if info.policy.shards_parameters else info.shape
-
-
-@functools.cache
-def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
-    def make_property(name: str) -> property:
-        def full_parameter(self: nn.Module) -> torch.Tensor:
-            param = self._parameters.get(name)
-            # What shard() recorded, in one lookup: under torch.compile every attribute this reads
-            # is traced and guarded at every use of every parameter. Walking param._zero's
-            # ShardInfo, config and stage policy instead was a fifth of Dynamo's work on a GPT
-            # (Python calls while tracing a 12-layer one: 5.7M, 4.6M with this lookup).
-            sharded, markers, keywords = self._zero_access[name]
-            # Traced, testing identity with the recorded shard would make Dynamo guard that two
-            # sources are one object, in a guard function of Python run at every call; `hasattr`
-            # is guarded in C++, and a Parameter put in the shard's place has no shard info.
-            if torch.compiler.is_compiling():
-                replaced = not hasattr(param, "_zero")
-            else:
-                replaced = param is not self._zero_shards[name]
-            # The shape comparison is decided while tracing (a changed shape fails a guard).
-            if replaced or tuple(param.shape) != sharded:  # a removed parameter (None) is replaced too
-                _raise_changed_after_shard(self, name, param)
-            if self._zero_sync.quiet:  # no no_sync copy or pending gradient: the plain marker
-                return UNSHARD(param, *markers, **keywords)
-            return self._zero_slots[name].marker(param, markers, keywords)
-
-        return property(full_parameter, doc=f"the full `{name}`, gathered from its shards")
-
-    attributes: dict[str, Any] = {name: make_property(name) for name in names}
-    attributes["_zero_plain_class"] = cls  # what `gathered()` swaps back to for its block
-    return type(cls.__name__, (cls,), attributes)
-
-
-def _make_module_unshard_on_access(module: nn.Module, sync: GradientSync, notice: ShardedStateDictNotice) -> None:
-    names = tuple(name for name, p in module._parameters.items() if p is not None)
-    module._zero_shards = {name: module._parameters[name] for name in names}  # what the properties expect
-    slots, access = {}, {}
-    for name, shard in module._zero_shards.items():
-        info = shard_info(shard)
-        slots[name] = sync.slots[info.fqn]  # shared by every module holding the parameter
-        # The marker's arguments after the shard (see zerocompile.passes.markers.unshard). The FQN
-        # is left out: Dynamo would guard on it, and every block of a model compiled block by block
-        # (or split by graph breaks) would then compile a graph of its own. The backend fills it in.
-        markers, keywords = info.marker_args(shard.dtype).call()
-        # The property's one lookup: the sharded shape, the marker's arguments.
-        access[name] = (sharded_shape(info), markers, keywords)
-    module._zero_slots = slots
-    module._zero_access = access
-    module._zero_sync = sync  # one per model: what no_sync(model) enters and exits
-    module.__class__ = _sharded_class(type(module), names)
-    module.register_load_state_dict_pre_hook(_keep_this_ranks_slice_of_full_tensors)
-    module.register_state_dict_post_hook(notice)
-
-
-def _keep_this_ranks_slice_of_full_tensors(
-    module: nn.Module,
-    state_dict: dict[str, Any],
-    prefix: str,
-    local_metadata: dict,
-    strict: bool,
-    missing_keys: list[str],
-    unexpected_keys: list[str],
-    error_msgs: list[str],
-) -> None:
-    """`load_state_dict` of a full state dict (as every rank of a DDP job holds one): a tensor of a
-    sharded parameter's full shape is replaced by this rank's slice of it, so the load needs no
-    communication. The model's own shards (from `state_dict()`) pass unchanged, and any other
-    shape meets torch's usual size-mismatch error."""
-    for name, shard in module._zero_shards.items():
-        info = shard_info(shard)
-        value = state_dict.get(prefix + name)
-        held = module._parameters.get(name)  # full inside `gathered()`: then a full tensor fits as it is
-        full_to_shard = held is not None and tuple(held.shape) != info.shape
-        if full_to_shard and isinstance(value, torch.Tensor) and tuple(value.shape) == info.shape:
-            state_dict[prefix + name] = local_slice(value.detach().reshape(-1), info.shard_numel, info.group_rank)
-
-
-# Set while zerocompile itself reads a state dict (checkpoints), which must not warn the user.
-_READING_OWN_STATE_DICT: contextvars.ContextVar[bool] = contextvars.ContextVar("zerocompile_reading_own_state_dict", default=False)
-
-
-def own_state_dict(model: nn.Module) -> dict[str, Any]:
-    """`model.state_dict(keep_vars=True)` for zerocompile's own use, without the notice below."""
-    token = _READING_OWN_STATE_DICT.set(True)
-    try:
-        return model.state_dict(keep_vars=True)
-    finally:
-        _READING_OWN_STATE_DICT.reset(token)
-
-
-class ShardedStateDictNotice:
-    """A `state_dict()` post-hook on every module of one sharded model: the first state dict that
-    holds shards says so, once per model. `torch.save(model.state_dict(), ...)`, the DDP habit,
-    would otherwise write 1/N of the model and fail only when loaded, maybe after the job ended."""
-
-    def __init__(self) -> None:
-        self.said = False
-
-    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict) -> None:
-        if self.said or _READING_OWN_STATE_DICT.get():
-            return
-        for name, shard in module._zero_shards.items():
-            info = shard_info(shard)
-            held = module._parameters.get(name)  # full inside `gathered()`: then nothing to say
-            if held is not None and tuple(held.shape) != info.shape:
-                self.said = True
-                warnings.warn(
-                    f"state_dict() of a model sharded by zerocompile (stage {info.stage}, {info.world_size} "
-                    f"ranks) holds this rank's shards, not the model: '{prefix}{name}' is a flat "
-                    f"{tuple(held.shape)} slice of {info.shape}. Saved with torch.save it loads only into this "
-                    "model sharded the same way on this rank. To save the model: zerocompile.save(path, model, "
-                    "optimizer) (every rank writes its shards; loads at any world size and stage), "
-                    "zerocompile.full_state_dict(model) (full tensors on rank 0, for torch.save), or "
-                    "zerocompile.save_weights(model, path) (safetensors, as Hugging Face). Said once per model.",
-                    UserWarning,
-                    stacklevel=2,
-                )
-                return
-
-
-_FIX_BEFORE_SHARD = (
-    "zerocompile.shard() slices each parameter once, so change the model before it (build the model "
-    "again, change it, then shard it), or change values in place under "
-    "`with zerocompile.gathered(model): module.weight.copy_(new)`"
-)
-
-
-def _raise_changed_after_shard(module: nn.Module, name: str, param: torch.Tensor | None) -> None:
-    """The error for a parameter whose Parameter object or data changed since shard()."""
-    info = shard_info(module._zero_shards[name])
-    if param is None:
-        raise RuntimeError(f"parameter '{info.fqn}' was removed after zerocompile.shard(): {_FIX_BEFORE_SHARD}")
-    if param is not module._zero_shards[name]:
-        raise RuntimeError(
-            f"parameter '{info.fqn}' was replaced after zerocompile.shard() by a new Parameter of shape "
-            f"{tuple(param.shape)}, which is not sharded: {_FIX_BEFORE_SHARD}"
-        )
-    raise RuntimeError(_data_replaced_message(info, param))
-
-
-def _data_replaced_message(info: ShardInfo, param: torch.Tensor) -> str:
-    return (
-        f"parameter '{info.fqn}' holds a tensor of shape {tuple(param.shape)}, but at stage {info.stage} "
-        f"it is sharded to {sharded_shape(info)} (full shape {info.shape}): its .data was replaced after "
-        f"zerocompile.shard(). {_FIX_BEFORE_SHARD}"
-    )
-
-
 def _refuse_new_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
     """Global parameter-registration hook: a Parameter set on a module of a sharded model would be
     neither sharded nor reduced, so each rank would silently train its own copy. (torch runs no
     hook when a parameter is set to None; the module property reports that at the next use.)"""
-    prefix = module.__dict__.get("_zero_prefix")
-    if prefix is None:
+    state = module_state(module)
+    if state is None:
         return
-    from zerocompile.gathered import is_gathered  # it imports this module
-
     current = module._parameters.get(name)
     if current is param or (current is not None and is_gathered(current)):
         return  # re-setting the same object changes nothing; inside gathered() it checks on exit
-    fqn = f"{prefix}{'.' if prefix else ''}{name}"
+    fqn = f"{state.prefix}{'.' if state.prefix else ''}{name}"
     raise RuntimeError(
         f"parameter '{fqn}' of a sharded model was given a new Parameter of shape {tuple(param.shape)} after "
-        f"zerocompile.shard(): {_FIX_BEFORE_SHARD}"
+        f"zerocompile.shard(): {FIX_BEFORE_SHARD}"
     )
 
 
@@ -630,20 +380,18 @@ def _refuse_new_submodule(module: nn.Module, name: str, submodule: nn.Module | N
     """Global module-registration hook: replacing a submodule that holds parameters (or adding one)
     after shard() brings unsharded parameters or drops sharded ones. Parameter-free modules
     (dropout, activations) may still be swapped."""
-    prefix = module.__dict__.get("_zero_prefix")
-    if prefix is None:
+    state = module_state(module)
+    if state is None:
         return
-    from zerocompile.gathered import is_gathered  # it imports this module
-
     current = module._modules.get(name)
     old = [] if current is None else list(current.parameters())
     new = [] if submodule is None else list(submodule.parameters())
     if not old and not new or current is submodule or any(is_gathered(p) for p in old):
         return
-    fqn = f"{prefix}{'.' if prefix else ''}{name}"
+    fqn = f"{state.prefix}{'.' if state.prefix else ''}{name}"
     raise RuntimeError(
         f"submodule '{fqn}' of a sharded model was {'replaced' if current is not None else 'added'} after "
-        f"zerocompile.shard() ({len(new)} unsharded parameter(s) in, {len(old)} sharded out): {_FIX_BEFORE_SHARD}"
+        f"zerocompile.shard() ({len(new)} unsharded parameter(s) in, {len(old)} sharded out): {FIX_BEFORE_SHARD}"
     )
 
 
@@ -664,7 +412,7 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         for key, value in optimizer.state.get(param, {}).items():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape and key not in replicated:
                 if tuple(param.shape) != sharded_shape(info):  # the parameter changed, not the state
-                    raise RuntimeError(_data_replaced_message(info, param))
+                    raise RuntimeError(data_replaced_message(info, param))
                 # Any other shape is the optimizer's own layout (Adafactor's row_var, LBFGS's flat
                 # direction at stage 0); those that cannot step on shards were refused above.
                 if tuple(value.shape) == info.shape:

@@ -34,12 +34,14 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from torch import nn
+from torch.distributed import distributed_c10d as c10d
 
-from zerocompile.checkpoint import _is_sharded, _persistent_buffers, _resolve, _valid_numel, parameter_names, unwrap_model
-from zerocompile.checkpoint_files import SAFETENSORS_DTYPES, _fsync_directory, write_json
+from zerocompile.checkpoint import parameter_names, unwrap_model
+from zerocompile.checkpoint_files import SAFETENSORS_DTYPES, fsync_directory, write_json
 from zerocompile.meta_init import PartReader
 from zerocompile.offload import full_precision, master_written
-from zerocompile.sharding import ShardInfo, shard_info
+from zerocompile.sharded_parameters import ShardInfo, is_sharded, shard_info
+from zerocompile.state_dicts import persistent_buffers
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -90,7 +92,7 @@ class _Stored:
 def _model_tensors(model: nn.Module) -> list[_ModelTensor]:
     params = parameter_names(model)
     tensors = [_ModelTensor(names, full_precision(param), shard_info(param)) for param, names in params.items()]
-    tensors += [_ModelTensor((name,), buffer, None) for name, buffer in _persistent_buffers(model, params).items()]
+    tensors += [_ModelTensor((name,), buffer, None) for name, buffer in persistent_buffers(model, params).items()]
     return tensors
 
 
@@ -297,7 +299,7 @@ def _read_into(target: _ModelTensor, source: _Stored) -> None:
     of file pages at the peak, measured 2026-11-25).
     """
     info = target.info
-    if _is_sharded(info):
+    if is_sharded(info):
         _read_flat_range(target.tensor.view(-1), source, info.shape, info.shard_offset)
     else:
         _read_whole(target.tensor, source)
@@ -443,14 +445,14 @@ def _group(tensors: list[_ModelTensor]) -> dist.ProcessGroup | None:
             "sharded over one group. Save each part's modules with save_weights on its own group"
         )
     if groups:
-        return _resolve(next(iter(groups)))
+        return c10d._resolve_process_group(next(iter(groups)))
     return dist.group.WORLD if dist.is_initialized() else None
 
 
 def _replica_group(tensors: list[_ModelTensor]) -> dist.ProcessGroup | None:
     """Hybrid sharding's replica group (every shard group holds the whole model), else None."""
     names = {t.info.replica_group_name for t in tensors if t.info is not None and t.info.replicas > 1}
-    return _resolve(next(iter(names))) if names else None
+    return c10d._resolve_process_group(next(iter(names))) if names else None
 
 
 def _layout(path: Path, tensors: list[_ModelTensor], limit: int) -> _Layout:
@@ -488,12 +490,12 @@ def _pieces(tensor: _ModelTensor, group: dist.ProcessGroup | None) -> Iterator[t
     """
     rank = 0 if group is None else dist.get_rank(group)
     local = tensor.tensor.detach()
-    if not _is_sharded(tensor.info):
+    if not is_sharded(tensor.info):
         if rank == 0:
             yield local.reshape(-1)
         return
     for source in range(dist.get_world_size(group)):
-        numel = _valid_numel(dataclasses.replace(tensor.info, group_rank=source))
+        numel = dataclasses.replace(tensor.info, group_rank=source).valid_numel
         if not numel or rank not in (0, source):
             continue
         if rank == source == 0:
@@ -567,7 +569,7 @@ class _Writer:
             for stale in directory.iterdir():
                 if _SHARD_FILE.fullmatch(stale.name) and stale.name not in written:
                     stale.unlink()
-        _fsync_directory(directory)
+        fsync_directory(directory)
 
     def discard(self) -> None:
         """Remove what a failed save left under temporary names."""

@@ -1,6 +1,6 @@
 """The watcher of one rank: carries the rank's last words when it dies of a signal.
 
-Run by `zerocompile.rank_deaths` as `python -I -S _death_watcher.py FD DIRECTORY RANK PID HOST`,
+Run by `zerocompile.rank_deaths` as `python -I -S death_watcher.py FD DIRECTORY RANK PID HOST`,
 reading the pipe (FD) that the rank's faulthandler writes its fatal-error report into. A process
 dying of SIGSEGV in C code runs no more Python, and one killed by SIGKILL runs nothing: only
 another process can tell its peers what happened. So this one copies every byte of the report to
