@@ -22,6 +22,7 @@ from torch import nn
 import zerocompile as zc
 from models import UnevenMLP
 from ranks import run_on_ranks
+from training import train
 from zerocompile.checkpoint_files import CheckpointError
 
 EAGER = {"compiler": "eager"}
@@ -63,11 +64,8 @@ def _odd_batch(step: int, rank: int, world_size: int) -> torch.Tensor:
 
 
 def _train_odd(forward: Callable, model: nn.Module, rank: int, world_size: int) -> None:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(3):
-        forward(_odd_batch(step, rank, world_size)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    batches = (_odd_batch(step, rank, world_size) for step in range(3))
+    train(forward, torch.optim.AdamW(model.parameters(), lr=1e-2), batches)
 
 
 def _outcome(fn: Callable[[], object]) -> str:

@@ -12,6 +12,7 @@ from torch import nn
 
 import zerocompile as zc
 from ranks import run_cases, run_on_ranks
+from training import train
 
 LR = 0.5  # plain SGD: a wrongly scaled gradient moves the parameters visibly
 # Running statistics are means and variances of the same float32 activations on both sides, as
@@ -37,17 +38,12 @@ def _batch(step: int, rank: int) -> torch.Tensor:
 
 def _schedule(model: nn.Module, forward, optimizer: torch.optim.Optimizer, no_sync, rank: int) -> None:
     """Two steps, a no_grad evaluation, a step, an accumulation window of two micro-steps."""
-    for step in range(2):
-        forward(_batch(step, rank)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train(forward, optimizer, (_batch(step, rank) for step in range(2)))
     model.eval()
     with torch.no_grad():
         forward(_batch(7, rank))
     model.train()
-    forward(_batch(2, rank)).backward()
-    optimizer.step()
-    optimizer.zero_grad()
+    train(forward, optimizer, [_batch(2, rank)])
     with no_sync():
         forward(_batch(3, rank)).backward()
     forward(_batch(4, rank)).backward()

@@ -19,6 +19,7 @@ from torch import nn
 import zerocompile as zc
 from models import UnevenMLP, local_batch
 from ranks import run_cases, run_on_ranks
+from training import train
 from zerocompile.sharding import shard_info
 
 STEPS = 6
@@ -51,15 +52,10 @@ def _train(
 ) -> list[tuple[float, float]]:
     """(loss, loss scale after the step) of each step."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    history = []
-    for step in range(STEPS):
-        loss = forward(local_batch("uneven_mlp", step, rank, world_size))
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad()
-        history.append((loss.float().item(), scaler.get_scale()))
-    return history
+    scales = []
+    batches = (local_batch("uneven_mlp", step, rank, world_size) for step in range(STEPS))
+    losses = train(forward, optimizer, batches, scaler=scaler, after_step=lambda: scales.append(scaler.get_scale()))
+    return list(zip(losses, scales))
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:

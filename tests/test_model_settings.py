@@ -17,6 +17,7 @@ from torch import nn
 import zerocompile as zc
 from models import ReusedWeight, UnevenMLP, local_batch
 from ranks import run_on_ranks
+from training import train
 
 STEPS = 4
 # Plain SGD at a large rate: a gradient scaled wrongly (summed, or averaged twice) moves the
@@ -76,11 +77,9 @@ def _bf16_average_at_once(state, bucket):  # unannotated: DDP checks annotations
 
 def _train(models_and_forwards: list[tuple[nn.Module, object, str]], rank: int, world_size: int) -> None:
     optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=LR) for m, _f, _n in models_and_forwards]
-    for step in range(STEPS):
-        for (model, forward, name), optimizer in zip(models_and_forwards, optimizers):
-            forward(local_batch(name, step, rank, world_size)).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    for step in range(STEPS):  # the models' steps taken in turn
+        for (_model, forward, name), optimizer in zip(models_and_forwards, optimizers):
+            train(forward, optimizer, [local_batch(name, step, rank, world_size)])
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -200,15 +199,15 @@ class _Student(nn.Module):
 
 def _distil(teacher, student_forward, student: nn.Module, rank: int, world_size: int) -> list[torch.Tensor]:
     """STEPS of SGD on the student towards the teacher's outputs; the teacher's outputs."""
-    optimizer = torch.optim.SGD(student.parameters(), lr=LR)
     targets = []
-    for step in range(STEPS):
-        batch = local_batch("uneven_mlp", step, rank, world_size)
+
+    def loss(batch: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             targets.append(teacher(batch))
-        (student_forward(batch) - targets[-1]).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        return (student_forward(batch) - targets[-1]).square().mean()
+
+    batches = (local_batch("uneven_mlp", step, rank, world_size) for step in range(STEPS))
+    train(loss, torch.optim.SGD(student.parameters(), lr=LR), batches)
     return targets
 
 

@@ -12,8 +12,6 @@ Three layers, each exact where it can be:
 
 from __future__ import annotations
 
-import traceback
-
 import hypothesis
 import hypothesis.strategies as st
 import pytest
@@ -23,7 +21,8 @@ from torch import nn
 
 import zerocompile as zc
 from models import MODELS, local_batch
-from ranks import run_on_ranks
+from ranks import run_cases, run_on_ranks
+from training import train
 from zerocompile.passes import lowering, stages
 from zerocompile.passes.lowering import dequantise_int8, quantise_int8
 
@@ -173,16 +172,9 @@ OPTIMIZERS = {
 }
 
 
-def _train(model: nn.Module, forward, name: str, optimizer_name: str, rank: int, world_size: int):
+def _train(model: nn.Module, forward, name: str, optimizer_name: str, rank: int, world_size: int) -> list[float]:
     optimizer = OPTIMIZERS[optimizer_name]([p for p in model.parameters() if p.requires_grad])
-    losses = []
-    for step in range(STEPS):
-        loss = forward(local_batch(name, step, rank, world_size))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train(forward, optimizer, (local_batch(name, step, rank, world_size) for step in range(STEPS)))
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -201,20 +193,20 @@ def quantised_training_report(rank: int, world_size: int, cases: list[tuple], co
         start = {fqn: p.detach().clone() for fqn, p in reference.named_parameters()}
         ref_losses = _train(reference, nn.parallel.DistributedDataParallel(reference), name, optimizer_name, rank, world_size)
         moved = max((p.detach() - start[fqn]).abs().max().item() for fqn, p in reference.named_parameters())
-        for stage in [stage for n, o, stage in cases if (n, o) == (name, optimizer_name)]:
-            try:
-                torch._dynamo.reset()
-                torch.manual_seed(0)
-                model = zc.shard(MODELS[name](), stage=stage, **{**QUANTISED, **(layout or {})})
-                compiled = torch.compile(model, backend="zero", options={"compiler": compiler})
-                losses = _train(model, compiled, name, optimizer_name, rank, world_size)
-                params = _full(model)
-                loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-                param_error = max((params[k] - p.detach()).abs().max().item() for k, p in reference.named_parameters())
-                report[(name, optimizer_name, stage)] = (loss_error, param_error / moved)
-            except Exception:
-                report[(name, optimizer_name, stage)] = traceback.format_exc()
-            dist.barrier()
+
+        def errors(stage: int) -> tuple[float, float]:
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            model = zc.shard(MODELS[name](), stage=stage, **{**QUANTISED, **(layout or {})})
+            compiled = torch.compile(model, backend="zero", options={"compiler": compiler})
+            losses = _train(model, compiled, name, optimizer_name, rank, world_size)
+            params = _full(model)
+            loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+            param_error = max((params[k] - p.detach()).abs().max().item() for k, p in reference.named_parameters())
+            return loss_error, param_error / moved
+
+        its_stages = [stage for n, o, stage in cases if (n, o) == (name, optimizer_name)]
+        report.update(run_cases(((name, optimizer_name, stage), lambda stage=stage: errors(stage)) for stage in its_stages))
     return report
 
 
@@ -257,7 +249,7 @@ LOSS_BOUND = 2e-2
 SGD_PARAM_BOUND = 2.5e-2
 
 
-def _assert_close_to_ddp(outcome, optimizer_name: str) -> None:
+def assert_close_to_ddp(outcome, optimizer_name: str) -> None:
     assert not isinstance(outcome, str), outcome
     loss_error, param_error = outcome
     assert loss_error <= LOSS_BOUND, f"a step's loss differs from DDP's by {loss_error:.3g} of it"
@@ -271,12 +263,12 @@ def _assert_close_to_ddp(outcome, optimizer_name: str) -> None:
     ids=lambda value: "-".join(map(str, value)) if isinstance(value, tuple) else f"N{value}",
 )
 def test_int8_training_stays_close_to_ddp(eager_reports, world_size, case):
-    _assert_close_to_ddp(eager_reports[world_size][case], case[1])
+    assert_close_to_ddp(eager_reports[world_size][case], case[1])
 
 
 @pytest.mark.parametrize("case", INDUCTOR_CASES, ids=lambda case: "-".join(map(str, case)))
 def test_int8_training_stays_close_to_ddp_with_inductor(inductor_report, case):
-    _assert_close_to_ddp(inductor_report[case], case[1])
+    assert_close_to_ddp(inductor_report[case], case[1])
 
 
 # -- the graphs and their bytes -----------------------------------------------------------------
