@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import zerocompile as zc
+from models import BatchNormMLP
 from ranks import run_cases, run_on_ranks
 from training import train
 
@@ -18,17 +19,6 @@ LR = 0.5  # plain SGD: a wrongly scaled gradient moves the parameters visibly
 # Running statistics are means and variances of the same float32 activations on both sides, as
 # are the parameters after SGD on the same averaged gradients: equal up to summation order.
 TOLERANCE = 1e-6
-
-
-class BatchNormMLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(6, 9)
-        self.bn = nn.BatchNorm1d(9)
-        self.head = nn.Linear(9, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.bn(self.fc(x)).relu()).square().mean()
 
 
 def _batch(step: int, rank: int) -> torch.Tensor:
@@ -53,13 +43,13 @@ def _schedule(model: nn.Module, forward, optimizer: torch.optim.Optimizer, no_sy
 
 def _case(stage: int, broadcast: bool, compiler: str, rank: int) -> dict:
     torch.manual_seed(0)
-    reference = BatchNormMLP()
+    reference = BatchNormMLP(6, 9, 3, torch.relu)
     ddp = nn.parallel.DistributedDataParallel(reference, broadcast_buffers=broadcast)
     _schedule(reference, ddp, torch.optim.SGD(reference.parameters(), lr=LR), ddp.no_sync, rank)
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = zc.shard(BatchNormMLP(), stage=stage, broadcast_buffers=broadcast)
+    model = zc.shard(BatchNormMLP(6, 9, 3, torch.relu), stage=stage, broadcast_buffers=broadcast)
     compiled = torch.compile(model, backend="zero", options={"compiler": compiler})
     with zc.record_graphs() as graphs:
         _schedule(model, compiled, torch.optim.SGD(model.parameters(), lr=LR), lambda: zc.no_sync(model), rank)

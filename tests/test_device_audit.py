@@ -40,6 +40,7 @@ from torch.utils._device import _device_constructors
 from torch.utils._pytree import tree_leaves
 
 import zerocompile as zc
+from models import BatchNormMLP
 from ranks import run_cases, run_on_ranks
 from training import train
 from zerocompile import distributed as zc_distributed
@@ -184,18 +185,10 @@ class CollectiveDeviceAudit:
 # On 2 ranks: every public entry point under the audit; clipping where ranks hold only padding
 
 
-class Audited(nn.Module):
+def _audited_model() -> nn.Module:
     """Buffers (BatchNorm: broadcast by shard(), the forward and gathered()) and a one-element
     bias that only rank 0 holds more than padding of."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Linear(7, 13)
-        self.norm = nn.BatchNorm1d(13)
-        self.head = nn.Linear(13, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.norm(self.body(x)))).square().mean()
+    return BatchNormMLP(7, 13, 1, torch.tanh)
 
 
 class Tiny(nn.Module):
@@ -218,7 +211,7 @@ def entry_points(stage: int, rank: int, world_size: int, tmp: Path) -> dict[str,
     under tagging; compiled calls do not (see the module docstring)."""
     tagged = TagCpuBoundTensors
     torch.manual_seed(0)
-    model = Audited()
+    model = _audited_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
     made: dict[str, Any] = {}
@@ -237,7 +230,7 @@ def entry_points(stage: int, rank: int, world_size: int, tmp: Path) -> dict[str,
 
     def shard_meta_built() -> None:
         with torch.device("meta"):
-            built = Audited()
+            built = _audited_model()
         with tagged():
             zc.shard(built, stage=stage)
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import zerocompile as zc
-from models import UnevenMLP, local_batch
+from models import ComputesIn, UnevenMLP, local_batch
 from ranks import run_cases, run_on_ranks
 from training import train
 from zerocompile.sharding import shard_info
@@ -32,19 +32,6 @@ LR = 0.5
 # Measured 0.0 (2026-11-25): the same fp16 arithmetic and an fp32 average of two ranks' gradients
 # either way. The bound leaves room for other summation orders, far below one step's change.
 TOLERANCE = 1e-6
-
-
-class ComputesInFp16(nn.Module):
-    """DDP's twin of `param_dtype=torch.float16`: fp32 master parameters cast to fp16 once per
-    forward, floating inputs cast to fp16 (shard()'s input hook), fp16 compute."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights = {fqn: p.to(torch.float16) for fqn, p in self.module.named_parameters()}
-        return torch.func.functional_call(self.module, weights, (x.to(torch.float16),))
 
 
 def _train(
@@ -72,7 +59,7 @@ def _sharded(stage: int) -> tuple[nn.Module, Callable]:
 def parity(rank: int, world_size: int, stage: int) -> dict[str, Any]:
     torch.manual_seed(0)
     twin = UnevenMLP()
-    ddp = nn.parallel.DistributedDataParallel(ComputesInFp16(twin))
+    ddp = nn.parallel.DistributedDataParallel(ComputesIn(twin, torch.float16))
     ddp_history = _train(twin, ddp, torch.amp.GradScaler("cpu", **SCALER_SETTINGS), rank, world_size)
     torch._dynamo.reset()
     model, compiled = _sharded(stage)

@@ -21,7 +21,7 @@ from torch import nn
 
 import zerocompile as zc
 from models import UnevenMLP, local_batch
-from ranks import run_cases, run_on_ranks
+from ranks import raised, run_cases, run_on_ranks
 from training import full_parameters, train
 from zerocompile.sharding import shard_info
 from zerocompile.tools.gpt import GPT, SIZES
@@ -186,15 +186,6 @@ def _gathered_case(stage: int, rank: int, param_dtype: torch.dtype | None) -> di
     return facts
 
 
-def _raises(fn: Callable[[], Any]) -> str:
-    """`Type: message` of what fn raised, or 'nothing'."""
-    try:
-        fn()
-    except Exception as error:
-        return f"{type(error).__name__}: {error}"
-    return "nothing"
-
-
 def _misuse_case(rank: int) -> dict[str, Any]:
     """Errors and their aftermath, stage 3: the shards must be untouched and compiling must work."""
     torch._dynamo.reset()
@@ -243,13 +234,13 @@ def _misuse_case(rank: int) -> dict[str, Any]:
         ("discarded", discarded),
         ("unsharded", lambda: zc.gathered(nn.Linear(2, 2)).__enter__()),
     ]:
-        outcome[name] = _raises(fn)
+        outcome[name] = raised(fn)
     outcome["shards_unchanged"] = all(torch.equal(before[k], p) for k, p in model.named_parameters())
     outcome["classes_restored"] = type(model.wte) is sharded_class and all(
         hasattr(type(m), "_zero_plain_class") for m in model.modules() if hasattr(m, "_zero_access")
     )
     outcome["replaced_parameter_restored"] = model.wpe._parameters["weight"] is wpe_weight
-    outcome["compiled_after"] = _raises(lambda: compiled(batch[:, :-1], batch[:, 1:]).backward())
+    outcome["compiled_after"] = raised(lambda: compiled(batch[:, :-1], batch[:, 1:]).backward())
     with zc.gathered(model.blocks[0]) as block, torch.no_grad():  # a submodule alone
         block.ln1.bias.fill_(float(rank + 1))
     outcome["submodule_written"] = full_parameters(model)["blocks.0.ln1.bias"].unique().tolist()

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocompile as zc
-from models import ReusedWeight, UnevenMLP, local_batch
+from models import ComputesIn, Linears, ReusedWeight, UnevenMLP, local_batch
 from ranks import run_on_ranks
 from training import train
 
@@ -24,7 +24,7 @@ STEPS = 4
 # parameters visibly. The tolerance is float32 rounding of a few steps of these small models.
 LR = 0.5
 TOLERANCE = 1e-5
-# The bf16 critic is compared with a DDP twin doing the same arithmetic (_ComputesInBf16 and
+# The bf16 critic is compared with a DDP twin doing the same arithmetic (ComputesIn and
 # _bf16_average_at_once): the same bf16 casts of the same fp32 master weights and inputs and the
 # same bf16 kernels, so every rank's gradients are the same bf16 values on both sides; the ranks'
 # bf16 gradients are summed in one reduction (torch's sum over the rank dimension, rounded to bf16
@@ -48,20 +48,6 @@ STUDENT = {"stage": 1, "bucket_bytes": 4 * 2**20, "prefetch": 1}  # one gather, 
 def _build(seed: int) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(seed)
     return UnevenMLP(), ReusedWeight()
-
-
-class _ComputesInBf16(nn.Module):
-    """The bf16 critic's DDP twin: fp32 master parameters, each cast to bf16 once per forward (the
-    critic gathers each once per step; a weight used twice sums its two bf16 gradients before the
-    cast back, as there), floating inputs cast to bf16 (shard()'s input hook), bf16 compute."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights = {fqn: p.to(torch.bfloat16) for fqn, p in self.module.named_parameters()}
-        return torch.func.functional_call(self.module, weights, (x.to(torch.bfloat16),))
 
 
 def _bf16_average_at_once(state, bucket):  # unannotated: DDP checks annotations, which are strings here
@@ -99,7 +85,9 @@ def _entries(graphs: list) -> list[tuple[str, str, tuple[str, ...], str]]:
 
 def two_models_side_by_side(rank: int, world_size: int) -> dict:
     actor_twin, critic_twin = _build(seed=0)
-    critic_ddp = nn.parallel.DistributedDataParallel(_ComputesInBf16(critic_twin))
+    # The critic gathers each parameter once per step, so its weight used twice sums its two bf16
+    # gradients before the cast back: as the twin's one cast per forward does.
+    critic_ddp = nn.parallel.DistributedDataParallel(ComputesIn(critic_twin, torch.bfloat16))
     critic_ddp.register_comm_hook(None, _bf16_average_at_once)
     _train(
         [
@@ -185,13 +173,11 @@ def test_one_graph_with_two_models_of_different_settings_is_refused() -> None:
 # ------------------------------------------------------------------------- teacher beside student
 
 
-class _Student(nn.Module):
+class _Student(Linears):
     """Smaller than the teacher (UnevenMLP: 7 -> 13 -> 11 -> 3), with parameter names of its own."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.hidden = nn.Linear(7, 5)
-        self.out = nn.Linear(5, 3)
+        super().__init__(hidden=(7, 5), out=(5, 3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(torch.tanh(self.hidden(x)))

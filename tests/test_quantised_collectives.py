@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocompile as zc
-from models import MODELS, local_batch
+from models import MODELS, Linears, local_batch
 from ranks import run_cases, run_on_ranks
 from training import train
 from zerocompile.passes import lowering, stages
@@ -327,11 +327,9 @@ class TestInt8Graphs(FakeGroupTestCase):
         assert int8 <= 0.30 * fp32, int8 / fp32
 
 
-class TwoLayers(nn.Module):
+class TwoLayers(Linears):
     def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(300, 200)
-        self.fc2 = nn.Linear(200, 100)
+        super().__init__(fc1=(300, 200), fc2=(200, 100))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(torch.relu(self.fc1(x))).square().mean()

@@ -36,8 +36,8 @@ def train(
 
     `scaler` scales the loss and takes the step (then updates its scale). `sent` gets each step's
     bytes written by its forward and backward, counted from a barrier that starts the ranks' step
-    together. `after_backward` runs before the step (to clip, or read the
-    gradients); `after_step` before the gradients are zeroed (to measure what a step holds).
+    together. `after_backward` runs before the step (to clip, or read the gradients);
+    `after_step` before the gradients are zeroed (to measure what a step holds).
     """
     losses = []
     for batch in batches:
