@@ -1,6 +1,9 @@
-"""The models the parity tests train: each exercises one thing sharding can get wrong."""
+"""The models the tests train: the parity suite's (MODELS), each exercising one thing sharding can
+get wrong, and the others several test files share; and the batches they train on."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -10,16 +13,23 @@ from torch import nn
 from zerocompile.tools.gpt import GPT, SIZES
 
 
-class UnevenMLP(nn.Module):
+class Linears(nn.Module):
+    """Linear layers, named and sized (inputs, outputs) by keyword, made in that order (the order
+    they draw their initial values from the seed in); a subclass says how its forward uses them."""
+
+    def __init__(self, **shapes: tuple[int, int]) -> None:
+        super().__init__()
+        for name, (inputs, outputs) in shapes.items():
+            self.add_module(name, nn.Linear(inputs, outputs))
+
+
+class UnevenMLP(Linears):
     """(a) No parameter size divisible by 2 or 4: every shard is padded. With `loss=False` it
     returns its outputs instead of a loss (inference tests compare those)."""
 
     def __init__(self, loss: bool = True) -> None:
-        super().__init__()
+        super().__init__(fc1=(7, 13), fc2=(13, 11), fc3=(11, 3))
         self.loss = loss
-        self.fc1 = nn.Linear(7, 13)
-        self.fc2 = nn.Linear(13, 11)
-        self.fc3 = nn.Linear(11, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.fc3(torch.tanh(self.fc2(torch.relu(self.fc1(x)))))
@@ -51,13 +61,11 @@ class FrozenAndBuffer(nn.Module):
         return F.softplus(self.head(torch.relu(self.frozen(x)) * self.scale)).mean()
 
 
-class GraphBreak(nn.Module):
+class GraphBreak(Linears):
     """(d) A graph break between layers: two Dynamo graphs, each sharded on its own."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.first = nn.Linear(9, 14)
-        self.second = nn.Linear(14, 6)
+        super().__init__(first=(9, 14), second=(14, 6))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = torch.sigmoid(self.first(x))
@@ -65,13 +73,11 @@ class GraphBreak(nn.Module):
         return self.second(hidden).square().mean()
 
 
-class ReusedWeight(nn.Module):
+class ReusedWeight(Linears):
     """(e) One parameter used twice in a forward: gathered once, gradients summed, reduced once."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.square = nn.Linear(10, 10)
-        self.out = nn.Linear(10, 1)
+        super().__init__(square=(10, 10), out=(10, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.square(torch.tanh(self.square(x)))).abs().mean()
@@ -90,6 +96,35 @@ class CheckpointedMLP(nn.Module):
         for block in self.blocks:
             x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
         return self.head(x).square().mean()
+
+
+class BatchNormMLP(nn.Module):
+    """A linear layer, BatchNorm (its running statistics are buffers), `activation` and a linear
+    head; the output's mean square is the loss."""
+
+    def __init__(self, features: int, hidden: int, outputs: int, activation: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.body = nn.Linear(features, hidden)
+        self.norm = nn.BatchNorm1d(hidden)
+        self.head = nn.Linear(hidden, outputs)
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.activation(self.norm(self.body(x)))).square().mean()
+
+
+class ComputesIn(nn.Module):
+    """DDP's twin of `zc.shard(module, param_dtype=dtype)`: fp32 master parameters cast to `dtype`
+    once per forward, floating inputs cast to `dtype` (shard()'s input hook), compute in `dtype`."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.module = module
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = {fqn: p.to(self.dtype) for fqn, p in self.module.named_parameters()}
+        return torch.func.functional_call(self.module, weights, (x.to(self.dtype),))
 
 
 class LoRALinear(nn.Module):

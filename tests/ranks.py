@@ -90,6 +90,16 @@ def run_cases(cases: Iterable[tuple[Hashable, Callable[[], Any]]]) -> dict[Hasha
     return report
 
 
+def raised(fn: Callable[[], Any]) -> str:
+    """`Type: message` of what `fn` raised (the message whole: tests match on its wording), or
+    'nothing': an outcome a rank can send back whatever the exception would pickle as."""
+    try:
+        fn()
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "nothing"
+
+
 class _RankPool:
     """`world_size` rank processes waiting for jobs, until closed (or the session ends)."""
 

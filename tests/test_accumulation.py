@@ -18,8 +18,8 @@ from torch import nn
 import zerocompile as zc
 from models import MODELS, local_batch
 from ranks import run_cases, run_on_ranks
-from test_parity import EAGER_TOLERANCE, INDUCTOR_TOLERANCE, _full_parameters
-from test_stages import _wchar
+from test_parity import EAGER_TOLERANCE, INDUCTOR_TOLERANCE
+from training import full_parameters, written_bytes
 
 MICRO_STEPS = 4
 STEPS = 2
@@ -39,10 +39,10 @@ def accumulate(forward, model: nn.Module, no_sync, name: str, rank: int, world_s
 
     def micro_step(step: int, micro: int) -> None:
         dist.barrier()
-        before = _wchar()
+        before = written_bytes()
         loss = forward(local_batch(name, step * MICRO_STEPS + micro, rank, world_size)) / MICRO_STEPS
         loss.backward()
-        sent.append(_wchar() - before)
+        sent.append(written_bytes() - before)
         losses.append(loss.item())
 
     with zc.record_graphs() as graphs:
@@ -58,7 +58,7 @@ def accumulate(forward, model: nn.Module, no_sync, name: str, rank: int, world_s
                 forwards_after_first_step = sum(g.kind == "forward" for g in graphs)
     return {
         "losses": losses,
-        "params": _full_parameters(model),
+        "params": full_parameters(model),
         "sent": list(sent),  # the last step's micro-steps
         "forward_graphs": sum(g.kind == "forward" for g in graphs),
         "forward_graphs_after_first_step": forwards_after_first_step,

@@ -11,21 +11,19 @@ One spawned 2-rank group per compiler trains every stage and reports; the tests 
 from __future__ import annotations
 
 import dataclasses
-import traceback
 from collections import Counter
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 import zerocompile as zc
 from fx_helpers import on, trace
 from models import CheckpointedMLP, local_batch
-from ranks import run_on_ranks
-from test_parity import _full_parameters
+from ranks import run_cases, run_on_ranks
+from training import full_parameters, train
 from zerocompile.passes.markers import UNSHARD
 from zerocompile.passes.recompute_gathers import tag_gathers_for_recompute
 from zerocompile.tools.gpt import GPT, SIZES
@@ -43,15 +41,8 @@ MODELS = {
 
 def _train(model: nn.Module, forward: nn.Module, name: str, rank: int) -> list[float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for step in range(STEPS):
-        batch = local_batch(MODELS[name][1], step, rank, WORLD_SIZE)
-        loss = forward(batch[:, :-1], batch[:, 1:]) if name == "gpt" else forward(batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    loss = (lambda batch: forward(batch[:, :-1], batch[:, 1:])) if name == "gpt" else forward
+    return train(loss, optimizer, (local_batch(MODELS[name][1], step, rank, WORLD_SIZE) for step in range(STEPS)))
 
 
 def checkpointing_report(rank: int, world_size: int, name: str, stages: list[int], compiler: str) -> dict:
@@ -59,35 +50,32 @@ def checkpointing_report(rank: int, world_size: int, name: str, stages: list[int
     torch.manual_seed(0)
     reference = build()
     reference_losses = _train(reference, nn.parallel.DistributedDataParallel(reference), name, rank)
-    report: dict[int, Any] = {}
-    for stage in stages:
-        try:
-            torch._dynamo.reset()
-            torch.manual_seed(0)
-            model = zc.shard(build(), stage=stage)
-            # One parameter per collective: each gather in the ledger names one parameter.
-            compiled = torch.compile(model, backend="zero", options={"compiler": compiler, "bucket_bytes": 0})
-            with zc.record_graphs() as records:
-                losses = _train(model, compiled, name, rank)
-            params = _full_parameters(model)
-            graphs = {g.kind: g for g in records}
-            report[stage] = {
-                "loss_error": max(abs(a - b) for a, b in zip(losses, reference_losses)),
-                "param_error": max((params[k] - p.detach()).abs().max().item() for k, p in reference.named_parameters()),
-                "kinds": sorted(g.kind for g in records),
-                "saved_gathered": graphs["forward"].saved_gathered,
-                "gathers": {
-                    kind: Counter(fqn for e in g.ledger.entries if e.op == "all_gather" for fqn in e.params)
-                    for kind, g in graphs.items()
-                },
-                # a Linear's forward (addmm) in the backward: only recomputing a block puts it there
-                "backward_recomputes": "aten.addmm.default(" in graphs["backward"].code,
-                "block_params": [fqn for fqn, _ in model.named_parameters() if fqn.startswith("blocks.")],
-            }
-        except Exception:
-            report[stage] = traceback.format_exc()
-        dist.barrier()
-    return report
+
+    def facts(stage: int) -> dict[str, Any]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = zc.shard(build(), stage=stage)
+        # One parameter per collective: each gather in the ledger names one parameter.
+        compiled = torch.compile(model, backend="zero", options={"compiler": compiler, "bucket_bytes": 0})
+        with zc.record_graphs() as records:
+            losses = _train(model, compiled, name, rank)
+        params = full_parameters(model)
+        graphs = {g.kind: g for g in records}
+        return {
+            "loss_error": max(abs(a - b) for a, b in zip(losses, reference_losses)),
+            "param_error": max((params[k] - p.detach()).abs().max().item() for k, p in reference.named_parameters()),
+            "kinds": sorted(g.kind for g in records),
+            "saved_gathered": graphs["forward"].saved_gathered,
+            "gathers": {
+                kind: Counter(fqn for e in g.ledger.entries if e.op == "all_gather" for fqn in e.params)
+                for kind, g in graphs.items()
+            },
+            # a Linear's forward (addmm) in the backward: only recomputing a block puts it there
+            "backward_recomputes": "aten.addmm.default(" in graphs["backward"].code,
+            "block_params": [fqn for fqn, _ in model.named_parameters() if fqn.startswith("blocks.")],
+        }
+
+    return run_cases((stage, lambda stage=stage: facts(stage)) for stage in stages)
 
 
 @pytest.fixture(scope="module")

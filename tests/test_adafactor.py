@@ -19,6 +19,7 @@ import zerocompile as zc
 import zerocompile.optim
 from matrix_optimizers import MuonGPT, case_id, largest_difference, parity_report, report_of
 from models import global_batch
+from training import train
 
 LR = 1e-2  # torch's default
 # Both sides compute the same elementwise steps; the whole-parameter sums (the parameter's and the
@@ -93,11 +94,9 @@ def test_adafactor_steps_as_torchs_on_one_rank(single_rank, stage: int) -> None:
         zerocompile.optim.Adafactor(ours.parameters(), lr=LR, weight_decay=0.01),
         torch.optim.Adafactor(theirs.parameters(), lr=LR, weight_decay=0.01),
     ]
-    for step in range(4):
+    for step in range(4):  # the models' steps taken in turn
         for model, optimizer in zip((ours, theirs), optimizers):
-            model(global_batch("tied_gpt", step)).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            train(model, optimizer, [global_batch("tied_gpt", step)])
     with zc.gathered(ours):
         assert largest_difference(dict(ours.named_parameters()), dict(theirs.named_parameters())) <= 1e-6
 

@@ -12,6 +12,7 @@ from torch import nn
 import zerocompile as zc
 from models import FrozenAndBuffer, TiedGPT, UnevenMLP, local_batch
 from ranks import run_on_ranks
+from training import train
 from zerocompile.tools.spawn import free_loopback_port
 
 
@@ -106,15 +107,8 @@ def test_optimizer_that_stepped_before_shard_must_be_passed_in(single_rank) -> N
         optimizer.step()
 
 
-def _train(model: nn.Module, forward, optimizer, steps: range) -> list[float]:
-    losses = []
-    for step in steps:
-        loss = forward(local_batch("uneven_mlp", step, 0, 1))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+def _train(forward, optimizer, steps: range) -> list[float]:
+    return train(forward, optimizer, (local_batch("uneven_mlp", step, 0, 1) for step in steps))
 
 
 def _seeded_mlp_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -126,7 +120,7 @@ def _seeded_mlp_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
 def _plain_losses() -> list[float]:
     """Four steps of the unsharded model in this one process: the reference at world size 1."""
     model, optimizer = _seeded_mlp_and_optimizer()
-    return _train(model, model, optimizer, range(4))
+    return _train(model, optimizer, range(4))
 
 
 @pytest.mark.parametrize("stage", (0, 1, 2, 3))
@@ -135,17 +129,17 @@ def test_world_size_1_trains_like_the_plain_model(single_rank, stage: int) -> No
     model, optimizer = _seeded_mlp_and_optimizer()
     zc.shard(model, stage=stage)
     compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
-    assert _train(model, compiled, optimizer, range(4)) == pytest.approx(plain_losses, abs=1e-6)
+    assert _train(compiled, optimizer, range(4)) == pytest.approx(plain_losses, abs=1e-6)
 
 
 def test_optimizer_passed_in_after_stepping_keeps_training_exactly(single_rank) -> None:
     """Sharding mid-run with optimizer= slices its state: the run continues as if unsharded."""
     plain_losses = _plain_losses()
     model, optimizer = _seeded_mlp_and_optimizer()
-    losses = _train(model, model, optimizer, range(2))
+    losses = _train(model, optimizer, range(2))
     zc.shard(model, stage=3, optimizer=optimizer)
     compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
-    losses += _train(model, compiled, optimizer, range(2, 4))
+    losses += _train(compiled, optimizer, range(2, 4))
     assert losses == pytest.approx(plain_losses, abs=1e-6)
     assert all(state["exp_avg"].shape == p.shape for p, state in optimizer.state.items())
 
@@ -280,9 +274,7 @@ def subgroups_and_uncompiled_match_ddp(rank: int, world_size: int) -> list[float
         for step in range(3):
             x = local_batch("uneven_mlp", step, rank, world_size)
             for run, optimizer in zip((forward, reference), optimizers):
-                run(x).backward()
-                optimizer.step()
-                optimizer.zero_grad()
+                train(run, optimizer, [x])
         full = {fqn: p._zero.gather(p.detach()) for fqn, p in model.named_parameters()}
         errors.append(max((full[k] - v).abs().max().item() for k, v in reference.module.named_parameters()))
     return errors

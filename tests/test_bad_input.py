@@ -21,7 +21,8 @@ from torch import nn
 
 import zerocompile as zc
 from models import UnevenMLP
-from ranks import run_on_ranks
+from ranks import raised, run_on_ranks
+from training import train
 from zerocompile.checkpoint_files import CheckpointError
 
 EAGER = {"compiler": "eager"}
@@ -63,20 +64,8 @@ def _odd_batch(step: int, rank: int, world_size: int) -> torch.Tensor:
 
 
 def _train_odd(forward: Callable, model: nn.Module, rank: int, world_size: int) -> None:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(3):
-        forward(_odd_batch(step, rank, world_size)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-
-def _outcome(fn: Callable[[], object]) -> str:
-    """'ok', or the error's type and message (kept whole: tests match on its wording)."""
-    try:
-        fn()
-    except Exception as error:
-        return f"{type(error).__name__}: {error}"
-    return "ok"
+    batches = (_odd_batch(step, rank, world_size) for step in range(3))
+    train(forward, torch.optim.AdamW(model.parameters(), lr=1e-2), batches)
 
 
 def two_rank_checks(rank: int, world_size: int, root: str) -> dict:
@@ -104,7 +93,7 @@ def two_rank_checks(rank: int, world_size: int, root: str) -> dict:
     compiled(torch.randn(2, 7)).backward()
     model.zero_grad()
     model.fc2._parameters["weight"].data = torch.randn(11, 13)
-    report["data_replaced"] = _outcome(lambda: compiled(torch.randn(2, 7)))
+    report["data_replaced"] = raised(lambda: compiled(torch.randn(2, 7)))
 
     # A 2-rank checkpoint missing one rank's file, damaged on one rank's share of the hashing, or
     # truncated: both ranks raise (agreed before any collective), neither hangs.
@@ -118,7 +107,7 @@ def two_rank_checks(rank: int, world_size: int, root: str) -> dict:
             damage(Path(root, name))
     dist.barrier()
     for name in ("file_deleted", "byte_flipped"):
-        report[name] = _outcome(lambda: zc.load(Path(root, name), zc.shard(UnevenMLP(), stage=3)))
+        report[name] = raised(lambda: zc.load(Path(root, name), zc.shard(UnevenMLP(), stage=3)))
     return report
 
 

@@ -259,7 +259,7 @@ def test_zero3_budget_mode_keeps_half_the_models_bytes(single_rank) -> None:
     model = GPT(SIZES["tiny"])
     half = sum(p.numel() * p.element_size() for p in model.parameters()) // 2
     BENCH_MODES["zero3-budget"].build(model, "adamw")
-    settings = {(info.config.stage, info.config.memory_budget) for info in map(zc.sharding.shard_info, model.parameters())}
+    settings = {(info.config.stage, info.config.memory_budget) for info in map(zc.sharded_parameters.shard_info, model.parameters())}
     assert settings == {(3, half)}
 
 
@@ -269,7 +269,7 @@ def test_offload_cpu_mode_keeps_its_optimizer_state_in_host_memory(single_rank) 
     for kind in OPTIMIZERS:
         model = GPT(SIZES["tiny"])
         prepared = BENCH_MODES["zero3-offload-cpu"].build(model, kind)
-        assert {info.config.offload for info in map(zc.sharding.shard_info, model.parameters())} == {"cpu"}
+        assert {info.config.offload for info in map(zc.sharded_parameters.shard_info, model.parameters())} == {"cpu"}
         assert all(isinstance(zerocompile.offload.offloaded_state(o), zerocompile.offload.HostState) for o in prepared.optimizers)
 
 

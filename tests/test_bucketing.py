@@ -49,6 +49,24 @@ SHAPES = ([3, 5], [5, 4], [4, 2], [2])  # numel 15, 20, 8, 2
 FQNS = ("l1.weight", "l2.weight", "l3.weight", "l3.bias")
 SHARDS = (4, 5, 2, 1)  # ceil(numel / 4): padded numel 16, 20, 8, 4
 FULL_BYTES_F32 = (60, 80, 32, 8)
+# The forward model after its gather bucket: the bucket's outputs all taken, then all waited on,
+# then each cut (the two padded ones) and viewed; then the model's compute.
+GATHERED_FORWARD = [
+    *[GI] * 4,
+    *[WAIT] * 4,
+    SLICE,
+    VIEW,
+    VIEW,
+    VIEW,
+    SLICE,
+    VIEW,
+    aten.relu.default,
+    MM,
+    aten.relu.default,
+    MM,
+    MM,
+    aten.add.Tensor,
+]
 
 
 @pytest.fixture(scope="module")
@@ -232,6 +250,17 @@ def gather_model(specs: list[tuple], textbook: bool = False) -> fx.GraphModule:
         return math.ceil(math.prod(full) / on(group)[1])
 
     return trace(f, *[((shard_numel(full, group),), dtype) for full, _, group, dtype, _ in specs])
+
+
+def unlike_neighbours(kind: str, stages: tuple[int, int], group_name: str, subgroup_name: str) -> tuple[tuple, tuple, list]:
+    """Four markers in a row, the middle two unlike the outer two in `kind` (their stage, of
+    `stages`, their dtype or their group): the outer and inner (stage, group, dtype), and the specs."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    outer = {"stage": (stages[0], group_name, f32), "dtype": (3, group_name, f32), "group": (3, group_name, f32)}[kind]
+    inner = {"stage": (stages[1], group_name, f32), "dtype": (3, group_name, bf16), "group": (3, subgroup_name, f32)}[kind]
+    shapes = [(3, 5), (5, 4), (4, 2), (2,)]
+    kinds = [outer, inner, inner, outer]
+    return outer, inner, [(full, stage, group, dtype, False) for full, (stage, group, dtype) in zip(shapes, kinds)]
 
 
 def reduce_model(specs: list[tuple]) -> fx.GraphModule:
@@ -420,23 +449,7 @@ def test_gather_bucket_is_one_coalesced_all_gather_of_the_shards(group_name, dty
         relu1,
         mm1,
     ]
-    assert call_targets(gm.graph) == [
-        AG,
-        *[GI] * 4,
-        *[WAIT] * 4,
-        SLICE,
-        VIEW,
-        VIEW,
-        VIEW,
-        SLICE,
-        VIEW,
-        relu,
-        MM,
-        relu,
-        MM,
-        MM,
-        aten.add.Tensor,
-    ]
+    assert call_targets(gm.graph) == [AG, *GATHERED_FORWARD]
 
 
 def test_mixed_precision_gather_bucket_casts_once_and_sends_the_pieces(group_name):
@@ -465,27 +478,8 @@ def test_mixed_precision_gather_bucket_casts_once_and_sends_the_pieces(group_nam
     (add,) = find(gm.graph, aten.add.Tensor)
     assert (mm1.args[1], mm2.args[1], mm3.args[1], add.args[1]) == tuple(fulls)
     assert gather_issue(ag) == [packed, split, *pieces, ag, *getitems]
-    relu = aten.relu.default
-    assert call_targets(gm.graph) == [  # the cast and the bucket above the relu, as in fp32
-        PACK,
-        SPLIT,
-        *[GI] * 4,
-        AG,
-        *[GI] * 4,
-        *[WAIT] * 4,
-        SLICE,
-        VIEW,
-        VIEW,
-        VIEW,
-        SLICE,
-        VIEW,
-        relu,
-        MM,
-        relu,
-        MM,
-        MM,
-        aten.add.Tensor,
-    ]
+    # the cast and the bucket above the relu, as in fp32
+    assert call_targets(gm.graph) == [PACK, SPLIT, *[GI] * 4, AG, *GATHERED_FORWARD]
     # the ledger counts the bf16 bytes sent, and the float32 shard bytes each rank holds
     (entry,) = ledger.graph_ledger(gm.graph, "forward").entries
     assert (entry.op, entry.dtype, entry.input_bytes) == ("all_gather", "bfloat16", 2 * sum(SHARDS))
@@ -528,12 +522,9 @@ def test_gather_buckets_close_when_the_next_marker_would_exceed_bucket_bytes(gro
 @pytest.mark.parametrize("kind", ["stage", "dtype", "group"])
 def test_gather_buckets_never_mix_stage_group_or_dtype(group_name, subgroup_name, kind):
     """Four markers in a row, the middle two different from the outer two: three buckets."""
-    f32, bf16 = torch.float32, torch.bfloat16
-    outer = {"stage": (1, group_name, f32), "dtype": (3, group_name, f32), "group": (3, group_name, f32)}[kind]
-    inner = {"stage": (2, group_name, f32), "dtype": (3, group_name, bf16), "group": (3, subgroup_name, f32)}[kind]
-    shapes = [(3, 5), (5, 4), (4, 2), (2,)]
-    kinds = [outer, inner, inner, outer]
-    gm = gather_model([(full, stage, group, dtype, False) for full, (stage, group, dtype) in zip(shapes, kinds)])
+    outer, inner, specs = unlike_neighbours(kind, (1, 2), group_name, subgroup_name)
+    shapes = [full for full, *_ in specs]
+    gm = gather_model(specs)
 
     counts = lower(gm, bucket_bytes=10**9)
 
@@ -543,7 +534,7 @@ def test_gather_buckets_never_mix_stage_group_or_dtype(group_name, subgroup_name
     inner_world = 2 if kind == "group" else WORLD
     assert [ag.args[1:] for ag in ags] == [
         (WORLD, group_name),
-        (inner_world, kinds[1][1]),
+        (inner_world, inner[1]),
         (WORLD, group_name),
     ]
     assert [[v.dtype for v in ag.meta["val"]] for ag in ags] == [[outer[2]], [inner[2]] * 2, [outer[2]]]
@@ -721,22 +712,18 @@ def test_reduction_buckets_close_at_bucket_bytes_of_full_gradients(group_name, b
 
 @pytest.mark.parametrize("kind", ["stage", "dtype", "group"])
 def test_reduction_buckets_never_mix_stage_group_or_dtype(group_name, subgroup_name, kind):
-    f32, bf16 = torch.float32, torch.bfloat16
-    outer = {"stage": (2, group_name, f32), "dtype": (3, group_name, f32), "group": (3, group_name, f32)}[kind]
-    inner = {"stage": (3, group_name, f32), "dtype": (3, group_name, bf16), "group": (3, subgroup_name, f32)}[kind]
-    shapes = [(3, 5), (5, 4), (4, 2), (2,)]
-    kinds = [outer, inner, inner, outer]
-    gm = reduce_model([(full, stage, group, dtype, False) for full, (stage, group, dtype) in zip(shapes, kinds)])
+    outer, inner, specs = unlike_neighbours(kind, (2, 3), group_name, subgroup_name)
+    gm = reduce_model(specs)
 
     counts = lower(gm, bucket_bytes=10**9)
 
     assert counts == counts_of(reductions=4, reduction_buckets=3)
     rss = find(gm.graph, funcol.reduce_scatter_tensor.default)
     inner_world = 2 if kind == "group" else WORLD
-    assert [rs.args[1:] for rs in rss] == [("avg", WORLD, group_name), ("avg", inner_world, kinds[1][1]), ("avg", WORLD, group_name)]
+    assert [rs.args[1:] for rs in rss] == [("avg", WORLD, group_name), ("avg", inner_world, inner[1]), ("avg", WORLD, group_name)]
     assert [rs.meta["val"].dtype for rs in rss] == [outer[2], inner[2], outer[2]]
     assert [len(bucket_members(rs)) for rs in rss] == [1, 2, 1]
-    inner_shards = [math.ceil(math.prod(s) / inner_world) for s in shapes[1:3]]
+    inner_shards = [math.ceil(math.prod(full) / inner_world) for full, *_ in specs[1:3]]
     assert [shape(rs) for rs in rss] == [(4,), (sum(inner_shards),), (1,)]
     assert [shape(o) for o in output_args(gm.graph)] == [(4,), *[(n,) for n in inner_shards], (1,)]
 

@@ -11,23 +11,14 @@ import torch
 from torch import nn
 
 import zerocompile as zc
+from models import BatchNormMLP
 from ranks import run_cases, run_on_ranks
+from training import train
 
 LR = 0.5  # plain SGD: a wrongly scaled gradient moves the parameters visibly
 # Running statistics are means and variances of the same float32 activations on both sides, as
 # are the parameters after SGD on the same averaged gradients: equal up to summation order.
 TOLERANCE = 1e-6
-
-
-class BatchNormMLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(6, 9)
-        self.bn = nn.BatchNorm1d(9)
-        self.head = nn.Linear(9, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.bn(self.fc(x)).relu()).square().mean()
 
 
 def _batch(step: int, rank: int) -> torch.Tensor:
@@ -37,17 +28,12 @@ def _batch(step: int, rank: int) -> torch.Tensor:
 
 def _schedule(model: nn.Module, forward, optimizer: torch.optim.Optimizer, no_sync, rank: int) -> None:
     """Two steps, a no_grad evaluation, a step, an accumulation window of two micro-steps."""
-    for step in range(2):
-        forward(_batch(step, rank)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train(forward, optimizer, (_batch(step, rank) for step in range(2)))
     model.eval()
     with torch.no_grad():
         forward(_batch(7, rank))
     model.train()
-    forward(_batch(2, rank)).backward()
-    optimizer.step()
-    optimizer.zero_grad()
+    train(forward, optimizer, [_batch(2, rank)])
     with no_sync():
         forward(_batch(3, rank)).backward()
     forward(_batch(4, rank)).backward()
@@ -57,13 +43,13 @@ def _schedule(model: nn.Module, forward, optimizer: torch.optim.Optimizer, no_sy
 
 def _case(stage: int, broadcast: bool, compiler: str, rank: int) -> dict:
     torch.manual_seed(0)
-    reference = BatchNormMLP()
+    reference = BatchNormMLP(6, 9, 3, torch.relu)
     ddp = nn.parallel.DistributedDataParallel(reference, broadcast_buffers=broadcast)
     _schedule(reference, ddp, torch.optim.SGD(reference.parameters(), lr=LR), ddp.no_sync, rank)
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = zc.shard(BatchNormMLP(), stage=stage, broadcast_buffers=broadcast)
+    model = zc.shard(BatchNormMLP(6, 9, 3, torch.relu), stage=stage, broadcast_buffers=broadcast)
     compiled = torch.compile(model, backend="zero", options={"compiler": compiler})
     with zc.record_graphs() as graphs:
         _schedule(model, compiled, torch.optim.SGD(model.parameters(), lr=LR), lambda: zc.no_sync(model), rank)

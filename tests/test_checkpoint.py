@@ -9,7 +9,6 @@ full parameters must equal the reference's. The tests then assert on the reports
 from __future__ import annotations
 
 import json
-import traceback
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,8 @@ from torch import nn
 
 import zerocompile as zc
 from models import MODELS, global_batch, local_batch
-from ranks import run_on_ranks
+from ranks import run_cases, run_on_ranks
+from training import train
 from zerocompile.passes.stages import padded_numel
 from zerocompile.tools.convert import convert
 
@@ -50,17 +50,10 @@ def _build(name: str, stage: int, seed: int = 0) -> tuple[nn.Module, nn.Module, 
 def _train(name: str, parts: tuple, steps: range, rank: int, world_size: int) -> list[float]:
     """Losses of the global batch (mean over ranks of their slices' losses), step by step."""
     _model, compiled, optimizer, ema = parts
-    losses = []
-    for step in steps:
-        loss = compiled(local_batch(name, step, rank, world_size))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        ema.update()
-        total = loss.detach().double()
-        dist.all_reduce(total)
-        losses.append(total.item() / world_size)
-    return losses
+    batches = (local_batch(name, step, rank, world_size) for step in steps)
+    totals = torch.tensor(train(compiled, optimizer, batches, after_step=ema.update), dtype=torch.float64)
+    dist.all_reduce(totals)
+    return (totals / world_size).tolist()
 
 
 def _eval_forward(name: str, model: nn.Module, compile: bool = False) -> torch.Tensor:
@@ -112,26 +105,23 @@ def _ema_bytes(model: nn.Module, ema: zc.EMA) -> dict[str, int]:
 
 def resuming_run(rank: int, world_size: int, root: str) -> dict:
     """{(model, stage): what the run resumed from the checkpoint did, or its traceback}."""
-    report = {}
-    for name in NAMES:
-        for stage in RESUMES[world_size]:
-            try:
-                # Another seed and EMA decay: everything that matters must come from the checkpoint.
-                parts = model, _compiled, optimizer, ema = _build(name, stage, seed=1)
-                ema.decay = 0.5
-                extra = zc.load(Path(root, name), model, optimizer, ema)
-                losses = _train(name, parts, range(SAVED_AT, SAVED_AT + RESUMED_STEPS), rank, world_size)
-                report[(name, stage)] = {
-                    "losses": losses,
-                    "params": zc.full_state_dict(model),
-                    "ema": ema.full_state_dict(),
-                    "extra": extra,
-                    **_ema_bytes(model, ema),
-                }
-            except Exception:
-                report[(name, stage)] = traceback.format_exc()
-            dist.barrier()
-    return report
+
+    def resumed(name: str, stage: int) -> dict:
+        # Another seed and EMA decay: everything that matters must come from the checkpoint.
+        parts = model, _compiled, optimizer, ema = _build(name, stage, seed=1)
+        ema.decay = 0.5
+        extra = zc.load(Path(root, name), model, optimizer, ema)
+        losses = _train(name, parts, range(SAVED_AT, SAVED_AT + RESUMED_STEPS), rank, world_size)
+        return {
+            "losses": losses,
+            "params": zc.full_state_dict(model),
+            "ema": ema.full_state_dict(),
+            "extra": extra,
+            **_ema_bytes(model, ema),
+        }
+
+    cases = [(name, stage) for name in NAMES for stage in RESUMES[world_size]]
+    return run_cases((case, lambda case=case: resumed(*case)) for case in cases)
 
 
 @pytest.fixture(scope="module")

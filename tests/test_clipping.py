@@ -9,7 +9,6 @@ final parameters; the tests assert on the report.
 from __future__ import annotations
 
 import math
-import traceback
 
 import pytest
 import torch
@@ -17,8 +16,9 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocompile as zc
-from ranks import run_on_ranks
-from test_parity import EAGER_TOLERANCE, _full_parameters
+from ranks import run_cases, run_on_ranks
+from test_parity import EAGER_TOLERANCE
+from training import full_parameters, train
 
 STEPS = 4
 NORMS = (2.0, math.inf)
@@ -71,12 +71,9 @@ def _batch(step: int, rank: int, world_size: int) -> torch.Tensor:
 def _train_clipped(model: nn.Module, forward, clip, norm_type: float, rank: int, world_size: int) -> dict:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     norms = []
-    for step in range(STEPS):
-        forward(_batch(step, rank, world_size)).backward()
-        norms.append(clip(model, MAX_NORM, norm_type).item())
-        optimizer.step()
-        optimizer.zero_grad()
-    return {"norms": norms, "params": _full_parameters(model)}
+    batches = (_batch(step, rank, world_size) for step in range(STEPS))
+    train(forward, optimizer, batches, after_backward=lambda: norms.append(clip(model, MAX_NORM, norm_type).item()))
+    return {"norms": norms, "params": full_parameters(model)}
 
 
 def _torch_clip(model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
@@ -104,17 +101,16 @@ def clipping_report(rank: int, world_size: int) -> dict:
         model = ClipModel()
         ddp = nn.parallel.DistributedDataParallel(model)
         report[("ddp", norm_type)] = _train_clipped(model, ddp, _torch_clip, norm_type, rank, world_size)
+
+    def clipped(setup: str, norm_type: float) -> dict:
+        torch.manual_seed(0)
+        model = _sharded(setup)
+        compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
+        return _train_clipped(model, compiled, zc.clip_grad_norm_, norm_type, rank, world_size)
+
     for setup in SETUPS:
         torch._dynamo.reset()  # once per setup: both norms train the same graphs
-        for norm_type in NORMS:
-            try:
-                torch.manual_seed(0)
-                model = _sharded(setup)
-                compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
-                report[(setup, norm_type)] = _train_clipped(model, compiled, zc.clip_grad_norm_, norm_type, rank, world_size)
-            except Exception:
-                report[(setup, norm_type)] = traceback.format_exc()
-            dist.barrier()
+        report.update(run_cases(((setup, norm), lambda s=setup, n=norm: clipped(s, n)) for norm in NORMS))
     return report
 
 

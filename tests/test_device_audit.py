@@ -40,7 +40,9 @@ from torch.utils._device import _device_constructors
 from torch.utils._pytree import tree_leaves
 
 import zerocompile as zc
-from ranks import run_on_ranks
+from models import BatchNormMLP
+from ranks import run_cases, run_on_ranks
+from training import train
 from zerocompile import distributed as zc_distributed
 from zerocompile.sharded_parameters import shard_info
 from zerocompile.config import ZeroConfig, refuse_gloo_gathers_on_accelerator
@@ -183,18 +185,10 @@ class CollectiveDeviceAudit:
 # On 2 ranks: every public entry point under the audit; clipping where ranks hold only padding
 
 
-class Audited(nn.Module):
+def _audited_model() -> nn.Module:
     """Buffers (BatchNorm: broadcast by shard(), the forward and gathered()) and a one-element
     bias that only rank 0 holds more than padding of."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Linear(7, 13)
-        self.norm = nn.BatchNorm1d(13)
-        self.head = nn.Linear(13, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.norm(self.body(x)))).square().mean()
+    return BatchNormMLP(7, 13, 1, torch.tanh)
 
 
 class Tiny(nn.Module):
@@ -217,7 +211,7 @@ def entry_points(stage: int, rank: int, world_size: int, tmp: Path) -> dict[str,
     under tagging; compiled calls do not (see the module docstring)."""
     tagged = TagCpuBoundTensors
     torch.manual_seed(0)
-    model = Audited()
+    model = _audited_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
     made: dict[str, Any] = {}
@@ -236,7 +230,7 @@ def entry_points(stage: int, rank: int, world_size: int, tmp: Path) -> dict[str,
 
     def shard_meta_built() -> None:
         with torch.device("meta"):
-            built = Audited()
+            built = _audited_model()
         with tagged():
             zc.shard(built, stage=stage)
 
@@ -357,12 +351,13 @@ def _clipped_training(
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     dtype = next(model.parameters()).dtype
     norms = []
-    for step in range(CLIP_STEPS):
-        forward(_batch(1, step, rank, world_size).to(dtype)).backward()
+
+    def clip_tagged() -> None:
         with TagCpuBoundTensors():
             norms.append(clip(model.parameters(), 0.01, norm_type).item())
-        optimizer.step()
-        optimizer.zero_grad()
+
+    batches = (_batch(1, step, rank, world_size).to(dtype) for step in range(CLIP_STEPS))
+    train(forward, optimizer, batches, after_backward=clip_tagged)
     return norms
 
 
@@ -385,19 +380,16 @@ def clip_with_only_padding(rank: int, world_size: int, norm_type: float, dtype: 
 
 def _audited(cases: dict[Any, Callable[[], Any]]) -> dict[Any, Any]:
     """Each case's result, the collectives it ran and their findings; a case that raised has its
-    traceback instead. A barrier after each keeps the ranks in step."""
-    report: dict[Any, Any] = {}
-    for key, call in cases.items():
+    traceback instead."""
+
+    def watched(call: Callable[[], Any]) -> dict[str, Any]:
         audit = CollectiveDeviceAudit(torch.device("cpu"))
-        try:
-            with audit.watching():
-                result = call()
-            findings = [str(finding) for finding in audit.findings]
-            report[key] = {"findings": findings, "collectives": audit.collectives_seen, "result": result}
-        except Exception:
-            report[key] = traceback.format_exc()
-        dist.barrier()
-    return report
+        with audit.watching():
+            result = call()
+        findings = [str(finding) for finding in audit.findings]
+        return {"findings": findings, "collectives": audit.collectives_seen, "result": result}
+
+    return run_cases((key, lambda call=call: watched(call)) for key, call in cases.items())
 
 
 def entry_points_report(rank: int, world_size: int, tmp: Path) -> dict[Any, Any]:

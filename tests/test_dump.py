@@ -12,13 +12,12 @@ from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import zerocompile as zc
 import zerocompile.offload
 from ranks import run_on_ranks
-from test_stages import _wchar
+from training import train
 from zerocompile.tools import dump
 from zerocompile.tools.gpt import GPT, GPTConfig
 
@@ -39,21 +38,18 @@ def train_with_dump(rank: int, world_size: int, directory: str, stage: int) -> d
     zc.shard(model, stage=stage)
     compiled = torch.compile(model, backend="zero", options={"compiler": "eager", "dump_dir": directory})
     tokens = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(rank))
-    sent = []
-    for _ in range(2):
-        dist.barrier()
-        before = _wchar()
-        compiled(tokens[:, :-1], tokens[:, 1:]).backward()
-        sent.append(_wchar() - before)
-        optimizer.step()
-        held = zc.model_state_bytes(model, optimizer)
-        optimizer.zero_grad()
+    sent, held = [], []
+
+    def measure_held() -> None:
+        held.append(zc.model_state_bytes(model, optimizer))
+
+    train(lambda t: compiled(t[:, :-1], t[:, 1:]), optimizer, [tokens] * 2, sent=sent, after_step=measure_held)
     params = {id(p): p for p in model.parameters()}
     return {
         "sent": sent[-1],
         "distinct_params": len(params),
         "trainable": sum(p.requires_grad for p in params.values()),
-        "held": held,
+        "held": held[-1],
     }
 
 

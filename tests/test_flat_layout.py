@@ -11,7 +11,6 @@ gathers against gloo's own layout, which sends the same int8 rows: the two must 
 from __future__ import annotations
 
 import contextlib
-import traceback
 from unittest import mock
 
 import pytest
@@ -21,7 +20,8 @@ from torch import nn
 
 import zerocompile as zc
 from models import UnevenMLP, local_batch
-from ranks import run_on_ranks
+from ranks import run_cases, run_on_ranks
+from training import train
 from zerocompile import sharding
 from zerocompile.passes.lowering import NATIVE_REDUCE_SCATTER
 
@@ -34,15 +34,8 @@ FP32_TOLERANCE = 1e-6
 
 
 def _train(model: nn.Module, forward, rank: int, world_size: int) -> list[float]:
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        loss = forward(local_batch("uneven_mlp", step, rank, world_size))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    batches = (local_batch("uneven_mlp", step, rank, world_size) for step in range(STEPS))
+    return train(forward, torch.optim.SGD(model.parameters(), lr=LR), batches)
 
 
 def _zero(stage: int, native: bool, **settings) -> tuple[nn.Module, list[float]]:
@@ -61,28 +54,28 @@ def _parameters(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def flat_layout_report(rank: int, world_size: int) -> dict:
-    """{case: largest parameter difference from its reference, or a traceback}."""
+    """{case: largest parameter difference from its reference (and, of the int8 layouts, whether their
+    losses are equal), or a traceback}."""
     torch.manual_seed(0)
     reference = UnevenMLP()
     _train(reference, nn.parallel.DistributedDataParallel(reference), rank, world_size)
     ddp = {fqn: p.detach() for fqn, p in reference.named_parameters()}
-    report = {}
-    for stage in (1, 2, 3):
-        try:
-            # One bucket for the whole MLP: every parameter is cut out of shared rows.
-            model, _ = _zero(stage, native=True, bucket_bytes=2**20)
-            report[f"stage {stage} vs ddp"] = max((p - ddp[f]).abs().max().item() for f, p in _parameters(model).items())
-        except Exception:
-            report[f"stage {stage} vs ddp"] = traceback.format_exc()
-    try:
+
+    def against_ddp(stage: int) -> float:
+        # One bucket for the whole MLP: every parameter is cut out of shared rows.
+        model, _ = _zero(stage, native=True, bucket_bytes=2**20)
+        return max((p - ddp[f]).abs().max().item() for f, p in _parameters(model).items())
+
+    def int8_layouts() -> tuple[float, bool]:
+        """The largest parameter difference of the two layouts, and whether their losses are equal."""
         int8 = {"gather_quant": "int8", "reduce_quant": "int8", "quant_block": 16, "bucket_bytes": 2**20}
         native, native_losses = _zero(3, native=True, **int8)
         gloo, gloo_losses = _zero(3, native=False, **int8)
         mine, theirs = _parameters(native), _parameters(gloo)
-        report["stage 3 int8 vs gloo layout"] = max((mine[f] - theirs[f]).abs().max().item() for f in mine)
-        report["stage 3 int8 losses equal"] = native_losses == gloo_losses
-    except Exception:
-        report["stage 3 int8 vs gloo layout"] = traceback.format_exc()
+        return max((mine[f] - theirs[f]).abs().max().item() for f in mine), native_losses == gloo_losses
+
+    cases = [(f"stage {stage} vs ddp", lambda stage=stage: against_ddp(stage)) for stage in (1, 2, 3)]
+    report = run_cases([*cases, ("stage 3 int8 vs gloo layout", int8_layouts)])
     torch._dynamo.reset()
     return report
 
@@ -102,6 +95,7 @@ def test_flat_layout_matches_ddp(reports, world_size: int, stage: int) -> None:
 
 @pytest.mark.parametrize("world_size", (2, 4))
 def test_flat_layout_int8_gathers_send_what_gloos_layout_sends(reports, world_size: int) -> None:
-    error = reports[world_size]["stage 3 int8 vs gloo layout"]
-    assert not isinstance(error, str), error
-    assert error == 0 and reports[world_size]["stage 3 int8 losses equal"]
+    outcome = reports[world_size]["stage 3 int8 vs gloo layout"]
+    assert not isinstance(outcome, str), outcome
+    error, losses_equal = outcome
+    assert error == 0 and losses_equal

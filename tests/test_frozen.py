@@ -19,8 +19,8 @@ import zerocompile as zc
 from models import LoRAMLP, local_batch
 from ranks import run_cases, run_on_ranks
 from test_accumulation import MICRO_STEPS, accumulate
-from test_parity import EAGER_TOLERANCE, _full_parameters
-from test_stages import _wchar
+from test_parity import EAGER_TOLERANCE
+from training import full_parameters, train
 
 STAGES = (0, 1, 2, 3)
 STEPS = 3
@@ -29,23 +29,21 @@ WORLD_SIZE = 2
 
 def _train(model: nn.Module, forward, rank: int) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # frozen ones included on purpose
-    losses = []
-    for step in range(STEPS):
-        dist.barrier()
-        before = _wchar()
-        loss = forward(local_batch("lora_mlp", step, rank, WORLD_SIZE))
-        loss.backward()
-        sent = _wchar() - before
-        optimizer.step()
-        losses.append(loss.item())
-        if step < STEPS - 1:
-            optimizer.zero_grad()
+    sent, held, with_grad = [], [], []
+
+    def read_gradients() -> None:
+        held.append(zc.model_state_bytes(model, optimizer))
+        with_grad.append(sorted(n for n, p in model.named_parameters() if p.grad is not None))
+
+    batches = (local_batch("lora_mlp", step, rank, WORLD_SIZE) for step in range(STEPS))
+    losses = train(forward, optimizer, batches, sent=sent, after_step=read_gradients)
+    # The last step's, read before its gradients were zeroed.
     return {
         "losses": losses,
-        "params": _full_parameters(model),
-        "sent": sent,  # the last step's
-        "held": zc.model_state_bytes(model, optimizer),
-        "with_grad": sorted(n for n, p in model.named_parameters() if p.grad is not None),
+        "params": full_parameters(model),
+        "sent": sent[-1],
+        "held": held[-1],
+        "with_grad": with_grad[-1],
         "with_state": sorted(n for n, p in model.named_parameters() if optimizer.state.get(p)),
     }
 

@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 import zerocompile as zc
-from models import UnevenMLP, local_batch
+from models import ComputesIn, UnevenMLP, local_batch
 from ranks import run_cases, run_on_ranks
+from training import train
 from zerocompile.sharded_parameters import shard_info
 
 STEPS = 6
@@ -33,33 +34,15 @@ LR = 0.5
 TOLERANCE = 1e-6
 
 
-class ComputesInFp16(nn.Module):
-    """DDP's twin of `param_dtype=torch.float16`: fp32 master parameters cast to fp16 once per
-    forward, floating inputs cast to fp16 (shard()'s input hook), fp16 compute."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights = {fqn: p.to(torch.float16) for fqn, p in self.module.named_parameters()}
-        return torch.func.functional_call(self.module, weights, (x.to(torch.float16),))
-
-
 def _train(
     model: nn.Module, forward: Callable, scaler: torch.amp.GradScaler, rank: int, world_size: int
 ) -> list[tuple[float, float]]:
     """(loss, loss scale after the step) of each step."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    history = []
-    for step in range(STEPS):
-        loss = forward(local_batch("uneven_mlp", step, rank, world_size))
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad()
-        history.append((loss.float().item(), scaler.get_scale()))
-    return history
+    scales = []
+    batches = (local_batch("uneven_mlp", step, rank, world_size) for step in range(STEPS))
+    losses = train(forward, optimizer, batches, scaler=scaler, after_step=lambda: scales.append(scaler.get_scale()))
+    return list(zip(losses, scales))
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -76,7 +59,7 @@ def _sharded(stage: int) -> tuple[nn.Module, Callable]:
 def parity(rank: int, world_size: int, stage: int) -> dict[str, Any]:
     torch.manual_seed(0)
     twin = UnevenMLP()
-    ddp = nn.parallel.DistributedDataParallel(ComputesInFp16(twin))
+    ddp = nn.parallel.DistributedDataParallel(ComputesIn(twin, torch.float16))
     ddp_history = _train(twin, ddp, torch.amp.GradScaler("cpu", **SCALER_SETTINGS), rank, world_size)
     torch._dynamo.reset()
     model, compiled = _sharded(stage)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocompile as zc
+from models import Linears
 from ranks import run_cases, run_on_ranks
 from zerocompile import guard
 from zerocompile.guard import MarkerEntry, Schedule, first_difference
@@ -28,15 +29,12 @@ PEER_WAIT = timedelta(seconds=2)  # instead of 30 s, for the case where a peer n
 EAGER = {"compiler": "eager"}
 
 
-class RankBranch(nn.Module):
+class RankBranch(Linears):
     """With `branch_on_rank`, rank 0 applies a layer the other ranks skip: the bug the guard is for."""
 
     def __init__(self, branch_on_rank: bool) -> None:
-        super().__init__()
+        super().__init__(body=(8, 8), extra=(8, 8), head=(8, 1))
         self.branch_on_rank = branch_on_rank
-        self.body = nn.Linear(8, 8)
-        self.extra = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.relu(self.body(x))

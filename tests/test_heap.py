@@ -18,15 +18,13 @@ import torch
 from torch import nn
 
 import zerocompile as zc
+from training import train
 from zerocompile import heap, sharding
 from zerocompile.tools import spawn
 
 
 def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, count: int) -> None:
-    for _ in range(count):
-        model(torch.ones(4, 4)).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train(lambda x: model(x).square().mean(), optimizer, (torch.ones(4, 4) for _ in range(count)))
 
 
 def test_trims_every_tenth_step_of_the_sharded_models_optimizer(single_rank, monkeypatch) -> None:

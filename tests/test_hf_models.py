@@ -8,16 +8,15 @@ traced too. One 2-rank spawn trains every case and reports; the tests assert on 
 
 from __future__ import annotations
 
-import traceback
 from typing import Any, Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import zerocompile as zc
-from ranks import run_on_ranks
+from ranks import run_cases, run_on_ranks
+from training import train
 
 STEPS = 5
 VOCAB = 256
@@ -72,55 +71,46 @@ def local_batch(step: int, rank: int, world_size: int) -> dict[str, torch.Tensor
     return {key: value.chunk(world_size)[rank] for key, value in batch.items()}
 
 
-def _train(model: nn.Module, forward: nn.Module, rank: int, world_size: int) -> list[float]:
+def train_steps(model: nn.Module, forward: nn.Module, rank: int, world_size: int) -> list[float]:
+    """STEPS of AdamW on this rank's slices of the padded batches; the losses."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for step in range(STEPS):
-        loss = forward(**local_batch(step, rank, world_size)).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    batches = (local_batch(step, rank, world_size) for step in range(STEPS))
+    return train(lambda batch: forward(**batch).loss, optimizer, batches)
 
 
 def _reference(name: str, rank: int, world_size: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model = build_model(name)
-    losses = _train(model, nn.parallel.DistributedDataParallel(model), rank, world_size)
+    losses = train_steps(model, nn.parallel.DistributedDataParallel(model), rank, world_size)
     return losses, {fqn: tensor.detach().clone() for fqn, tensor in model.state_dict().items()}
 
 
 def hf_report(rank: int, world_size: int, cases: list[tuple[str, int, str]]) -> dict:
     """{(model, stage, compiler): facts, or the traceback of a failure}; parameter facts on rank 0."""
-    report = {}
     references = {}
-    for case in cases:
-        name, stage, compiler = case
-        try:
-            if name not in references:
-                references[name] = _reference(name, rank, world_size)
-            ref_losses, ref_state = references[name]
-            torch._dynamo.reset()
-            torch.manual_seed(0)
-            model = zc.shard(build_model(name), stage=stage)
-            compiled = torch.compile(model, backend="zero", options={"compiler": compiler})
-            with zc.record_graphs() as graphs:
-                losses = _train(model, compiled, rank, world_size)
-            state = zc.full_state_dict(model)
-            report[case] = {
-                "loss_error": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-                "param_error": max((state[k] - ref_state[k]).abs().max().item() for k in state) if state else None,
-                "names": sorted(state),
-                "ref_names": sorted(ref_state),
-                "dynamo_graphs": len({graph.compile_id for graph in graphs}),
-                # The Parameter objects (`.weight` now returns a gathered tensor, new each access).
-                "tied": model.lm_head._parameters["weight"] is model.get_input_embeddings()._parameters["weight"],
-            }
-        except Exception:
-            report[case] = traceback.format_exc()
-        dist.barrier()
-    return report
+
+    def facts(name: str, stage: int, compiler: str) -> dict[str, Any]:
+        if name not in references:
+            references[name] = _reference(name, rank, world_size)
+        ref_losses, ref_state = references[name]
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = zc.shard(build_model(name), stage=stage)
+        compiled = torch.compile(model, backend="zero", options={"compiler": compiler})
+        with zc.record_graphs() as graphs:
+            losses = train_steps(model, compiled, rank, world_size)
+        state = zc.full_state_dict(model)
+        return {
+            "loss_error": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "param_error": max((state[k] - ref_state[k]).abs().max().item() for k in state) if state else None,
+            "names": sorted(state),
+            "ref_names": sorted(ref_state),
+            "dynamo_graphs": len({graph.compile_id for graph in graphs}),
+            # The Parameter objects (`.weight` now returns a gathered tensor, new each access).
+            "tied": model.lm_head._parameters["weight"] is model.get_input_embeddings()._parameters["weight"],
+        }
+
+    return run_cases((case, lambda case=case: facts(*case)) for case in cases)
 
 
 @pytest.fixture(scope="module")

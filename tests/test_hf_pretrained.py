@@ -18,7 +18,7 @@ from torch import nn
 
 import zerocompile as zc
 from ranks import run_cases
-from test_hf_models import EAGER_TOLERANCE, VOCAB, _train, build_model, report_offline
+from test_hf_models import EAGER_TOLERANCE, VOCAB, build_model, report_offline, train_steps
 
 LOGIT_TOLERANCE = 1e-6
 MODELS = ("gpt2", "llama")
@@ -69,10 +69,10 @@ def _logits_and_generate(name: str, path: str) -> dict:
 
 def _trains_like_ddp(name: str, path: str, rank: int, world_size: int) -> dict:
     reference = _from_pretrained(name, path)
-    ref_losses = _train(reference, nn.parallel.DistributedDataParallel(reference), rank, world_size)
+    ref_losses = train_steps(reference, nn.parallel.DistributedDataParallel(reference), rank, world_size)
     model = _meta_sharded(name, path)
     compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
-    losses = _train(model, compiled, rank, world_size)
+    losses = train_steps(model, compiled, rank, world_size)
     state = zc.full_state_dict(model)
     ref_state = reference.state_dict()
     return {

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import traceback
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -24,9 +25,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 import zerocompile as zc
 from fx_helpers import on, trace
 from models import MODELS, local_batch
-from ranks import run_on_ranks
-from test_quantised_collectives import _assert_close_to_ddp, quantised_training_report
-from test_stages import DeepMLP, _wchar
+from ranks import run_cases, run_on_ranks
+from test_quantised_collectives import assert_close_to_ddp, quantised_training_report
+from test_stages import DeepMLP
+from training import train
 from zerocompile.passes import ledger as ledger_module
 from zerocompile.tools import dump as dump_tool
 from zerocompile.passes import lower_markers, recompute_gathers, secondary_shards
@@ -50,11 +52,8 @@ TOLERANCE = {"sgd": 1e-6, "adamw": 1e-5}
 SAVED_AT = 3
 
 
-def _train(model: nn.Module, forward, name: str, optimizer: torch.optim.Optimizer, steps: range, rank: int) -> None:
-    for step in steps:
-        forward(local_batch(name, step, rank, WORLD)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+def _train(forward, name: str, optimizer: torch.optim.Optimizer, steps: range, rank: int) -> None:
+    train(forward, optimizer, (local_batch(name, step, rank, WORLD) for step in steps))
 
 
 def _ddp_parameters(name: str, optimizer: str, rank: int) -> dict[str, torch.Tensor]:
@@ -62,7 +61,7 @@ def _ddp_parameters(name: str, optimizer: str, rank: int) -> dict[str, torch.Ten
     model = MODELS[name]()
     ddp = nn.parallel.DistributedDataParallel(model)
     cls, lr = OPTIMIZERS[optimizer]
-    _train(model, ddp, name, cls(model.parameters(), lr=lr), range(STEPS), rank)
+    _train(ddp, name, cls(model.parameters(), lr=lr), range(STEPS), rank)
     return {fqn: p.detach().clone() for fqn, p in model.named_parameters()}
 
 
@@ -113,29 +112,25 @@ def _hybrid_run(
         cls, lr = OPTIMIZERS[optimizer]
         opt = cls(model.parameters(), lr=lr)
         compiled = torch.compile(model, backend="zero", options={"compiler": compiler})
-        _train(model, compiled, name, opt, range(STEPS - 1), rank)
-        compiled(local_batch(name, STEPS - 1, rank, WORLD)).backward()
-        held = zc.model_state_bytes(model, opt)  # gradients still held
-        opt.step()
-        opt.zero_grad()
+        held = []  # read before each step: gradients still held
+        batches = (local_batch(name, step, rank, WORLD) for step in range(STEPS))
+        train(compiled, opt, batches, after_backward=lambda: held.append(zc.model_state_bytes(model, opt)))
     # The group sizes of the backward's gathers (stage 3 re-gathers: over K with hpZ).
     regathered = {e.group_size for g in graphs if g.kind == "backward" for e in g.ledger.entries if e.op == "all_gather"}
-    return model, {"held": held, "regathered": regathered}
+    return model, {"held": held[-1], "regathered": regathered}
 
 
 def parity_report(rank: int, world_size: int, compiler: str, cases: list[tuple[str, int, str, str]]) -> dict:
     """{(model, stage, optimizer, layout): (largest difference from DDP, bytes held), or a traceback}."""
-    report = {}
     references = {}
-    for name, stage, optimizer, layout in cases:
-        try:
-            if (name, optimizer) not in references:
-                references[(name, optimizer)] = _ddp_parameters(name, optimizer, rank)
-            model, held = _hybrid_run(name, stage, optimizer, compiler, rank, layout=layout)
-            report[(name, stage, optimizer, layout)] = (_difference(model, references[(name, optimizer)]), held)
-        except Exception:
-            report[(name, stage, optimizer, layout)] = traceback.format_exc()
-        dist.barrier()
+
+    def against_ddp(name: str, stage: int, optimizer: str, layout: str) -> tuple:
+        if (name, optimizer) not in references:
+            references[(name, optimizer)] = _ddp_parameters(name, optimizer, rank)
+        model, held = _hybrid_run(name, stage, optimizer, compiler, rank, layout=layout)
+        return _difference(model, references[(name, optimizer)]), held
+
+    report = run_cases((case, lambda case=case: against_ddp(*case)) for case in cases)
     if compiler == "eager":
         for stage in (0, 3):
             model, _held = _hybrid_run("uneven_mlp", stage, "sgd", compiler, rank, broken=True)
@@ -240,16 +235,11 @@ def bytes_report(rank: int, world_size: int, dump_root: str) -> dict[str, dict]:
         compiled = torch.compile(model, backend="zero", options=options)
         x = torch.randn(4, 8)
         with zc.record_graphs() as graphs:
-            for _ in range(3):
-                dist.barrier()
-                before = _wchar()
-                compiled(x).backward()
-                written = _wchar() - before
-                optimizer.step()
-                optimizer.zero_grad()
+            written: list[int] = []
+            train(compiled, optimizer, [x] * 3, sent=written)
         ledgers = [graph.ledger for graph in graphs]
         report[layout] = {
-            "written": written,
+            "written": written[-1],
             "ledger": sum(ledger.sent_bytes for ledger in ledgers),
             "across_nodes": sum(ledger.sent_across_nodes(SHARD_SIZE) for ledger in ledgers),
             "phi": zc.full_numel(model),
@@ -318,7 +308,7 @@ def test_int8_collectives_compose_with_hybrid_sharding(int8_hybrid_report, case:
     """int8 gathers and reductions inside the shard group and between the replicas ("all"), or
     int8 between the replicas only ("cross_node"): within test_quantised_collectives' bounds of
     fp32 DDP (stage 0: its quantised all-reduce, or an exact one inside the group)."""
-    _assert_close_to_ddp(int8_hybrid_report[scope][case], case[1])
+    assert_close_to_ddp(int8_hybrid_report[scope][case], case[1])
 
 
 def _int8_hybrid_reports(rank: int, world_size: int, cases: list[tuple]) -> dict[str, dict]:
@@ -342,6 +332,10 @@ def int8_hybrid_report() -> dict:
 def saving_run(rank: int, world_size: int, root: str) -> dict:
     """Train 3 steps hybrid (stage 3) and save; go on 3 more (the reference); then resume the
     checkpoint plain and hybrid; and save plain, to be resumed hybrid."""
+
+    def resumed(checkpoint: str, settings: dict) -> Callable[[], dict[str, torch.Tensor]]:
+        return lambda: _resumed(Path(root, checkpoint), 3, settings, rank, world_size)
+
     report = {}
     name = "uneven_mlp"
     torch._dynamo.reset()
@@ -349,47 +343,39 @@ def saving_run(rank: int, world_size: int, root: str) -> dict:
     model = zc.shard(MODELS[name](), stage=3, shard_size=SHARD_SIZE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
-    _train(model, compiled, name, optimizer, range(SAVED_AT), rank)
+    _train(compiled, name, optimizer, range(SAVED_AT), rank)
     zc.save(Path(root, "hybrid"), model, optimizer, step=SAVED_AT)
-    _train(model, compiled, name, optimizer, range(SAVED_AT, 2 * SAVED_AT), rank)
+    _train(compiled, name, optimizer, range(SAVED_AT, 2 * SAVED_AT), rank)
     report["reference"] = zc.full_state_dict(model)
-    for label, settings in {"plain": {}, "hybrid": {"shard_size": SHARD_SIZE}}.items():
-        report[label] = _resumed(Path(root, "hybrid"), 3, settings, rank, world_size)
+    report.update(run_cases([("plain", resumed("hybrid", {})), ("hybrid", resumed("hybrid", {"shard_size": SHARD_SIZE}))]))
     # The other way: a plain checkpoint read into the hybrid layout.
     torch._dynamo.reset()
     torch.manual_seed(0)
     plain = zc.shard(MODELS[name](), stage=3)
     optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3)
-    _train(plain, torch.compile(plain, backend="zero", options={"compiler": "eager"}), name, optimizer, range(SAVED_AT), rank)
+    _train(torch.compile(plain, backend="zero", options={"compiler": "eager"}), name, optimizer, range(SAVED_AT), rank)
     zc.save(Path(root, "plain"), plain, optimizer, step=SAVED_AT)
-    report["plain_to_hybrid"] = _resumed(Path(root, "plain"), 3, {"shard_size": SHARD_SIZE}, rank, world_size)
+    report.update(run_cases([("plain_to_hybrid", resumed("plain", {"shard_size": SHARD_SIZE}))]))
     return report if rank == 0 else {}
 
 
-def _resumed(path: Path, stage: int, settings: dict, rank: int, world_size: int) -> dict[str, torch.Tensor] | str:
-    """The full parameters after loading `path` and training the remaining steps, or a traceback."""
-    try:
-        torch._dynamo.reset()
-        torch.manual_seed(1)  # another seed: everything that matters comes from the checkpoint
-        model = zc.shard(MODELS["uneven_mlp"](), stage=stage, **settings)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        zc.load(path, model, optimizer)
-        compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
-        for step in range(SAVED_AT, 2 * SAVED_AT):
-            # The same global batch at any world size: this rank's rows of it.
-            rows = local_batch("uneven_mlp", step, 0, 1).chunk(world_size)[rank]
-            compiled(rows).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        return zc.full_state_dict(model)
-    except Exception:
-        return traceback.format_exc()
-    finally:
-        dist.barrier()
+def _resumed(path: Path, stage: int, settings: dict, rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """The full parameters after loading `path` and training the remaining steps."""
+    torch._dynamo.reset()
+    torch.manual_seed(1)  # another seed: everything that matters comes from the checkpoint
+    model = zc.shard(MODELS["uneven_mlp"](), stage=stage, **settings)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    zc.load(path, model, optimizer)
+    compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
+    # The same global batch at any world size: this rank's rows of it.
+    rows = (local_batch("uneven_mlp", step, 0, 1).chunk(world_size)[rank] for step in range(SAVED_AT, 2 * SAVED_AT))
+    train(compiled, optimizer, rows)
+    return zc.full_state_dict(model)
 
 
 def two_rank_resume(rank: int, world_size: int, root: str) -> dict[str, torch.Tensor] | str:
-    resumed = _resumed(Path(root, "hybrid"), 2, {}, rank, world_size)
+    """The full parameters resumed at stage 2 on 2 ranks, or a traceback."""
+    resumed = run_cases([("resumed", lambda: _resumed(Path(root, "hybrid"), 2, {}, rank, world_size))])["resumed"]
     return resumed if rank == 0 else {}
 
 

@@ -21,8 +21,8 @@ from torch import nn
 
 import zerocompile as zc
 from models import UnevenMLP, local_batch
-from ranks import run_cases, run_on_ranks
-from test_parity import _full_parameters
+from ranks import raised, run_cases, run_on_ranks
+from training import full_parameters, train
 from zerocompile.sharded_parameters import shard_info
 from zerocompile.tools.gpt import GPT, SIZES
 
@@ -52,12 +52,9 @@ CASES = {
 }
 
 
-def _step(model: nn.Module, forward: nn.Module, optimizer: torch.optim.Optimizer, case: Case, batch) -> float:
-    loss = case.loss(forward, batch)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.item()
+def _step(forward: nn.Module, optimizer: torch.optim.Optimizer, case: Case, batch) -> float:
+    """One training step on `case`'s loss; the loss."""
+    return train(lambda b: case.loss(forward, b), optimizer, [batch])[0]
 
 
 def _max_difference(params: dict[str, torch.Tensor], reference: nn.Module) -> float:
@@ -81,8 +78,8 @@ def _inference_case(case: Case, stage: int, rank: int, compiler: str, schedule: 
         for step, mode in enumerate(schedule):
             batch = local_batch(case.data, step, rank, WORLD_SIZE)
             if mode == "train":
-                loss = _step(model, compiled, optimizer, case, batch)
-                loss_error = max(loss_error, abs(loss - _step(reference, ddp, reference_optimizer, case, batch)))
+                loss = _step(compiled, optimizer, case, batch)
+                loss_error = max(loss_error, abs(loss - _step(ddp, reference_optimizer, case, batch)))
                 continue
             model.eval()
             reference.eval()
@@ -101,7 +98,7 @@ def _inference_case(case: Case, stage: int, rank: int, compiler: str, schedule: 
     return {
         "loss_error": loss_error,
         "eval_error": eval_error,
-        "param_error": _max_difference(_full_parameters(model), reference),
+        "param_error": _max_difference(full_parameters(model), reference),
         "kinds": sorted(g.kind for g in graphs),
         "inference_ops": [[e.op for e in g.ledger.entries] for g in inference],
         "peak_gathered": [g.peak_gathered_numel for g in inference],
@@ -154,8 +151,8 @@ def _gathered_case(stage: int, rank: int, param_dtype: torch.dtype | None) -> di
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
     batches = [local_batch(case.data, step, rank, WORLD_SIZE) for step in range(3)]
-    losses = [_step(model, compiled, optimizer, case, batches[0])]
-    reference_losses = [_step(reference, ddp, reference_optimizer, case, batches[0])]
+    losses = [_step(compiled, optimizer, case, batches[0])]
+    reference_losses = [_step(ddp, reference_optimizer, case, batches[0])]
     shards_before = {fqn: (p.data_ptr(), tuple(p.shape)) for fqn, p in model.named_parameters()}
     values = _new_values(reference)
     facts: dict[str, Any] = {}
@@ -174,28 +171,19 @@ def _gathered_case(stage: int, rank: int, param_dtype: torch.dtype | None) -> di
     with torch.no_grad():
         for fqn, param in reference.named_parameters():
             param.copy_(values[fqn])
-    facts["written_error"] = max((_full_parameters(model)[k] - v).abs().max().item() for k, v in values.items())
+    facts["written_error"] = max((full_parameters(model)[k] - v).abs().max().item() for k, v in values.items())
     facts["shards_in_place"] = shards_before == {fqn: (p.data_ptr(), tuple(p.shape)) for fqn, p in model.named_parameters()}
     with zc.record_graphs() as graphs_after:  # only uncompiled code runs before, in the block
         for batch in batches[1:]:
-            losses.append(_step(model, compiled, optimizer, case, batch))
-            reference_losses.append(_step(reference, ddp, reference_optimizer, case, batch))
+            losses.append(_step(compiled, optimizer, case, batch))
+            reference_losses.append(_step(ddp, reference_optimizer, case, batch))
     facts["new_graphs_after_block"] = len(graphs_after)
     if param_dtype is not None:
         facts["loss_finite"] = all(torch.isfinite(torch.tensor(losses)))
         return facts
     facts["loss_error"] = max(abs(a - b) for a, b in zip(losses, reference_losses))
-    facts["param_error"] = _max_difference(_full_parameters(model), reference)
+    facts["param_error"] = _max_difference(full_parameters(model), reference)
     return facts
-
-
-def _raises(fn: Callable[[], Any]) -> str:
-    """`Type: message` of what fn raised, or 'nothing'."""
-    try:
-        fn()
-    except Exception as error:
-        return f"{type(error).__name__}: {error}"
-    return "nothing"
 
 
 def _misuse_case(rank: int) -> dict[str, Any]:
@@ -246,16 +234,16 @@ def _misuse_case(rank: int) -> dict[str, Any]:
         ("discarded", discarded),
         ("unsharded", lambda: zc.gathered(nn.Linear(2, 2)).__enter__()),
     ]:
-        outcome[name] = _raises(fn)
+        outcome[name] = raised(fn)
     outcome["shards_unchanged"] = all(torch.equal(before[k], p) for k, p in model.named_parameters())
     outcome["classes_restored"] = type(model.wte) is sharded_class and all(
         hasattr(type(m), "_zero_plain_class") for m in model.modules() if hasattr(m, "_zero_access")
     )
     outcome["replaced_parameter_restored"] = model.wpe._parameters["weight"] is wpe_weight
-    outcome["compiled_after"] = _raises(lambda: compiled(batch[:, :-1], batch[:, 1:]).backward())
+    outcome["compiled_after"] = raised(lambda: compiled(batch[:, :-1], batch[:, 1:]).backward())
     with zc.gathered(model.blocks[0]) as block, torch.no_grad():  # a submodule alone
         block.ln1.bias.fill_(float(rank + 1))
-    outcome["submodule_written"] = _full_parameters(model)["blocks.0.ln1.bias"].unique().tolist()
+    outcome["submodule_written"] = full_parameters(model)["blocks.0.ln1.bias"].unique().tolist()
     return outcome
 
 

@@ -16,7 +16,6 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
@@ -28,7 +27,8 @@ from models import MODELS, local_batch
 from ranks import run_cases, run_on_ranks
 from test_parity import EAGER_TOLERANCE
 from test_sgd_parity import FP32_TOLERANCE
-from test_stages import DeepMLP, _wchar
+from test_stages import DeepMLP
+from training import train
 from zerocompile.passes.lowering import NATIVE_REDUCE_SCATTER
 from zerocompile.passes.markers import UNSHARD, is_unshard, unshard_args
 from zerocompile.passes.recompute_gathers import KEPT, tag_gathers_for_recompute
@@ -185,18 +185,15 @@ def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1) if name == "sgd" else torch.optim.AdamW(params, lr=1e-3)
 
 
-def _train(model: nn.Module, forward, optimizer: torch.optim.Optimizer, name: str, rank: int, world_size: int) -> None:
+def _train(forward, optimizer: torch.optim.Optimizer, name: str, rank: int, world_size: int) -> None:
     batches = "graph_break" if name == "broken_pair" else name  # the same 9 input features
-    for step in range(STEPS):
-        forward(local_batch(batches, step, rank, world_size)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train(forward, optimizer, (local_batch(batches, step, rank, world_size) for step in range(STEPS)))
 
 
 def _ddp(name: str, optimizer: str, rank: int, world_size: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = BUDGET_MODELS[name]()
-    _train(model, nn.parallel.DistributedDataParallel(model), _optimizer(optimizer, model), name, rank, world_size)
+    _train(nn.parallel.DistributedDataParallel(model), _optimizer(optimizer, model), name, rank, world_size)
     return {fqn: p.detach().clone() for fqn, p in model.named_parameters()}
 
 
@@ -209,7 +206,7 @@ def _budgeted(name: str, optimizer: str, budget: str, compiler: str, rank: int, 
     model = zc.shard(model, stage=3, memory_budget=_budget(budget, model))
     compiled = torch.compile(model, backend="zero", options={"compiler": compiler})
     with zc.record_graphs() as graphs:
-        _train(model, compiled, _optimizer(optimizer, model), name, rank, world_size)
+        _train(compiled, _optimizer(optimizer, model), name, rank, world_size)
     with zc.gathered(model):
         error = max((p.detach() - reference[fqn]).abs().max().item() for fqn, p in model.named_parameters())
     return {"error": error, **_graph_facts(graphs)}
@@ -241,15 +238,9 @@ def _deep_mlp_bytes(budget: str) -> dict:
         model, backend="zero", options={"compiler": "eager", "bucket_bytes": DEEP_BUCKET, "prefetch": 1}
     )
     x = torch.randn(4, 8)
-    sent = []
+    sent: list[int] = []
     with zc.record_graphs() as graphs:
-        for _ in range(3):
-            dist.barrier()
-            before = _wchar()
-            compiled(x).backward()
-            sent.append(_wchar() - before)
-            optimizer.step()
-            optimizer.zero_grad()
+        train(compiled, optimizer, [x] * 3, sent=sent)
     return {
         "phi": phi,
         "budget": memory_budget,

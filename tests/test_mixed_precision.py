@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import zerocompile as zc
 from models import MODELS, local_batch
 from ranks import run_on_ranks
-from test_stages import _wchar
+from training import train
 
 STEPS = 6
 
 
-def train(
+def run_at(
     rank: int, world_size: int, stage: int, param_dtype: torch.dtype | None, compiler: str = "eager", name: str = "tied_gpt"
 ) -> dict:
     torch._dynamo.reset()
@@ -24,25 +23,26 @@ def train(
     reduce_dtype = torch.float32 if param_dtype is not None else None
     zc.shard(model, stage=stage, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     compiled = torch.compile(model, backend="zero", options={"compiler": compiler})
-    losses, sent = [], []
+    sent, loss_dtypes, grad_dtypes = [], [], []
+
+    def forward(batch: torch.Tensor) -> torch.Tensor:
+        loss = compiled(batch)
+        loss_dtypes.append(loss.dtype)
+        return loss
+
+    def read_grad_dtypes() -> None:
+        grad_dtypes.append({p.grad.dtype for p in model.parameters() if p.grad is not None})
+
     with zc.record_graphs() as graphs:
-        for step in range(STEPS):
-            dist.barrier()
-            before = _wchar()
-            loss = compiled(local_batch(name, step, rank, world_size))
-            loss.backward()
-            sent.append(_wchar() - before)
-            grad_dtypes = {p.grad.dtype for p in model.parameters() if p.grad is not None}
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.float().item())
+        batches = (local_batch(name, step, rank, world_size) for step in range(STEPS))
+        losses = train(forward, optimizer, batches, sent=sent, after_backward=read_grad_dtypes)
     gathered = sum(e.sent_bytes for g in graphs for e in g.ledger.entries if e.op == "all_gather")
     return {
         "losses": losses,
         "sent": sent[-1],
         "gathered_sent": gathered,
-        "loss_dtype": loss.dtype,
-        "grad_dtypes": grad_dtypes,
+        "loss_dtype": loss_dtypes[-1],
+        "grad_dtypes": grad_dtypes[-1],
         "param_dtypes": {p.dtype for p in model.parameters()},
         "held": zc.model_state_bytes(model, optimizer),
     }
@@ -50,12 +50,12 @@ def train(
 
 def mixed_precision_report(rank: int, world_size: int) -> dict:
     report = {
-        (stage, str(dtype)): train(rank, world_size, stage, dtype) for stage in (0, 3) for dtype in (None, torch.bfloat16)
+        (stage, str(dtype)): run_at(rank, world_size, stage, dtype) for stage in (0, 3) for dtype in (None, torch.bfloat16)
     }
     # Under Inductor, the MLP: the casts are the same nodes in any model, and a cold Inductor
     # compile of the GPT's bf16 kernels costs ~35 s per rank.
-    report["mlp"] = train(rank, world_size, 3, torch.bfloat16, name="uneven_mlp")
-    report["inductor"] = train(rank, world_size, 3, torch.bfloat16, compiler="inductor", name="uneven_mlp")
+    report["mlp"] = run_at(rank, world_size, 3, torch.bfloat16, name="uneven_mlp")
+    report["inductor"] = run_at(rank, world_size, 3, torch.bfloat16, compiler="inductor", name="uneven_mlp")
     return report
 
 

@@ -15,15 +15,16 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocompile as zc
-from models import ReusedWeight, UnevenMLP, local_batch
+from models import ComputesIn, Linears, ReusedWeight, UnevenMLP, local_batch
 from ranks import run_on_ranks
+from training import train
 
 STEPS = 4
 # Plain SGD at a large rate: a gradient scaled wrongly (summed, or averaged twice) moves the
 # parameters visibly. The tolerance is float32 rounding of a few steps of these small models.
 LR = 0.5
 TOLERANCE = 1e-5
-# The bf16 critic is compared with a DDP twin doing the same arithmetic (_ComputesInBf16 and
+# The bf16 critic is compared with a DDP twin doing the same arithmetic (ComputesIn and
 # _bf16_average_at_once): the same bf16 casts of the same fp32 master weights and inputs and the
 # same bf16 kernels, so every rank's gradients are the same bf16 values on both sides; the ranks'
 # bf16 gradients are summed in one reduction (torch's sum over the rank dimension, rounded to bf16
@@ -49,20 +50,6 @@ def _build(seed: int) -> tuple[nn.Module, nn.Module]:
     return UnevenMLP(), ReusedWeight()
 
 
-class _ComputesInBf16(nn.Module):
-    """The bf16 critic's DDP twin: fp32 master parameters, each cast to bf16 once per forward (the
-    critic gathers each once per step; a weight used twice sums its two bf16 gradients before the
-    cast back, as there), floating inputs cast to bf16 (shard()'s input hook), bf16 compute."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights = {fqn: p.to(torch.bfloat16) for fqn, p in self.module.named_parameters()}
-        return torch.func.functional_call(self.module, weights, (x.to(torch.bfloat16),))
-
-
 def _bf16_average_at_once(state, bucket):  # unannotated: DDP checks annotations, which are strings here
     """DDP's bucket averaged in bf16 as the critic's reduce-scatter does: every rank's bf16 gradients
     summed at once, then divided by N. (gloo's ring all-reduce, test_sgd_parity's hook, rounds each
@@ -76,11 +63,9 @@ def _bf16_average_at_once(state, bucket):  # unannotated: DDP checks annotations
 
 def _train(models_and_forwards: list[tuple[nn.Module, object, str]], rank: int, world_size: int) -> None:
     optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=LR) for m, _f, _n in models_and_forwards]
-    for step in range(STEPS):
-        for (model, forward, name), optimizer in zip(models_and_forwards, optimizers):
-            forward(local_batch(name, step, rank, world_size)).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    for step in range(STEPS):  # the models' steps taken in turn
+        for (_model, forward, name), optimizer in zip(models_and_forwards, optimizers):
+            train(forward, optimizer, [local_batch(name, step, rank, world_size)])
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -100,7 +85,9 @@ def _entries(graphs: list) -> list[tuple[str, str, tuple[str, ...], str]]:
 
 def two_models_side_by_side(rank: int, world_size: int) -> dict:
     actor_twin, critic_twin = _build(seed=0)
-    critic_ddp = nn.parallel.DistributedDataParallel(_ComputesInBf16(critic_twin))
+    # The critic gathers each parameter once per step, so its weight used twice sums its two bf16
+    # gradients before the cast back: as the twin's one cast per forward does.
+    critic_ddp = nn.parallel.DistributedDataParallel(ComputesIn(critic_twin, torch.bfloat16))
     critic_ddp.register_comm_hook(None, _bf16_average_at_once)
     _train(
         [
@@ -186,13 +173,11 @@ def test_one_graph_with_two_models_of_different_settings_is_refused() -> None:
 # ------------------------------------------------------------------------- teacher beside student
 
 
-class _Student(nn.Module):
+class _Student(Linears):
     """Smaller than the teacher (UnevenMLP: 7 -> 13 -> 11 -> 3), with parameter names of its own."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.hidden = nn.Linear(7, 5)
-        self.out = nn.Linear(5, 3)
+        super().__init__(hidden=(7, 5), out=(5, 3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(torch.tanh(self.hidden(x)))
@@ -200,15 +185,15 @@ class _Student(nn.Module):
 
 def _distil(teacher, student_forward, student: nn.Module, rank: int, world_size: int) -> list[torch.Tensor]:
     """STEPS of SGD on the student towards the teacher's outputs; the teacher's outputs."""
-    optimizer = torch.optim.SGD(student.parameters(), lr=LR)
     targets = []
-    for step in range(STEPS):
-        batch = local_batch("uneven_mlp", step, rank, world_size)
+
+    def loss(batch: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             targets.append(teacher(batch))
-        (student_forward(batch) - targets[-1]).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        return (student_forward(batch) - targets[-1]).square().mean()
+
+    batches = (local_batch("uneven_mlp", step, rank, world_size) for step in range(STEPS))
+    train(loss, torch.optim.SGD(student.parameters(), lr=LR), batches)
     return targets
 
 

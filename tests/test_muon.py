@@ -28,7 +28,7 @@ from zerocompile.tools import dump as dump_tool
 from zerocompile.tools.plan.model import count_model, muon_exchange, muon_matrices
 from models import global_batch, local_batch
 from ranks import run_cases, run_on_ranks
-from test_stages import _wchar
+from training import train, written_bytes
 from zerocompile.matrix_owners import assign_owners
 
 MUON_LR = 0.02
@@ -100,9 +100,9 @@ def _step_bytes(rank: int, world_size: int, directory: str) -> dict:
     for step in range(2):  # the first step writes the ledger to the dump (a file write counts in wchar)
         model(local_batch("tied_gpt", step, rank, world_size)).backward()
         dist.barrier()
-        before = _wchar()
+        before = written_bytes()
         muon.step()
-        sent = _wchar() - before
+        sent = written_bytes() - before
         muon.zero_grad()
     phi = sum(math.prod(zc.full_shape(p)) for p in muon.param_groups[0]["params"])
     dist.barrier()  # every rank's ledger written
@@ -206,10 +206,8 @@ def test_muon_steps_as_torchs_on_one_rank(single_rank, stage: int) -> None:
     initial = theirs.mix.weight.detach().clone()
     for model, optimizer in zip((ours, theirs), optimizers):
         inputs = torch.Generator().manual_seed(0)
-        for _ in range(2):
-            F.mse_loss(model.mix(torch.randn(4, 13, generator=inputs)), torch.zeros(4, 7)).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        batches = (torch.randn(4, 13, generator=inputs) for _ in range(2))
+        train(lambda x, model=model: F.mse_loss(model.mix(x), torch.zeros(4, 7)), optimizer, batches)
     with zc.gathered(ours):
         assert torch.equal(ours.mix.weight.detach(), theirs.mix.weight.detach())
     assert not torch.equal(theirs.mix.weight.detach(), initial)  # it did step

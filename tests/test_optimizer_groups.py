@@ -13,6 +13,7 @@ from torch import nn
 import zerocompile as zc
 from models import UnevenMLP, local_batch
 from ranks import run_on_ranks
+from training import train
 
 STEPS = 3
 # A decay this strong shrinks the 2-D weights by 10 % a step (AdamW's decoupled decay:
@@ -30,24 +31,21 @@ def _nanogpt_optimizer(model: nn.Module, dims) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=LR)
 
 
-def _train(model: nn.Module, forward, optimizer: torch.optim.Optimizer, rank: int, world_size: int) -> None:
-    for step in range(STEPS):
-        forward(local_batch("uneven_mlp", step, rank, world_size)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+def _train(forward, optimizer: torch.optim.Optimizer, rank: int, world_size: int) -> None:
+    train(forward, optimizer, (local_batch("uneven_mlp", step, rank, world_size) for step in range(STEPS)))
 
 
 def decay_groups(rank: int, world_size: int) -> dict[str, float]:
     torch.manual_seed(0)
     reference = UnevenMLP()
-    _train(reference, nn.parallel.DistributedDataParallel(reference), _nanogpt_optimizer(reference, nn.Parameter.dim), rank, world_size)
+    _train(nn.parallel.DistributedDataParallel(reference), _nanogpt_optimizer(reference, nn.Parameter.dim), rank, world_size)
     errors = {}
     for name, dims in (("full_shape", lambda p: len(zc.full_shape(p))), ("dim", nn.Parameter.dim)):
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = zc.shard(UnevenMLP(), stage=3)
         optimizer = _nanogpt_optimizer(model, dims)  # built after shard(): the habit that bites
-        _train(model, torch.compile(model, backend="zero", options={"compiler": "eager"}), optimizer, rank, world_size)
+        _train(torch.compile(model, backend="zero", options={"compiler": "eager"}), optimizer, rank, world_size)
         full = dict(reference.named_parameters())
         with zc.gathered(model):
             errors[name] = max((p.detach() - full[fqn].detach()).abs().max().item() for fqn, p in model.named_parameters())

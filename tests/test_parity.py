@@ -6,16 +6,14 @@ reports the largest differences; the tests then assert on that report, case by c
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import zerocompile as zc
 from models import MODELS, local_batch
-from ranks import run_on_ranks
+from ranks import run_cases, run_on_ranks
+from training import full_parameters, train
 
 pytestmark = pytest.mark.core
 
@@ -31,35 +29,16 @@ EAGER_TOLERANCE = 1e-5
 INDUCTOR_TOLERANCE = 1e-5
 
 
-def _train(model: nn.Module, forward, name: str, rank: int, world_size: int) -> tuple[list[float], dict]:
+def _train(model: nn.Module, forward, name: str, rank: int, world_size: int) -> list[float]:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    losses = []
-    for step in range(STEPS):
-        loss = forward(local_batch(name, step, rank, world_size))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, optimizer
-
-
-def _full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    full = {}
-    with torch.no_grad():
-        for fqn, param in model.named_parameters():
-            info = zc.sharded_parameters.shard_info(param)
-            if info is None or info.stage == 0:
-                full[fqn] = param.detach().clone()
-            else:
-                full[fqn] = info.gather(param.detach())
-    return full
+    return train(forward, optimizer, (local_batch(name, step, rank, world_size) for step in range(STEPS)))
 
 
 def _reference(name: str, rank: int, world_size: int) -> tuple[list[float], dict]:
     torch.manual_seed(0)
     model = MODELS[name]()
     ddp = nn.parallel.DistributedDataParallel(model)
-    losses, _ = _train(model, ddp, name, rank, world_size)
+    losses = _train(model, ddp, name, rank, world_size)
     return losses, {fqn: p.detach().clone() for fqn, p in model.named_parameters()}
 
 
@@ -70,20 +49,19 @@ def parity_report(
     report = {}
     for name in names:
         ref_losses, ref_params = _reference(name, rank, world_size)
-        for stage in stages:
-            try:
-                torch._dynamo.reset()
-                torch.manual_seed(0)
-                model = zc.shard(MODELS[name](), stage=stage)
-                compiled = torch.compile(model, backend="zero", options={"compiler": compiler})
-                losses, _ = _train(model, compiled, name, rank, world_size)
-                params = _full_parameters(model)
-                loss_error = max(abs(a - b) for a, b in zip(losses, ref_losses))
-                param_error = max((params[k] - ref_params[k]).abs().max().item() for k in ref_params)
-                report[(name, stage)] = (loss_error, param_error)
-            except Exception:
-                report[(name, stage)] = traceback.format_exc()
-            dist.barrier()
+
+        def errors(stage: int) -> tuple[float, float]:
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            model = zc.shard(MODELS[name](), stage=stage)
+            compiled = torch.compile(model, backend="zero", options={"compiler": compiler})
+            losses = _train(model, compiled, name, rank, world_size)
+            params = full_parameters(model)
+            loss_error = max(abs(a - b) for a, b in zip(losses, ref_losses))
+            param_error = max((params[k] - ref_params[k]).abs().max().item() for k in ref_params)
+            return loss_error, param_error
+
+        report.update(run_cases(((name, stage), lambda stage=stage: errors(stage)) for stage in stages))
     return report
 
 

@@ -12,8 +12,6 @@ Three layers, each exact where it can be:
 
 from __future__ import annotations
 
-import traceback
-
 import hypothesis
 import hypothesis.strategies as st
 import pytest
@@ -22,8 +20,9 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocompile as zc
-from models import MODELS, local_batch
-from ranks import run_on_ranks
+from models import MODELS, Linears, local_batch
+from ranks import run_cases, run_on_ranks
+from training import train
 from zerocompile.passes import lowering, stages
 from zerocompile.passes.lowering import dequantise_int8, quantise_int8
 from zerocompile.passes.marker_args import ReduceGradArgs
@@ -175,16 +174,9 @@ OPTIMIZERS = {
 }
 
 
-def _train(model: nn.Module, forward, name: str, optimizer_name: str, rank: int, world_size: int):
+def _train(model: nn.Module, forward, name: str, optimizer_name: str, rank: int, world_size: int) -> list[float]:
     optimizer = OPTIMIZERS[optimizer_name]([p for p in model.parameters() if p.requires_grad])
-    losses = []
-    for step in range(STEPS):
-        loss = forward(local_batch(name, step, rank, world_size))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train(forward, optimizer, (local_batch(name, step, rank, world_size) for step in range(STEPS)))
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -203,20 +195,20 @@ def quantised_training_report(rank: int, world_size: int, cases: list[tuple], co
         start = {fqn: p.detach().clone() for fqn, p in reference.named_parameters()}
         ref_losses = _train(reference, nn.parallel.DistributedDataParallel(reference), name, optimizer_name, rank, world_size)
         moved = max((p.detach() - start[fqn]).abs().max().item() for fqn, p in reference.named_parameters())
-        for stage in [stage for n, o, stage in cases if (n, o) == (name, optimizer_name)]:
-            try:
-                torch._dynamo.reset()
-                torch.manual_seed(0)
-                model = zc.shard(MODELS[name](), stage=stage, **{**QUANTISED, **(layout or {})})
-                compiled = torch.compile(model, backend="zero", options={"compiler": compiler})
-                losses = _train(model, compiled, name, optimizer_name, rank, world_size)
-                params = _full(model)
-                loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-                param_error = max((params[k] - p.detach()).abs().max().item() for k, p in reference.named_parameters())
-                report[(name, optimizer_name, stage)] = (loss_error, param_error / moved)
-            except Exception:
-                report[(name, optimizer_name, stage)] = traceback.format_exc()
-            dist.barrier()
+
+        def errors(stage: int) -> tuple[float, float]:
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            model = zc.shard(MODELS[name](), stage=stage, **{**QUANTISED, **(layout or {})})
+            compiled = torch.compile(model, backend="zero", options={"compiler": compiler})
+            losses = _train(model, compiled, name, optimizer_name, rank, world_size)
+            params = _full(model)
+            loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+            param_error = max((params[k] - p.detach()).abs().max().item() for k, p in reference.named_parameters())
+            return loss_error, param_error / moved
+
+        its_stages = [stage for n, o, stage in cases if (n, o) == (name, optimizer_name)]
+        report.update(run_cases(((name, optimizer_name, stage), lambda stage=stage: errors(stage)) for stage in its_stages))
     return report
 
 
@@ -259,7 +251,7 @@ LOSS_BOUND = 2e-2
 SGD_PARAM_BOUND = 2.5e-2
 
 
-def _assert_close_to_ddp(outcome, optimizer_name: str) -> None:
+def assert_close_to_ddp(outcome, optimizer_name: str) -> None:
     assert not isinstance(outcome, str), outcome
     loss_error, param_error = outcome
     assert loss_error <= LOSS_BOUND, f"a step's loss differs from DDP's by {loss_error:.3g} of it"
@@ -273,12 +265,12 @@ def _assert_close_to_ddp(outcome, optimizer_name: str) -> None:
     ids=lambda value: "-".join(map(str, value)) if isinstance(value, tuple) else f"N{value}",
 )
 def test_int8_training_stays_close_to_ddp(eager_reports, world_size, case):
-    _assert_close_to_ddp(eager_reports[world_size][case], case[1])
+    assert_close_to_ddp(eager_reports[world_size][case], case[1])
 
 
 @pytest.mark.parametrize("case", INDUCTOR_CASES, ids=lambda case: "-".join(map(str, case)))
 def test_int8_training_stays_close_to_ddp_with_inductor(inductor_report, case):
-    _assert_close_to_ddp(inductor_report[case], case[1])
+    assert_close_to_ddp(inductor_report[case], case[1])
 
 
 # -- the graphs and their bytes -----------------------------------------------------------------
@@ -337,11 +329,9 @@ class TestInt8Graphs(FakeGroupTestCase):
         assert int8 <= 0.30 * fp32, int8 / fp32
 
 
-class TwoLayers(nn.Module):
+class TwoLayers(Linears):
     def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(300, 200)
-        self.fc2 = nn.Linear(200, 100)
+        super().__init__(fc1=(300, 200), fc2=(200, 100))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(torch.relu(self.fc1(x))).square().mean()

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocompile as zc
+from models import Linears
 from ranks import run_on_ranks
 from zerocompile import death_watcher, rank_deaths
 from zerocompile.rank_deaths import Frame, RankDeaths, crashing_frames, describe_deaths_in
@@ -65,11 +66,9 @@ def _line_of(text: str, function=maybe_die._init_fn) -> int:
     return first + next(i for i, line in enumerate(lines) if text in line)
 
 
-class DyingModel(nn.Module):
+class DyingModel(Linears):
     def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Linear(16, 16)
-        self.head = nn.Linear(16, 1)
+        super().__init__(body=(16, 16), head=(16, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.relu(self.body(maybe_die(x)))).square().mean()

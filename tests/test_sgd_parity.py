@@ -10,8 +10,6 @@ lowering patched to sum instead of average, the same comparison fails by orders 
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,7 +17,8 @@ from torch import nn
 
 import zerocompile as zc
 from models import UnevenMLP, local_batch
-from ranks import run_on_ranks
+from ranks import run_cases, run_on_ranks
+from training import train
 from zerocompile.passes import lower_markers
 
 STAGES = (0, 1, 2, 3)
@@ -40,13 +39,9 @@ BF16_TOLERANCE = 1e-3
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
-def _train(model: nn.Module, forward, rank: int, world_size: int) -> nn.Module:
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for step in range(STEPS):
-        forward(local_batch("uneven_mlp", step, rank, world_size)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return model
+def _train(model: nn.Module, forward, rank: int, world_size: int) -> None:
+    batches = (local_batch("uneven_mlp", step, rank, world_size) for step in range(STEPS))
+    train(forward, torch.optim.SGD(model.parameters(), lr=LR), batches)
 
 
 def _bf16_reduce(state, bucket):  # unannotated: DDP checks annotations, which are strings here
@@ -83,22 +78,19 @@ def sgd_report(rank: int, world_size: int, compiler: str, stages: tuple[int, ...
     report = {}
     for reduce, reduce_dtype in DTYPES.items():
         reference = _reference(rank, world_size, reduce)
-        for stage in stages:
-            try:
-                with pytest.MonkeyPatch.context() as monkeypatch:
-                    if broken:
-                        _summing_instead_of_averaging(monkeypatch, world_size)
-                    torch._dynamo.reset()
-                    torch.manual_seed(0)
-                    model = zc.shard(UnevenMLP(), stage=stage, reduce_dtype=reduce_dtype)
-                    _train(model, torch.compile(model, backend="zero", options={"compiler": compiler}), rank, world_size)
-                with zc.gathered(model):
-                    report[(stage, reduce)] = max(
-                        (p.detach() - reference[fqn]).abs().max().item() for fqn, p in model.named_parameters()
-                    )
-            except Exception:
-                report[(stage, reduce)] = traceback.format_exc()
-            dist.barrier()
+
+        def difference(stage: int) -> float:
+            with pytest.MonkeyPatch.context() as monkeypatch:
+                if broken:
+                    _summing_instead_of_averaging(monkeypatch, world_size)
+                torch._dynamo.reset()
+                torch.manual_seed(0)
+                model = zc.shard(UnevenMLP(), stage=stage, reduce_dtype=reduce_dtype)
+                _train(model, torch.compile(model, backend="zero", options={"compiler": compiler}), rank, world_size)
+            with zc.gathered(model):
+                return max((p.detach() - reference[fqn]).abs().max().item() for fqn, p in model.named_parameters())
+
+        report.update(run_cases(((stage, reduce), lambda stage=stage: difference(stage)) for stage in stages))
     return report
 
 

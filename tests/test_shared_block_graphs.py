@@ -20,7 +20,8 @@ from torch import nn
 
 import zerocompile as zc
 from ranks import run_on_ranks
-from test_parity import EAGER_TOLERANCE, _full_parameters
+from test_parity import EAGER_TOLERANCE
+from training import full_parameters, train
 
 DEPTH = 10  # > torch._dynamo.config.recompile_limit
 STEPS = 2
@@ -58,14 +59,15 @@ def _batch(step: int, rank: int, world_size: int) -> torch.Tensor:
 
 def _train(model: nn.Module, forward, rank: int, world_size: int, no_sync=None) -> dict[str, torch.Tensor]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(STEPS):
-        if no_sync is not None:
+
+    def loss(step: int) -> torch.Tensor:
+        if no_sync is not None:  # a micro-step first, its gradients accumulated into the step's
             with no_sync():
                 forward(_batch(100 + step, rank, world_size)).backward()
-        forward(_batch(step, rank, world_size)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return _full_parameters(model)
+        return forward(_batch(step, rank, world_size))
+
+    train(loss, optimizer, range(STEPS))
+    return full_parameters(model)
 
 
 def _compile(model: Deep, layout: str, backend: Any, options: dict | None) -> Callable:

@@ -8,8 +8,6 @@ warm-up, so they include everything the process wrote, not just what we think we
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,6 +16,7 @@ from torch import nn
 import zerocompile as zc
 from models import UnevenMLP
 from ranks import run_on_ranks
+from training import train
 
 STAGES = (0, 1, 2, 3)
 
@@ -42,13 +41,6 @@ class DeepMLP(nn.Module):
         return self.last(x).square().mean()
 
 
-def _wchar() -> int:
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("wchar:"):
-            return int(line.split()[1])
-    raise RuntimeError("no wchar in /proc/self/io")
-
-
 def stage_report(rank: int, world_size: int) -> dict[int, dict]:
     report = {}
     for stage in STAGES:
@@ -61,20 +53,17 @@ def stage_report(rank: int, world_size: int) -> dict[int, dict]:
         options = {"compiler": "eager", "bucket_bytes": 2**20, "prefetch": 1}
         compiled = torch.compile(model, backend="zero", options=options)
         x = torch.randn(4, 8)
-        sent = []
+        sent, held = [], []
+
+        def measure_held() -> None:
+            held.append(zc.model_state_bytes(model, optimizer))
+
         with zc.record_graphs() as graphs:
-            for _ in range(3):
-                dist.barrier()
-                before = _wchar()
-                compiled(x).backward()
-                sent.append(_wchar() - before)
-                optimizer.step()
-                held = zc.model_state_bytes(model, optimizer)
-                optimizer.zero_grad()
+            train(compiled, optimizer, [x] * 3, sent=sent, after_step=measure_held)
         report[stage] = {
             "phi": zc.full_numel(model),
             "shard_numels": [zc.sharded_parameters.shard_info(p).shard_numel for p in model.parameters()],
-            "held": held,
+            "held": held[-1],
             "sent_per_step": sent[-1],
             "graphs": graphs,
         }

@@ -5,17 +5,15 @@ strict semantics and tied names as usual; the model's own sharded state dict sti
 
 from __future__ import annotations
 
-import traceback
 import warnings
 from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 import zerocompile as zc
 from models import TiedGPT, UnevenMLP
-from ranks import run_on_ranks
+from ranks import run_cases, run_on_ranks
 
 
 def _largest_difference(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> float:
@@ -30,25 +28,24 @@ def _load_cases(rank: int, world_size: int) -> dict:
     for name, build in (("uneven_mlp", UnevenMLP), ("tied_gpt", TiedGPT)):
         torch.manual_seed(1)
         full = build().state_dict()  # what every rank of a DDP job holds
-        for stage in (0, 1, 2, 3):
-            try:
-                torch.manual_seed(2)  # other weights than `full`
-                model = zc.shard(build(), stage=stage)
-                result = model.load_state_dict(full)
-                error = _largest_difference(model, full)
-                own = {k: v.clone() for k, v in model.state_dict().items()}
-                model.load_state_dict(own)  # its own shards: unchanged
-                with zc.gathered(model):
-                    model.load_state_dict(full)  # full parameters inside gathered(): as they are
-                report[(name, stage)] = {
-                    "error": error,
-                    "after_gathered_error": _largest_difference(model, full),
-                    "missing": result.missing_keys,
-                    "unexpected": result.unexpected_keys,
-                }
-            except Exception:
-                report[(name, stage)] = traceback.format_exc()
-            dist.barrier()
+
+        def loaded(stage: int) -> dict:
+            torch.manual_seed(2)  # other weights than `full`
+            model = zc.shard(build(), stage=stage)
+            result = model.load_state_dict(full)
+            error = _largest_difference(model, full)
+            own = {k: v.clone() for k, v in model.state_dict().items()}
+            model.load_state_dict(own)  # its own shards: unchanged
+            with zc.gathered(model):
+                model.load_state_dict(full)  # full parameters inside gathered(): as they are
+            return {
+                "error": error,
+                "after_gathered_error": _largest_difference(model, full),
+                "missing": result.missing_keys,
+                "unexpected": result.unexpected_keys,
+            }
+
+        report.update(run_cases(((name, stage), lambda stage=stage: loaded(stage)) for stage in (0, 1, 2, 3)))
     torch.manual_seed(2)
     model = zc.shard(UnevenMLP(), stage=3)
     torch.manual_seed(1)
