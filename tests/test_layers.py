@@ -352,3 +352,18 @@ def test_private_names_are_found(source, found):
 )
 def test_public_names_pass(source):
     assert private_names_used(source, "zerocompile.high", False, SOURCES, "here.py") == []
+
+
+# A module a newcomer can read in one sitting: no source file of the package or the benchmarks
+# grows past this many lines (issue 58); split it by concern, as tools/bench/ and tools/plan/ are.
+MOST_LINES = 700
+
+
+def test_no_module_is_too_long_to_read():
+    too_long = {
+        str(path.relative_to(ROOT)): count
+        for directory in (*LAYERS, "benchmarks")
+        for path in sorted((ROOT / directory).rglob("*.py"))
+        if (count := len(path.read_text().splitlines())) > MOST_LINES
+    }
+    assert not too_long, f"modules over {MOST_LINES} lines (split them by concern): {too_long}"

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Callable
 from unittest import mock
 
 import pytest
@@ -114,18 +115,26 @@ def _train(rank: int, world_size: int, kind: str, stage: int, settings: dict) ->
 CASES = [("adamw", 1), ("adamw", 2), ("adamw", 3), ("muon", 1), ("muon", 2), ("muon", 3), ("adafactor", 3), ("sgd", 2)]
 
 
-def _compare(rank: int, world_size: int, directory: str) -> dict:
-    def differences(in_memory: dict, offloaded: dict) -> dict:
-        return {
-            "params_differ": sorted(n for n, p in in_memory["params"].items() if not torch.equal(p, offloaded["params"][n])),
-            "states_differ": sorted(k for k, v in in_memory["states"].items() if not torch.equal(v, offloaded["states"].get(k, torch.empty(0)))),
-        }
+def _differing_states(in_memory: dict, offloaded: dict) -> list[str]:
+    return sorted(k for k, v in in_memory["states"].items() if not torch.equal(v, offloaded["states"].get(k, torch.empty(0))))
+
+
+def _parameter_differences(in_memory: dict, offloaded: dict) -> dict:
+    return {
+        "params_differ": sorted(n for n, p in in_memory["params"].items() if not torch.equal(p, offloaded["params"][n])),
+        "states_differ": _differing_states(in_memory, offloaded),
+    }
+
+
+def _compare(rank: int, world_size: int, directory: str, cases: list, base: dict, differences: Callable = _parameter_differences) -> dict:
+    """Each case trained in memory, on disk and in host memory with `base`'s settings: what
+    `differences` finds between the in-memory run and each offloaded one, and their bytes."""
 
     def case(kind: str, stage: int) -> dict:
-        in_memory = _train(rank, world_size, kind, stage, {})
+        in_memory = _train(rank, world_size, kind, stage, base)
         with mock.patch.object(zerocompile.offload, "STEP_BUCKET_BYTES", SMALL_BUCKETS):
-            on_disk = _train(rank, world_size, kind, stage, {"offload": "disk", "offload_dir": directory})
-            on_host = _train(rank, world_size, kind, stage, {"offload": "cpu"})
+            on_disk = _train(rank, world_size, kind, stage, {**base, "offload": "disk", "offload_dir": directory})
+            on_host = _train(rank, world_size, kind, stage, {**base, "offload": "cpu"})
         return {
             "disk": differences(in_memory, on_disk),
             "host": differences(in_memory, on_host),
@@ -136,12 +145,12 @@ def _compare(rank: int, world_size: int, directory: str) -> dict:
             "held_on_host": on_host["held"],
         }
 
-    return run_cases([((kind, stage), lambda kind=kind, stage=stage: case(kind, stage)) for kind, stage in CASES])
+    return run_cases([((kind, stage), lambda kind=kind, stage=stage: case(kind, stage)) for kind, stage in cases])
 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list[dict]:
-    return run_on_ranks(2, _compare, str(tmp_path_factory.mktemp("offload")))
+    return run_on_ranks(2, _compare, str(tmp_path_factory.mktemp("offload")), CASES, {})
 
 
 @pytest.mark.parametrize("store", ["disk", "host"])
@@ -179,43 +188,32 @@ MASTER_CASES = [("adamw", 1), ("adamw", 3), ("muon", 2), ("muon", 3), ("sgd", 3)
 MIXED = {"param_dtype": torch.bfloat16}
 
 
-def _compare_masters(rank: int, world_size: int, directory: str) -> dict:
-    def differences(in_memory: dict, offloaded: dict) -> dict:
-        return {
-            "masters_differ": sorted(n for n, p in in_memory["params"].items() if not torch.equal(p, offloaded["precise"][n])),
-            "shards_differ": sorted(n for n, p in in_memory["params"].items() if not torch.equal(p.bfloat16(), offloaded["params"][n])),
-            "full_differ": sorted(n for n, t in in_memory["full"].items() if not torch.equal(t, offloaded["full"][n])),
-            "states_differ": sorted(k for k, v in in_memory["states"].items() if not torch.equal(v, offloaded["states"].get(k, torch.empty(0)))),
-            "held": offloaded["held"], "resident": offloaded["resident"],
-        }  # fmt: skip
-
-    def case(kind: str, stage: int) -> dict:
-        in_memory = _train(rank, world_size, kind, stage, MIXED)
-        with mock.patch.object(zerocompile.offload, "STEP_BUCKET_BYTES", SMALL_BUCKETS):
-            on_disk = _train(rank, world_size, kind, stage, {**MIXED, "offload": "disk", "offload_dir": directory})
-            on_host = _train(rank, world_size, kind, stage, {**MIXED, "offload": "cpu"})
-        return {"disk": differences(in_memory, on_disk), "host": differences(in_memory, on_host), "held_in_memory": in_memory["held"]}
-
-    return run_cases([((kind, stage), lambda kind=kind, stage=stage: case(kind, stage)) for kind, stage in MASTER_CASES])
+def _master_differences(in_memory: dict, offloaded: dict) -> dict:
+    return {
+        "masters_differ": sorted(n for n, p in in_memory["params"].items() if not torch.equal(p, offloaded["precise"][n])),
+        "shards_differ": sorted(n for n, p in in_memory["params"].items() if not torch.equal(p.bfloat16(), offloaded["params"][n])),
+        "full_differ": sorted(n for n, t in in_memory["full"].items() if not torch.equal(t, offloaded["full"][n])),
+        "states_differ": _differing_states(in_memory, offloaded),
+    }
 
 
 @pytest.fixture(scope="module")
 def master_reports(tmp_path_factory) -> list[dict]:
-    return run_on_ranks(2, _compare_masters, str(tmp_path_factory.mktemp("offload-masters")))
+    return run_on_ranks(2, _compare, str(tmp_path_factory.mktemp("offload-masters")), MASTER_CASES, MIXED, _master_differences)
 
 
 @pytest.mark.parametrize("store", ["disk", "host"])
 @pytest.mark.parametrize("kind, stage", MASTER_CASES, ids=[f"{kind}-stage{stage}" for kind, stage in MASTER_CASES])
 def test_offloaded_masters_train_bit_for_bit_as_fp32_shards_in_memory(master_reports, kind: str, stage: int, store: str) -> None:
     for rank, report in enumerate(master_reports):
-        differ, memory = report[(kind, stage)][store], report[(kind, stage)]["held_in_memory"]
+        result = report[(kind, stage)]
+        differ, memory, held = result[store], result["held_in_memory"], result[f"held_on_{store}"]
         assert not differ["masters_differ"], f"rank {rank}: masters differ from the in-memory fp32 shards: {differ['masters_differ']}"
         assert not differ["shards_differ"], f"rank {rank}: bf16 shards are not the masters rounded: {differ['shards_differ']}"
         assert not differ["full_differ"], f"rank {rank}: full_state_dict differs: {differ['full_differ']}"
         assert not differ["states_differ"], f"rank {rank}: optimizer state differs: {differ['states_differ']}"
-        assert store == "host" or differ["resident"] == [0] * STEPS, "masters stayed mapped in memory between steps"
+        assert store == "host" or result["resident"] == [0] * STEPS, "masters stayed mapped in memory between steps"
         # Half the parameter bytes stay in memory; the store holds the state and the fp32 masters.
-        held = differ["held"]
         assert held["params"] * 2 == memory["params"]
         stored = held["optimizer_on_disk" if store == "disk" else "optimizer_on_host"]
         assert stored + held["optimizer"] == memory["optimizer"] + memory["params"]
