@@ -183,8 +183,8 @@ def _watch_over_a_models_life(rank: int, world_size: int) -> dict:
         gc.collect()
         seen["watcher status"] = watcher.wait(timeout=60)
         seen["faulthandler"] = faulthandler.is_enabled()
+        dist.barrier()  # every rank has let go of its model and removed its own record
         seen["files left"] = sorted(path.name for path in directory.glob("*"))
-        dist.barrier()
         seen["directory left"] = directory.exists()
         report[f"faulthandler enabled before: {enabled}"] = seen
     faulthandler.enable()  # as the spawned rank had it
