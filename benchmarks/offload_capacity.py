@@ -53,6 +53,7 @@ from zerocompile.tools.gpt import GPT, SIZES
 from zerocompile.tools.measuring import io_counters
 from zerocompile.tools.train import GlobalBatches, load_text
 
+PARAM_DTYPES = {None: None, "bf16": torch.bfloat16}
 SLACK_BYTES = GiB  # the bound's "+ 1 GiB": interpreter, torch, activations, gathered parameters
 
 
@@ -69,7 +70,7 @@ def _rank(rank: int, settings: dict[str, Any]) -> dict[str, Any]:
             model = GPT(SIZES[settings["size"]])
         optimizer = torch.optim.AdamW(model.parameters(), lr=settings["lr"])
         zc.shard(model, stage=3, optimizer=optimizer, init=GPT._init_weights, offload="disk",
-                 offload_dir=settings["offload_dir"])
+                 offload_dir=settings["offload_dir"], param_dtype=PARAM_DTYPES[settings["param_dtype"]])
         marks("sharded/initialised")
         runner = torch.compile(model, backend="zero", options={"compiler": "eager"})
         batches = GlobalBatches(load_text(), settings["ranks"], settings["tokens"], seed=settings["seed"])
@@ -126,6 +127,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="AdamW learning rate (default 5e-6: benchmarks.capacity's --big-lr, small enough for "
                         "Adam's first steps on a model this size)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--param-dtype", choices=sorted(name for name in PARAM_DTYPES if name), default=None,
+                        help="compute in it; the fp32 master weights then go to the disk too, and the shards and "
+                        "gradients in memory are in it (offload_masters)")
     spawn.add_allocator_argument(parser)
     parser.add_argument("--exact-rss", action="store_true",
                         help="with --allocator system: glibc unmaps freed tensors at once (MALLOC_MMAP_THRESHOLD_=65536), "
@@ -137,8 +141,9 @@ def run(args: argparse.Namespace) -> int:
     """`python -m benchmarks.offload_capacity`: 0 when the job trained within the bound, else 1."""
     with torch.device("meta"):
         phi = sum(p.numel() for p in GPT(SIZES[args.size]).parameters())
-    # Parameters and gradients shards (fp32) + the bound's rest, per rank.
-    needed = args.ranks * (8 * phi / args.ranks + 2 * offload.STEP_BUCKET_BYTES + SLACK_BYTES)
+    # Parameters and gradients shards (fp32, or param_dtype with the masters on disk) + the bound's rest, per rank.
+    element = PARAM_DTYPES[args.param_dtype].itemsize if args.param_dtype else 4
+    needed = args.ranks * (2 * element * phi / args.ranks + 2 * offload.STEP_BUCKET_BYTES + SLACK_BYTES)
     report: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": {**machine(), "mem_available_at_start": mem_available()},
@@ -148,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         "offload_dir": offload_files.describe_directory(args.offload_dir),
     }
     head = (f"GPT {args.size} (Φ = {phi:,}; fp32 AdamW training state 16Φ = {16 * phi / GB:.1f} GB, RAM "
-            f"{report['machine']['ram_bytes'] / GB:.1f} GB), stage 3, {args.ranks} ranks, state on disk in {args.offload_dir}")
+            f"{report['machine']['ram_bytes'] / GB:.1f} GB), stage 3, {args.ranks} ranks, state{' and fp32 master weights' if args.param_dtype else ''} on disk in {args.offload_dir}")
     print(head, flush=True)
     preload = spawn.find_allocator(args.allocator)
     if args.exact_rss and preload is not None:
@@ -159,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"refused: needs ~{needed / GB:.1f} GB by the bound, MemAvailable {mem_available() / GB:.1f} GB", flush=True)
         return 1
     settings = {"size": args.size, "ranks": args.ranks, "offload_dir": str(args.offload_dir), "steps": args.steps,
-                "tokens": args.tokens, "lr": args.lr, "seed": args.seed}
+                "tokens": args.tokens, "lr": args.lr, "seed": args.seed, "param_dtype": args.param_dtype}
     environment = dict(EXACT_RSS_ENVIRONMENT) if args.exact_rss else {}
     report["malloc"] = " ".join([preload or "C library", *(f"{k}={v}" for k, v in environment.items())])
     print(f"ranks' malloc: {report['malloc']}", flush=True)

@@ -26,12 +26,12 @@ def _args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-@pytest.fixture(scope="module")
-def small_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict, Path]:
+@pytest.fixture(scope="module", params=[None, "bf16"], ids=["fp32", "bf16-masters-on-disk"])
+def small_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict, Path]:
     root = tmp_path_factory.mktemp("offload-capacity")
     (root / "state").mkdir()
     argv = ["--size", "small", "--offload-dir", str(root / "state"), "--steps", str(STEPS), "--json", str(root / "report.json")]
-    code = offload_capacity.run(_args(*argv))
+    code = offload_capacity.run(_args(*argv, *(["--param-dtype", request.param] if request.param else [])))
     return code, json.loads((root / "report.json").read_text()), root / "state"
 
 
@@ -42,12 +42,15 @@ def test_the_run_reports_each_ranks_state_on_disk_and_what_each_step_moved(small
         params = {id(p): p for p in GPT(SIZES["small"]).parameters()}.values()
     assert report["phi"] == sum(p.numel() for p in params)
     shard_bytes = 4 * sum(shard_numel(p.numel(), 2) for p in params)
+    masters = report["settings"]["param_dtype"] is not None
     for rank in report["per_rank"]:
         held = rank["held"]
-        # fp32 shards and gradients in memory; AdamW's two moments of the same shard on disk.
-        assert held["params"] == held["grads"] == shard_bytes
-        assert held["optimizer"] == 0 and held["optimizer_on_disk"] == 2 * shard_bytes
-        assert rank["bound"] == 2 * shard_bytes + 2 * STEP_BUCKET_BYTES + offload_capacity.SLACK_BYTES
+        # fp32 shards and gradients in memory, AdamW's two moments of the same shard on disk; with
+        # --param-dtype bf16 the shards and gradients held are bf16 and the fp32 masters join the disk.
+        in_memory = shard_bytes // 2 if masters else shard_bytes
+        assert held["params"] == held["grads"] == in_memory
+        assert held["optimizer"] == 0 and held["optimizer_on_disk"] == (3 if masters else 2) * shard_bytes
+        assert rank["bound"] == 2 * in_memory + 2 * STEP_BUCKET_BYTES + offload_capacity.SLACK_BYTES
         assert rank["within_bound"] == (rank["peak_rss"] <= rank["bound"])
         assert len(rank["steps"]) == STEPS
         # Every step writes the whole state back (the page cache may spare the reads).

@@ -176,7 +176,10 @@ class OffloadedState:
             for param in self.masters:
                 self.master(param).copy_(param.detach().reshape(self.master(param).shape))
                 param.data = param.detach().to(self.compute_dtype)
-                param._zero_masters = self
+                # Weak: the optimizer owns the store, and a cycle through the parameters would keep
+                # its file past the optimizer's end (until a garbage collection, or for good in a rank
+                # that ends with os._exit).
+                param._zero_masters = weakref.ref(self)
                 self._versions[param] = param._version
         self.release()
 
@@ -539,16 +542,22 @@ class HostState(OffloadedState):
 def full_precision(param: torch.Tensor) -> torch.Tensor:
     """`param`'s values at full precision: its master weights where an offload store keeps them
     (`offload_masters`), else the parameter itself."""
-    store = getattr(param, "_zero_masters", None)
+    store = _masters_store(param)
     return param if store is None else store.current_master(param)
 
 
 def master_written(param: torch.Tensor) -> None:
     """After `full_precision(param)` was written: the parameter's shard made to match (nothing
     where the parameter is its own full precision)."""
-    store = getattr(param, "_zero_masters", None)
+    store = _masters_store(param)
     if store is not None:
         store.master_written(param)
+
+
+def _masters_store(param: torch.Tensor) -> OffloadedState | None:
+    """The store keeping `param`'s master weights while its optimizer lives."""
+    store = getattr(param, "_zero_masters", None)
+    return None if store is None else store()
 
 
 def offloaded_state(optimizer: torch.optim.Optimizer) -> OffloadedState | None:
