@@ -173,15 +173,23 @@ class OffloadedState:
         optimizer.register_load_state_dict_post_hook(lambda loaded: self.move_all_into_store(loaded))
         self.move_all_into_store(optimizer)
         with torch.no_grad():
-            for param in self.masters:
-                self.master(param).copy_(param.detach().reshape(self.master(param).shape))
-                param.data = param.detach().to(self.compute_dtype)
-                # Weak: the optimizer owns the store, and a cycle through the parameters would keep
-                # its file past the optimizer's end (until a garbage collection, or for good in a rank
-                # that ends with os._exit).
-                param._zero_masters = weakref.ref(self)
-                self._versions[param] = param._version
+            # Bucket by bucket, so the fp32 shards go as their masters are written and the file's
+            # pages leave behind them: at most a bucket more than the narrowed shards is held.
+            for bucket in self._buckets:
+                for param in [param for param in bucket.params() if param in self.masters]:
+                    self.master(param).copy_(param.detach().reshape(self.master(param).shape))
+                    param.data = param.detach().to(self.compute_dtype)
+                    # Weak: the optimizer owns the store, and a cycle through the parameters would
+                    # keep its file past the optimizer's end (until a garbage collection, or for
+                    # good in a rank that ends with os._exit).
+                    param._zero_masters = weakref.ref(self)
+                    self._versions[param] = param._version
+                self._written(bucket)
         self.release()
+
+    def _written(self, bucket: _Bucket) -> None:
+        """What follows writing `bucket`'s bytes of the store outside a step (nothing, unless the
+        store is a file)."""
 
     def master(self, param: torch.Tensor) -> torch.Tensor:
         """The store's master weights of `param` (its shard's shape, the parameter's own dtype)."""
@@ -408,6 +416,9 @@ class DiskState(OffloadedState):
                     state[key] = host.to(param.device, non_blocking=False)
                     staged.append((param, key, host))
         return staged
+
+    def _written(self, bucket: _Bucket) -> None:
+        self._drop(bucket)
 
     def _drop(self, bucket: _Bucket) -> None:
         if self._advise(mmap.MADV_DONTNEED, bucket):

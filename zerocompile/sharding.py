@@ -136,6 +136,7 @@ def shard(
             trim=config.trim_heap, loaded=loaded,
         )
         _install_materialised(local, buffers, policy)
+        del local  # the parameters hold their shards now: offload's masters can replace them
     else:
         if init is not None:
             with torch.no_grad():
