@@ -151,14 +151,13 @@ class OffloadedState:
         self.nbytes = offset
         self.state_bytes = sum(region.nbytes for regions in self.regions.values() for region in regions.values())
         self.master_bytes = sum(region.nbytes for region in self.masters.values())
-        self._buckets = _buckets(optimizer, {p: [*self.regions[p].values(), *self._master_list(p)] for p in self.regions})
+        self._buckets = _buckets(
+            optimizer, {p: [*self.regions[p].values(), *filter(None, [self.masters.get(p)])] for p in self.regions}
+        )
         self._views: dict[tuple[int, str], torch.Tensor] = {}
         # Each master's parameter's `_version` when the store last wrote it: a write by anyone else
         # shows as a newer version.
         self._versions: dict[torch.Tensor, int] = {}
-
-    def _master_list(self, param: torch.Tensor) -> list[_Region]:
-        return [self.masters[param]] if param in self.masters else []
 
     def _flat(self, region: _Region) -> torch.Tensor:
         """The store's elements of `region`, as a 1-D tensor of its dtype."""
@@ -211,9 +210,15 @@ class OffloadedState:
 
     def master_written(self, param: torch.Tensor) -> None:
         """`param`'s shard taken from its master weights, which were just written."""
+        self._write_shard(param, self.master(param))
+
+    def _write_shard(self, param: torch.Tensor, source: torch.Tensor, non_blocking: bool = False) -> None:
+        """`param`'s shard written from `source` (its master, or a copy of it), and that write
+        recorded as the store's own."""
         with torch.no_grad():
-            param.copy_(self.master(param))
-        self._versions[param] = param._version
+            param.copy_(source, non_blocking=non_blocking)
+        if param in self.masters:
+            self._versions[param] = param._version
 
     def move_all_into_store(self, optimizer: torch.optim.Optimizer) -> None:
         """`move_into_store` for every parameter, then `release`."""
@@ -393,7 +398,7 @@ class DiskState(OffloadedState):
                 if stand_in is not master:
                     master.copy_(stand_in)
                 self._stood_in(stand_in)
-                self.master_written(param)
+                self._write_shard(param, stand_in)  # from the step's device, not back from the file
         self.move_into_store(optimizer, params)
         self._drop(bucket)
 
@@ -451,7 +456,8 @@ class HostState(OffloadedState):
         super().__init__(optimizer, shards, torch.device("cpu"))
         pinned = shards.device.type != "cpu"
         self._store = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=pinned)
-        # Each bucket's parameters and gradients, at _STAGING_ALIGNMENT-aligned offsets.
+        # Each bucket's parameters (but those whose masters step in the store) and gradients, at
+        # _STAGING_ALIGNMENT-aligned offsets.
         self._staging_layout = {}
         self._shard_bytes = {
             param: shards.local_numel(param) * (self.compute_dtype if param in self.masters else param.dtype).itemsize
@@ -462,8 +468,9 @@ class HostState(OffloadedState):
             offset = 0
             for param in bucket.params():
                 nbytes = self._shard_bytes[param]
-                self._staging_layout[param] = (offset, _aligned(offset + nbytes))
-                offset = _aligned(offset + nbytes) + _aligned(nbytes)
+                copied = 0 if param in self.masters else nbytes  # a master steps in the store itself
+                self._staging_layout[param] = (offset, _aligned(offset + copied))
+                offset = _aligned(offset + copied) + _aligned(nbytes)
             largest = max(largest, offset)
         self._staging = [torch.zeros(largest, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
         self._copied_back: list[torch.Event | None] = [None, None]  # per buffer: where its last copy back ends
@@ -507,12 +514,10 @@ class HostState(OffloadedState):
             else:
                 stand_ins[param].grad = grad
         self._step_stand_ins(optimizer, bucket, stand_ins, base_step)
-        with torch.no_grad():
-            for param, stand_in in stand_ins.items():
-                param.copy_(stand_in, non_blocking=True)
-                if param in self.masters:
-                    self._stood_in(stand_in)
-                    self._versions[param] = param._version
+        for param, stand_in in stand_ins.items():
+            self._write_shard(param, stand_in, non_blocking=True)
+            if param in self.masters:
+                self._stood_in(stand_in)
         self._copied_back[number % 2] = self._record()
         self.move_into_store(optimizer, list(stand_ins))
 
