@@ -175,7 +175,7 @@ def _read_alone(path: str, rank: int) -> tuple[float, list]:
     policy, world_size = stage_policy(3), torch.distributed.get_world_size()
     started = time.perf_counter()
     kept = [
-        read(policy.local_numel(tensor.numel(), world_size) if isinstance(tensor, torch.nn.Parameter) else None, rank, torch.device("cpu"))
+        read(policy.local_numel(tuple(tensor.shape), world_size) if isinstance(tensor, torch.nn.Parameter) else None, rank, torch.device("cpu"))
         for tensor, read in readers.items()
     ]
     return time.perf_counter() - started, kept

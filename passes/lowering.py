@@ -27,7 +27,7 @@ import math
 import torch
 
 from .marker_args import ReduceGradArgs
-from .stages import shard_numel
+from .stages import chunk_numel
 
 funcol = torch.ops._c10d_functional
 
@@ -379,10 +379,10 @@ def all_reduce_bucket(grads: list[torch.Tensor], marker: ReduceGradArgs) -> list
 
 
 def _all_reduce_int8(grads: list[torch.Tensor], marker: ReduceGradArgs) -> list[torch.Tensor]:
-    """Stage 0's quantised all-reduce: each gradient laid out in N aligned shards as stages 1-3
-    shard it, reduce-scattered, (averaged across replicas,) and the means gathered back."""
+    """Stage 0's quantised all-reduce: each gradient cut into N aligned chunks (`chunk_numel`),
+    reduce-scattered, (averaged across replicas,) and the means gathered back."""
     group_name, world_size, block = marker.group_name, marker.world_size, marker.quant_block
-    shard_numels = [shard_numel(grad.numel(), world_size) for grad in grads]
+    shard_numels = [chunk_numel(grad.numel(), world_size) for grad in grads]
     row = sum(shard_numels)
     rows = _packed(grads, world_size, shard_numels, None, int8_row_width(row, block)).view(world_size, -1)
     mean = _replica_mean(_reduce_scatter_int8(rows, group_name, world_size, block)[:row], marker)
@@ -415,7 +415,7 @@ def _replica_mean(reduced: torch.Tensor, marker: ReduceGradArgs) -> torch.Tensor
         row = quantise_int8(reduced.reshape(1, -1), block).view(-1)
         (both,) = funcol.all_gather_into_tensor_coalesced([row], 2, replica_group)
         return _dequantised_mean(funcol.wait_tensor(both).view(2, -1), numel, block).to(reduced.dtype)
-    row = shard_numel(numel, replicas)
+    row = chunk_numel(numel, replicas)
     rows = torch.nn.functional.pad(reduced.float(), [0, replicas * row - numel]).view(replicas, row)
     mean = _reduce_scatter_int8(rows, replica_group, replicas, block)
     (full,) = _gather_bucket_int8([mean], [[replicas * row]], replica_group, replicas, coalesced=True, dtype=torch.float32, block=block)

@@ -33,7 +33,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from .markers import UNSHARD, is_unshard, unshard_args
 from .recompute_gathers import backward_nodes, gathered_values_of
-from .stages import shard_numel
+from .stages import chunk_numel
 
 
 @torch.library.custom_op("zerocompile::secondary_shard", mutates_args=())
@@ -41,7 +41,7 @@ def secondary_shard(full: torch.Tensor, group_name: str, group_size: int) -> tor
     """This rank's slice of the flat `full` zero-padded to `group_size` aligned shards: what the
     ranks of `group_name` all-gather to rebuild it. The one op here that asks the group (its rank):
     the graph is the same on every rank, the slice is each rank's own."""
-    numel = shard_numel(full.numel(), group_size)
+    numel = chunk_numel(full.numel(), group_size)
     rank = c10d._resolve_process_group(group_name).rank()
     flat = full.reshape(-1)
     start, stop = min(rank * numel, flat.numel()), min((rank + 1) * numel, flat.numel())
@@ -51,7 +51,7 @@ def secondary_shard(full: torch.Tensor, group_name: str, group_size: int) -> tor
 
 @secondary_shard.register_fake
 def _secondary_shard_fake(full: torch.Tensor, group_name: str, group_size: int) -> torch.Tensor:
-    return full.new_empty(shard_numel(full.numel(), group_size))
+    return full.new_empty(chunk_numel(full.numel(), group_size))
 
 
 SECONDARY_SHARD = torch.ops.zerocompile.secondary_shard.default

@@ -20,33 +20,47 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
-# Every rank's shard holds a multiple of this many elements. In an all-gather's output (and a
-# reduce-scatter's input) rank r's chunk starts at element r * shard_numel, so each chunk then
-# starts 16-byte aligned in every dtype, int8 codes included: NCCL's kernels and vectorised copies
-# move 16-byte words and take slower paths on chunks that are not (FSDP1 aligns its flat
-# parameters to 16 bytes likewise; not measured here, no GPU). Costs under 16 elements of padding
-# per rank and parameter, against under 1 without it.
-SHARD_ALIGNMENT = 16
+def shard_numel(shape: Sequence[int], world_size: int) -> int:
+    """Elements of each rank's shard of a parameter of `shape` sharded over `world_size` ranks:
+    ceil(rows / N) rows of dim 0, the one definition of the layout. Rank r holds rows
+    [r * ceil(rows / N), (r + 1) * ceil(rows / N)) flattened, zero-padded at the end (the last
+    ranks may hold fewer valid rows, or none), which is `torch.chunk`'s split and DTensor's
+    `Shard(0)`: each rank's valid rows are a `Shard(0)` local tensor over the shard's own storage.
+    Laid end to end the N shards are the flat parameter followed by its padding, so an all-gather
+    of shards is the parameter's rows as they are (narrowed, viewed; no copy), and rank r's
+    elements start at r * shard_numel of the flat parameter. A 0-d parameter is one row.
+
+    The padding is under N rows per parameter (FSDP2 pads dim 0 alike); a chunk starts 16-byte
+    aligned wherever rows * row width is a multiple of 16 elements, as transformer widths are."""
+    rows = shape[0] if len(shape) else 1
+    return math.ceil(rows / world_size) * math.prod(shape[1:])
 
 
-def shard_numel(numel: int, world_size: int) -> int:
-    """Elements of each rank's shard of a parameter of `numel` elements sharded over `world_size`
-    ranks: the ceiling of numel / N, rounded up to a multiple of SHARD_ALIGNMENT. The one
-    definition of the padding; rank r holds elements [r * shard, (r + 1) * shard) of the flat
-    parameter zero-padded to `padded_numel`."""
-    return SHARD_ALIGNMENT * math.ceil(numel / (world_size * SHARD_ALIGNMENT))
-
-
-def padded_numel(numel: int, world_size: int) -> int:
+def padded_numel(shape: Sequence[int], world_size: int) -> int:
     """Elements of the flat parameter padded to `world_size` shards: what an all-gather returns."""
-    return shard_numel(numel, world_size) * world_size
+    return shard_numel(shape, world_size) * world_size
+
+
+# Chunks of a flat buffer cut inside one collective (hpZ's secondary slices, a replica group's or
+# stage 0's quantised all-reduce) hold a multiple of this many elements: each chunk then starts
+# 16-byte aligned in every dtype, int8 codes included, as NCCL's kernels and vectorised copies
+# want (FSDP1 aligns its flat parameters to 16 bytes likewise). Not a parameter's layout: no
+# user sees these chunks.
+CHUNK_ALIGNMENT = 16
+
+
+def chunk_numel(numel: int, parts: int) -> int:
+    """Elements of each of `parts` aligned chunks a flat buffer of `numel` elements is cut into
+    for one collective (zero-padded at the end): ceil(numel / parts) rounded up to CHUNK_ALIGNMENT."""
+    return CHUNK_ALIGNMENT * math.ceil(numel / (parts * CHUNK_ALIGNMENT))
 
 
 @dataclasses.dataclass(frozen=True)
 class StagePolicy:
     stage: int
-    # Each rank holds a 1/N slice (padded, see `shard_numel`) of every parameter, its gradient and
+    # Each rank holds 1/N of the rows (padded, see `shard_numel`) of every parameter, its gradient and
     # its optimizer state.
     shards_parameters: bool
     # The forward's gathers of graph inputs move to the top of the forward graph.
@@ -63,10 +77,10 @@ class StagePolicy:
         """The collective that averages gradients: the shard's slice of it, or the whole."""
         return "reduce_scatter" if self.shards_parameters else "all_reduce"
 
-    def local_numel(self, numel: int, world_size: int) -> int:
-        """Elements of a parameter of `numel` elements that one rank holds: its aligned shard, or
-        the whole parameter (unpadded) where the stage keeps parameters whole."""
-        return shard_numel(numel, world_size) if self.shards_parameters else numel
+    def local_numel(self, shape: Sequence[int], world_size: int) -> int:
+        """Elements of a parameter of `shape` that one rank holds: its shard of rows (padded), or
+        the whole parameter where the stage keeps parameters whole."""
+        return shard_numel(shape, world_size) if self.shards_parameters else math.prod(shape)
 
 
 STAGES: dict[int, StagePolicy] = {

@@ -205,7 +205,7 @@ def test_offload_mode_records_its_state_on_disk_and_the_disks_floor(offload_run:
     with torch.device("meta"):
         model = GPT(dataclasses.replace(SIZES["tiny"], n_layer=OFFLOAD_LAYERS))
     ranks = offload_run["settings"]["ranks"]
-    shard_elements = sum(shard_numel(p.numel(), ranks) for p in {id(p): p for p in model.parameters()}.values())
+    shard_elements = sum(shard_numel(p.shape, ranks) for p in {id(p): p for p in model.parameters()}.values())
     assert disk["state_bytes"] == 8 * shard_elements
     assert disk["moved_bytes_per_step"] == 2 * disk["state_bytes"]
     bandwidth = disk["bandwidth_bytes_per_s"]
@@ -387,7 +387,7 @@ def test_fake_ranks_hold_one_ranks_model_state(fake_run: dict) -> None:
     modes = {mode["mode"]: mode["model_state_bytes"] for mode in fake_run["modes"]}
     with torch.device("meta"):
         model = GPT(dataclasses.replace(SIZES["tiny"], n_layer=1))
-    shard_elements = sum(shard_numel(p.numel(), FAKE_RANKS) for p in {id(p): p for p in model.parameters()}.values())
+    shard_elements = sum(shard_numel(p.shape, FAKE_RANKS) for p in {id(p): p for p in model.parameters()}.values())
     assert modes["zero3-bf16"] == {"params": 4 * shard_elements, "grads": 4 * shard_elements, "optimizer": 8 * shard_elements}
     phi = fake_run["settings"]["phi"]
     assert sum(modes["fsdp2-compile-bf16"].values()) == pytest.approx(16 * phi / FAKE_RANKS, rel=0.01)

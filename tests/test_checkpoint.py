@@ -99,7 +99,7 @@ def saving_run(rank: int, world_size: int, root: str) -> dict:
 def _ema_bytes(model: nn.Module, ema: zc.EMA) -> dict[str, int]:
     params = {id(p): p for p in model.parameters()}.values()
     full = sum(p._zero.numel * p.element_size() for p in params)
-    padded = sum(padded_numel(p._zero.numel, p._zero.world_size) * p.element_size() for p in params)
+    padded = sum(padded_numel(p._zero.shape, p._zero.world_size) * p.element_size() for p in params)
     return {"ema_bytes": ema.nbytes, "full_bytes": full, "padded_bytes": padded}
 
 

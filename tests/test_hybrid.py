@@ -33,7 +33,7 @@ from zerocompile.passes import ledger as ledger_module
 from zerocompile.tools import dump as dump_tool
 from zerocompile.passes import lower_markers, recompute_gathers, secondary_shards
 from zerocompile.passes.markers import REDUCE_GRAD, UNSHARD, unshard_args
-from zerocompile.passes.stages import shard_numel
+from zerocompile.passes.stages import chunk_numel, shard_numel
 
 WORLD = 4
 SHARD_SIZE = 2
@@ -183,8 +183,8 @@ def test_hpz_regathers_inside_the_node_and_holds_16_phi_over_n(reports, compiler
     case = ("tied_gpt", 3, "adamw", "hpz") if compiler == "eager" else ("uneven_mlp", 3, "sgd", "hpz")
     _difference, facts = reports[compiler][case]
     assert facts["regathered"] == {SHARD_SIZE}
-    numels = [p.numel() for p in {id(p): p for p in MODELS[case[0]]().parameters()}.values()]
-    shards = 4 * sum(shard_numel(n, WORLD) for n in numels)
+    shapes = [p.shape for p in {id(p): p for p in MODELS[case[0]]().parameters()}.values()]
+    shards = 4 * sum(shard_numel(shape, WORLD) for shape in shapes)
     assert facts["held"]["params"] == facts["held"]["grads"] == shards
 
 
@@ -205,10 +205,10 @@ def test_a_rank_holds_16_phi_over_k(reports, stage: int) -> None:
     (between steps stages 1-3 all hold shards; they differ in what lives during the step)."""
     _difference, facts = reports["eager"][("tied_gpt", stage, "adamw", "K")]
     held = facts["held"]
-    numels = [p.numel() for p in {id(p): p for p in MODELS["tied_gpt"]().parameters()}.values()]
-    shards = 4 * sum(shard_numel(n, SHARD_SIZE) for n in numels)
+    shapes = [p.shape for p in {id(p): p for p in MODELS["tied_gpt"]().parameters()}.values()]
+    shards = 4 * sum(shard_numel(shape, SHARD_SIZE) for shape in shapes)
     assert held == {"params": shards, "grads": shards, "optimizer": 2 * shards}
-    assert sum(held.values()) == 16 * sum(shard_numel(n, SHARD_SIZE) for n in numels)
+    assert sum(held.values()) == 16 * sum(shard_numel(shape, SHARD_SIZE) for shape in shapes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -410,7 +410,7 @@ def _lowered(group_name: str, stage: int, replicas: int, **reduction_blocks: int
     """A forward use and a gradient of one 30-element parameter, markers lowered (`reduction_blocks`:
     the gradient's quant_block and replica_quant_block). The replica group gets a name of its own:
     the graph tells the groups apart only by name."""
-    numel = 30 if stage == 0 else shard_numel(30, WORLD)
+    numel = 30 if stage == 0 else shard_numel([30], WORLD)
     keywords = {"replica_group": "replicas-of-" + group_name, "replicas": replicas} if replicas > 1 else {}
 
     def step(param: torch.Tensor, grad: torch.Tensor) -> tuple:
@@ -505,7 +505,7 @@ def test_quant_scope_refusals_name_the_fix() -> None:
 @pytest.mark.usefixtures("group_name")
 def test_the_ledger_splits_bytes_inside_the_group_and_across_replicas(group_name: str) -> None:
     hybrid = ledger_module.graph_ledger(_lowered(group_name, 3, REPLICAS), "backward")
-    shard_bytes = 4 * shard_numel(30, WORLD)
+    shard_bytes = 4 * shard_numel([30], WORLD)
     gathered = (WORLD - 1) * shard_bytes  # the all-gather sends this rank's shard to K-1 peers
     reduced = (WORLD - 1) * shard_bytes  # the reduce-scatter (K-1)/K of its K shards
     across = 2 * (REPLICAS - 1) * shard_bytes // REPLICAS  # a ring all-reduce of the shard over N/K
@@ -661,7 +661,7 @@ def _joint_graph(local: bool = False, secondary_size: int = 2, **quantised: int)
         weight = UNSHARD(shard, [6, 5], 3, "all-ranks", WORLD, "reduce_scatter", "fc.weight", local=local, **keywords)
         return x @ weight.t(), tangents @ weight
 
-    gm = trace(joint, (6, 5) if local else (shard_numel(30, WORLD),), (3, 5), (3, 6))
+    gm = trace(joint, (6, 5) if local else (shard_numel([6, 5], WORLD),), (3, 5), (3, 6))
     recompute_gathers.tag_gathers_for_recompute(gm.graph)
     return gm.graph
 
@@ -673,7 +673,7 @@ def test_hpz_pass_makes_the_backward_read_a_gather_of_the_saved_slice() -> None:
     (slice_,) = [n for n in graph.nodes if n.target is secondary_shards.SECONDARY_SHARD]
     forward_gather, backward_gather = [n for n in graph.nodes if n.target is UNSHARD]
     assert slice_.args == (forward_gather, "node-group", 2)
-    assert slice_.meta["val"].shape == (shard_numel(30, 2),) and "recompute" not in slice_.meta
+    assert slice_.meta["val"].shape == (chunk_numel(30, 2),) and "recompute" not in slice_.meta
     assert backward_gather.args[0] is slice_ and backward_gather.args[3:5] == ("node-group", 2)
     assert backward_gather.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
     assert "recompute" not in forward_gather.meta  # else the partitioner would recompute it, not save the slice

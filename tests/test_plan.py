@@ -346,23 +346,23 @@ def test_muon_exchange_by_hand(capsys) -> None:
 def test_tied_frozen_and_padded_counts_by_hand(capsys) -> None:
     """embed.weight (91, tied with head.weight) once; frozen 49+7 without gradient; head.bias 13.
 
-    At N = 4 each shard is a multiple of 16 elements, so the padded sizes are 128, 64, 64 and 64: 320
-    elements gathered, 192 of them trainable.
+    At N = 4 each shard is ceil(rows / 4) rows, so the padded sizes are 4 x 7 x 4 = 112, 2 x 7 x 4 =
+    56, 2 x 4 = 8 and 4 x 4 = 16: 192 elements gathered, 128 of them trainable.
     """
     report = plan_json(
         ["--model", "test_plan:tied_frozen_uneven", "--ranks", "4", "--param-dtype", "fp32", "--backend", "gloo"], capsys
     )
     assert (report["params"], report["trainable_params"], report["frozen_params"]) == (160, 104, 56)
     assert report["tied"] == [["embed.weight", "head.weight"]]
-    assert report["largest_param"] == {"fqn": "embed.weight", "numel": 91, "padded_numel": 128}
+    assert report["largest_param"] == {"fqn": "embed.weight", "numel": 91, "padded_numel": 112}
     stage = {s["stage"]: s for s in report["stages"]}
     assert stage[0]["model_state_bytes"] == {"params": 640, "grads": 416, "optimizer": 832, "total": 1888}
-    assert stage[3]["model_state_bytes"] == {"params": 320, "grads": 192, "optimizer": 384, "total": 896}
+    assert stage[3]["model_state_bytes"] == {"params": 192, "grads": 128, "optimizer": 256, "total": 576}
     spread = 3 / 4 * 4  # (N-1)/N elements of 4 bytes
     assert stage[0]["sent_bytes_per_step"] == 2 * 104 * spread
-    assert stage[1]["sent_bytes_per_step"] == stage[2]["sent_bytes_per_step"] == (320 + 192) * spread
-    assert stage[3]["sent_bytes_per_step"] == (2 * 320 + 192) * spread and stage[3]["sent_is_upper_bound"]
-    assert [s["gathered_in_step_bytes"] for s in report["stages"]] == [0, 320 * 4, 320 * 4, 128 * 4]
+    assert stage[1]["sent_bytes_per_step"] == stage[2]["sent_bytes_per_step"] == (192 + 128) * spread
+    assert stage[3]["sent_bytes_per_step"] == (2 * 192 + 128) * spread and stage[3]["sent_is_upper_bound"]
+    assert [s["gathered_in_step_bytes"] for s in report["stages"]] == [0, 192 * 4, 192 * 4, 112 * 4]
     assert stage[3]["gathered_is_lower_bound"] and not stage[1]["gathered_is_lower_bound"]
     assert [s["full_grads_in_step_bytes"] for s in report["stages"]] == [0, 104 * 4, 91 * 4, 91 * 4]
 
@@ -376,7 +376,7 @@ def test_model_table_labels_bounds_and_frozen_parameters(capsys) -> None:
     assert "tied, counted once: embed.weight = head.weight" in table
     assert "'embed.weight' (91 elements), is a lower bound of the gathered-buffer peak" in table
     stage3 = next(line for line in table.splitlines() if line.startswith("3 "))
-    assert "≥ 256 B" in stage3 and "≤ " in stage3  # 128 padded bf16 elements; re-gathers at most
+    assert "≥ 224 B" in stage3 and "≤ " in stage3  # 112 padded bf16 elements; re-gathers at most
 
 
 @pytest.mark.fast
@@ -407,7 +407,7 @@ def test_mixed_precision_is_described_as_zerocompile_does_it(capsys) -> None:
         assert mixed["sent_bytes_per_step"] == plain["sent_bytes_per_step"] / 2, where
     spread = 3 / 4
     sent = [stage["sent_bytes_per_step"] for stage in reduced_in_fp32["stages"]]
-    assert sent == [2 * 104 * spread * 4, *[(320 * 2 + 192 * 4) * spread] * 2, (2 * 320 * 2 + 192 * 4) * spread]
+    assert sent == [2 * 104 * spread * 4, *[(192 * 2 + 128 * 4) * spread] * 2, (2 * 192 * 2 + 128 * 4) * spread]
 
     code, table, _ = run_plan([*argv, "--param-dtype", "bf16"], capsys)
     assert code == 0
@@ -633,9 +633,9 @@ def test_one_billion_parameters_at_1024_ranks_in_2_gb() -> None:
     assert peak_rss < 2e9, f"peak RSS {peak_rss / 1e6:.0f} MB"
 
     report = json.loads(result.stdout)
-    numels = [p.numel() for p in gpt_1b_on_meta().parameters()]  # distinct: the tied head once
-    assert report["params"] == sum(numels) > 1e9
-    shards = sum(padded_numel(numel, 1024) // 1024 for numel in numels)
+    shapes = [p.shape for p in gpt_1b_on_meta().parameters()]  # distinct: the tied head once
+    assert report["params"] == sum(shape.numel() for shape in shapes) > 1e9
+    shards = sum(padded_numel(shape, 1024) // 1024 for shape in shapes)
     held = report["stages"][3]["model_state_bytes"]  # an fp32 model with Adam, as zerocompile holds it
     assert (held["params"], held["grads"], held["optimizer"]) == (4 * shards, 4 * shards, 8 * shards)
 

@@ -105,7 +105,7 @@ def _simulated_rows(tensors_of_rank: list[torch.Tensor], block: int) -> torch.Te
 def collectives_match_simulation(rank: int, world_size: int, block: int) -> dict[str, float]:
     group_name = dist.group.WORLD.group_name
     shapes = [list(shape) for shape in NUMELS]
-    shard_numels = [stages.shard_numel(torch.Size(shape).numel(), world_size) for shape in shapes]
+    shard_numels = [stages.shard_numel(shape, world_size) for shape in shapes]
     errors = {}
     # Gathers: every rank must see every rank's quantised shard, cut to the parameter.
     shards_of = lambda r: [_rank_tensor(r, (n,), salt) for salt, n in enumerate(shard_numels)]  # noqa: E731
@@ -308,11 +308,11 @@ class TestInt8Graphs(FakeGroupTestCase):
             with zc.record_graphs() as records:
                 torch.compile(model, backend="zero", options={"compiler": "eager"})(torch.randn(4, 300)).backward()
             ledgers = [record.ledger for record in records]
-            return sum(ledger.sent_bytes for ledger in ledgers), [p.numel() for p in TwoLayers().parameters()]
+            return sum(ledger.sent_bytes for ledger in ledgers), [p.shape for p in TwoLayers().parameters()]
 
-        fp32, numels = sent()
+        fp32, shapes = sent()
         int8, _ = sent(**{**QUANTISED, "quant_block": 256})
-        shards = [stages.shard_numel(n, WORLD) for n in numels]
+        shards = [stages.shard_numel(shape, WORLD) for shape in shapes]
         blocks = [4 * -(-s // (4 * 256)) for s in shards]  # whole blocks, as many in each of 4 planes
         rows = [4 * b + 256 * b for b in blocks]  # scales' bytes, then codes
         # The biases' shards (64 and 32 values: 256 and 128 bytes) are gathered exact, smaller

@@ -340,23 +340,23 @@ return (view_8, view_7, None, view_6, view_5, view_4, view_3)""")
     def test_stage_1(self) -> None:
         forward, backward = mlp_graphs(1)
         self.assertExpectedInline(forward, """\
-input primals_1: f32[32]
-input primals_2: f32[16]
+input primals_1: f32[28]
+input primals_2: f32[4]
 input primals_3: f32[4, 7]
-input primals_4: f32[48]
-input primals_5: f32[16]
-input primals_6: f32[16]
-input primals_7: f32[16]
-pack: f32[144] = zerocompile.pack([primals_1, primals_2, primals_4, primals_5, primals_6, primals_7], 1, [32, 16, 48, 16, 16, 16])  # free: primals_1, primals_2, primals_4, primals_5, primals_6, primals_7
-all_gather_into_tensor: f32[576] = _c10d_functional.all_gather_into_tensor(pack, 4, WORLD)  # param: fc1.weight, fc1.bias, fc2.weight, fc2.bias, fc3.weight, fc3.bias; free: pack
-wait_tensor: f32[576] = _c10d_functional.wait_tensor(all_gather_into_tensor)  # free: all_gather_into_tensor
-unpack: (f32[128], f32[64], f32[192], f32[64], f32[64], f32[64]) = zerocompile.unpack(wait_tensor, 4, [32, 16, 48, 16, 16, 16])  # free: wait_tensor
-getitem: f32[128] = unpack[0]
-getitem_1: f32[64] = unpack[1]
-getitem_2: f32[192] = unpack[2]
-getitem_3: f32[64] = unpack[3]
-getitem_4: f32[64] = unpack[4]
-getitem_5: f32[64] = unpack[5]  # free: unpack
+input primals_4: f32[39]
+input primals_5: f32[3]
+input primals_6: f32[11]
+input primals_7: f32[1]
+pack: f32[86] = zerocompile.pack([primals_1, primals_2, primals_4, primals_5, primals_6, primals_7], 1, [28, 4, 39, 3, 11, 1])  # free: primals_1, primals_2, primals_4, primals_5, primals_6, primals_7
+all_gather_into_tensor: f32[344] = _c10d_functional.all_gather_into_tensor(pack, 4, WORLD)  # param: fc1.weight, fc1.bias, fc2.weight, fc2.bias, fc3.weight, fc3.bias; free: pack
+wait_tensor: f32[344] = _c10d_functional.wait_tensor(all_gather_into_tensor)  # free: all_gather_into_tensor
+unpack: (f32[112], f32[16], f32[156], f32[12], f32[44], f32[4]) = zerocompile.unpack(wait_tensor, 4, [28, 4, 39, 3, 11, 1])  # free: wait_tensor
+getitem: f32[112] = unpack[0]
+getitem_1: f32[16] = unpack[1]
+getitem_2: f32[156] = unpack[2]
+getitem_3: f32[12] = unpack[3]
+getitem_4: f32[44] = unpack[4]
+getitem_5: f32[4] = unpack[5]  # free: unpack
 slice: f32[91] = aten.slice.Tensor(getitem, 0, 0, 91)  # free: getitem
 view: f32[13, 7] = aten.view(slice, [13, 7])  # free: slice
 slice_1: f32[13] = aten.slice.Tensor(getitem_1, 0, 0, 13)  # free: getitem_1
@@ -421,38 +421,38 @@ t_9: f32[7, 13] = aten.t(mm_4)  # free: mm_4
 sum_2: f32[1, 13] = aten.sum.dim_IntList(threshold_backward_1, [0], True)  # free: threshold_backward_1
 view_2: f32[13] = aten.view(sum_2, [13])  # free: sum_2
 t_10: f32[13, 7] = aten.t(t_9)  # free: t_9
-pack: f32[576] = zerocompile.pack([view, t_4, view_1, t_7, view_2, t_10], 4, [16, 16, 16, 48, 16, 32])  # free: view, t_4, view_1, t_7, view_2, t_10
-reduce_scatter_tensor: f32[144] = _c10d_functional.reduce_scatter_tensor(pack, 'avg', 4, WORLD)  # param: fc3.bias, fc3.weight, fc2.bias, fc2.weight, fc1.bias, fc1.weight; free: pack
-wait_tensor: f32[144] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
-split_with_sizes: (f32[16], f32[16], f32[16], f32[48], f32[16], f32[32]) = aten.split_with_sizes(wait_tensor, [16, 16, 16, 48, 16, 32])  # free: wait_tensor
-getitem: f32[16] = split_with_sizes[0]
-getitem_1: f32[16] = split_with_sizes[1]
-getitem_2: f32[16] = split_with_sizes[2]
-getitem_3: f32[48] = split_with_sizes[3]
-getitem_4: f32[16] = split_with_sizes[4]
-getitem_5: f32[32] = split_with_sizes[5]  # free: split_with_sizes
+pack: f32[344] = zerocompile.pack([view, t_4, view_1, t_7, view_2, t_10], 4, [1, 11, 3, 39, 4, 28])  # free: view, t_4, view_1, t_7, view_2, t_10
+reduce_scatter_tensor: f32[86] = _c10d_functional.reduce_scatter_tensor(pack, 'avg', 4, WORLD)  # param: fc3.bias, fc3.weight, fc2.bias, fc2.weight, fc1.bias, fc1.weight; free: pack
+wait_tensor: f32[86] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
+split_with_sizes: (f32[1], f32[11], f32[3], f32[39], f32[4], f32[28]) = aten.split_with_sizes(wait_tensor, [1, 11, 3, 39, 4, 28])  # free: wait_tensor
+getitem: f32[1] = split_with_sizes[0]
+getitem_1: f32[11] = split_with_sizes[1]
+getitem_2: f32[3] = split_with_sizes[2]
+getitem_3: f32[39] = split_with_sizes[3]
+getitem_4: f32[4] = split_with_sizes[4]
+getitem_5: f32[28] = split_with_sizes[5]  # free: split_with_sizes
 return (getitem_5, getitem_4, None, getitem_3, getitem_2, getitem_1, getitem)""")
 
     def test_stage_2(self) -> None:
         forward, backward = mlp_graphs(2)
         self.assertExpectedInline(forward, """\
-input primals_1: f32[32]
-input primals_2: f32[16]
+input primals_1: f32[28]
+input primals_2: f32[4]
 input primals_3: f32[4, 7]
-input primals_4: f32[48]
-input primals_5: f32[16]
-input primals_6: f32[16]
-input primals_7: f32[16]
-pack: f32[144] = zerocompile.pack([primals_1, primals_2, primals_4, primals_5, primals_6, primals_7], 1, [32, 16, 48, 16, 16, 16])  # free: primals_1, primals_2, primals_4, primals_5, primals_6, primals_7
-all_gather_into_tensor: f32[576] = _c10d_functional.all_gather_into_tensor(pack, 4, WORLD)  # param: fc1.weight, fc1.bias, fc2.weight, fc2.bias, fc3.weight, fc3.bias; free: pack
-wait_tensor: f32[576] = _c10d_functional.wait_tensor(all_gather_into_tensor)  # free: all_gather_into_tensor
-unpack: (f32[128], f32[64], f32[192], f32[64], f32[64], f32[64]) = zerocompile.unpack(wait_tensor, 4, [32, 16, 48, 16, 16, 16])  # free: wait_tensor
-getitem: f32[128] = unpack[0]
-getitem_1: f32[64] = unpack[1]
-getitem_2: f32[192] = unpack[2]
-getitem_3: f32[64] = unpack[3]
-getitem_4: f32[64] = unpack[4]
-getitem_5: f32[64] = unpack[5]  # free: unpack
+input primals_4: f32[39]
+input primals_5: f32[3]
+input primals_6: f32[11]
+input primals_7: f32[1]
+pack: f32[86] = zerocompile.pack([primals_1, primals_2, primals_4, primals_5, primals_6, primals_7], 1, [28, 4, 39, 3, 11, 1])  # free: primals_1, primals_2, primals_4, primals_5, primals_6, primals_7
+all_gather_into_tensor: f32[344] = _c10d_functional.all_gather_into_tensor(pack, 4, WORLD)  # param: fc1.weight, fc1.bias, fc2.weight, fc2.bias, fc3.weight, fc3.bias; free: pack
+wait_tensor: f32[344] = _c10d_functional.wait_tensor(all_gather_into_tensor)  # free: all_gather_into_tensor
+unpack: (f32[112], f32[16], f32[156], f32[12], f32[44], f32[4]) = zerocompile.unpack(wait_tensor, 4, [28, 4, 39, 3, 11, 1])  # free: wait_tensor
+getitem: f32[112] = unpack[0]
+getitem_1: f32[16] = unpack[1]
+getitem_2: f32[156] = unpack[2]
+getitem_3: f32[12] = unpack[3]
+getitem_4: f32[44] = unpack[4]
+getitem_5: f32[4] = unpack[5]  # free: unpack
 slice: f32[91] = aten.slice.Tensor(getitem, 0, 0, 91)  # free: getitem
 view: f32[13, 7] = aten.view(slice, [13, 7])  # free: slice
 slice_1: f32[13] = aten.slice.Tensor(getitem_1, 0, 0, 13)  # free: getitem_1
@@ -517,16 +517,16 @@ t_9: f32[7, 13] = aten.t(mm_4)  # free: mm_4
 sum_2: f32[1, 13] = aten.sum.dim_IntList(threshold_backward_1, [0], True)  # free: threshold_backward_1
 view_2: f32[13] = aten.view(sum_2, [13])  # free: sum_2
 t_10: f32[13, 7] = aten.t(t_9)  # free: t_9
-pack: f32[576] = zerocompile.pack([view, t_4, view_1, t_7, view_2, t_10], 4, [16, 16, 16, 48, 16, 32])  # free: view, t_4, view_1, t_7, view_2, t_10
-reduce_scatter_tensor: f32[144] = _c10d_functional.reduce_scatter_tensor(pack, 'avg', 4, WORLD)  # param: fc3.bias, fc3.weight, fc2.bias, fc2.weight, fc1.bias, fc1.weight; free: pack
-wait_tensor: f32[144] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
-split_with_sizes: (f32[16], f32[16], f32[16], f32[48], f32[16], f32[32]) = aten.split_with_sizes(wait_tensor, [16, 16, 16, 48, 16, 32])  # free: wait_tensor
-getitem: f32[16] = split_with_sizes[0]
-getitem_1: f32[16] = split_with_sizes[1]
-getitem_2: f32[16] = split_with_sizes[2]
-getitem_3: f32[48] = split_with_sizes[3]
-getitem_4: f32[16] = split_with_sizes[4]
-getitem_5: f32[32] = split_with_sizes[5]  # free: split_with_sizes
+pack: f32[344] = zerocompile.pack([view, t_4, view_1, t_7, view_2, t_10], 4, [1, 11, 3, 39, 4, 28])  # free: view, t_4, view_1, t_7, view_2, t_10
+reduce_scatter_tensor: f32[86] = _c10d_functional.reduce_scatter_tensor(pack, 'avg', 4, WORLD)  # param: fc3.bias, fc3.weight, fc2.bias, fc2.weight, fc1.bias, fc1.weight; free: pack
+wait_tensor: f32[86] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
+split_with_sizes: (f32[1], f32[11], f32[3], f32[39], f32[4], f32[28]) = aten.split_with_sizes(wait_tensor, [1, 11, 3, 39, 4, 28])  # free: wait_tensor
+getitem: f32[1] = split_with_sizes[0]
+getitem_1: f32[11] = split_with_sizes[1]
+getitem_2: f32[3] = split_with_sizes[2]
+getitem_3: f32[39] = split_with_sizes[3]
+getitem_4: f32[4] = split_with_sizes[4]
+getitem_5: f32[28] = split_with_sizes[5]  # free: split_with_sizes
 return (getitem_5, getitem_4, None, getitem_3, getitem_2, getitem_1, getitem)""")
 
     def test_stage_2_snapshot_fails_on_changed_collective(self) -> None:
@@ -560,23 +560,23 @@ return (getitem_5, getitem_4, None, getitem_3, getitem_2, getitem_1, getitem)"""
     def test_stage_3(self) -> None:
         forward, backward = mlp_graphs(3)
         self.assertExpectedInline(forward, """\
-input primals_1: f32[32]
-input primals_2: f32[16]
+input primals_1: f32[28]
+input primals_2: f32[4]
 input primals_3: f32[4, 7]
-input primals_4: f32[48]
-input primals_5: f32[16]
-input primals_6: f32[16]
-input primals_7: f32[16]
-pack: f32[144] = zerocompile.pack([primals_1, primals_2, primals_4, primals_5, primals_6, primals_7], 1, [32, 16, 48, 16, 16, 16])  # free: primals_1, primals_2, primals_5, primals_7
-all_gather_into_tensor: f32[576] = _c10d_functional.all_gather_into_tensor(pack, 4, WORLD)  # param: fc1.weight, fc1.bias, fc2.weight, fc2.bias, fc3.weight, fc3.bias; free: pack
-wait_tensor: f32[576] = _c10d_functional.wait_tensor(all_gather_into_tensor)  # free: all_gather_into_tensor
-unpack: (f32[128], f32[64], f32[192], f32[64], f32[64], f32[64]) = zerocompile.unpack(wait_tensor, 4, [32, 16, 48, 16, 16, 16])  # free: wait_tensor
-getitem: f32[128] = unpack[0]
-getitem_1: f32[64] = unpack[1]
-getitem_2: f32[192] = unpack[2]
-getitem_3: f32[64] = unpack[3]
-getitem_4: f32[64] = unpack[4]
-getitem_5: f32[64] = unpack[5]  # free: unpack
+input primals_4: f32[39]
+input primals_5: f32[3]
+input primals_6: f32[11]
+input primals_7: f32[1]
+pack: f32[86] = zerocompile.pack([primals_1, primals_2, primals_4, primals_5, primals_6, primals_7], 1, [28, 4, 39, 3, 11, 1])  # free: primals_1, primals_2, primals_5, primals_7
+all_gather_into_tensor: f32[344] = _c10d_functional.all_gather_into_tensor(pack, 4, WORLD)  # param: fc1.weight, fc1.bias, fc2.weight, fc2.bias, fc3.weight, fc3.bias; free: pack
+wait_tensor: f32[344] = _c10d_functional.wait_tensor(all_gather_into_tensor)  # free: all_gather_into_tensor
+unpack: (f32[112], f32[16], f32[156], f32[12], f32[44], f32[4]) = zerocompile.unpack(wait_tensor, 4, [28, 4, 39, 3, 11, 1])  # free: wait_tensor
+getitem: f32[112] = unpack[0]
+getitem_1: f32[16] = unpack[1]
+getitem_2: f32[156] = unpack[2]
+getitem_3: f32[12] = unpack[3]
+getitem_4: f32[44] = unpack[4]
+getitem_5: f32[4] = unpack[5]  # free: unpack
 slice: f32[91] = aten.slice.Tensor(getitem, 0, 0, 91)  # free: getitem
 view: f32[13, 7] = aten.view(slice, [13, 7])  # free: slice
 slice_1: f32[13] = aten.slice.Tensor(getitem_1, 0, 0, 13)  # free: getitem_1
@@ -602,18 +602,18 @@ mean: f32[] = aten.mean(pow)  # free: pow
 return (mean, primals_3, primals_4, primals_6, relu, relu_1, addmm_2)""")
         self.assertExpectedInline(backward, """\
 input primals_3: f32[4, 7]
-input primals_4: f32[48]
-input primals_6: f32[16]
+input primals_4: f32[39]
+input primals_6: f32[11]
 input relu: f32[4, 13]
 input relu_1: f32[4, 11]
 input addmm: f32[4, 3]
 input tangents_1: f32[]
-pack: f32[64] = zerocompile.pack([primals_6, primals_4], 1, [16, 48])  # free: primals_6, primals_4
-all_gather_into_tensor: f32[256] = _c10d_functional.all_gather_into_tensor(pack, 4, WORLD)  # param: fc3.weight, fc2.weight; free: pack
-wait_tensor: f32[256] = _c10d_functional.wait_tensor(all_gather_into_tensor)  # free: all_gather_into_tensor
-unpack: (f32[64], f32[192]) = zerocompile.unpack(wait_tensor, 4, [16, 48])  # free: wait_tensor
-getitem: f32[64] = unpack[0]
-getitem_1: f32[192] = unpack[1]  # free: unpack
+pack: f32[50] = zerocompile.pack([primals_6, primals_4], 1, [11, 39])  # free: primals_6, primals_4
+all_gather_into_tensor: f32[200] = _c10d_functional.all_gather_into_tensor(pack, 4, WORLD)  # param: fc3.weight, fc2.weight; free: pack
+wait_tensor: f32[200] = _c10d_functional.wait_tensor(all_gather_into_tensor)  # free: all_gather_into_tensor
+unpack: (f32[44], f32[156]) = zerocompile.unpack(wait_tensor, 4, [11, 39])  # free: wait_tensor
+getitem: f32[44] = unpack[0]
+getitem_1: f32[156] = unpack[1]  # free: unpack
 slice: f32[33] = aten.slice.Tensor(getitem, 0, 0, 33)  # free: getitem
 view: f32[3, 11] = aten.view(slice, [3, 11])  # free: slice
 slice_1: f32[143] = aten.slice.Tensor(getitem_1, 0, 0, 143)  # free: getitem_1
@@ -653,16 +653,16 @@ t_11: f32[7, 13] = aten.t(mm_4)  # free: mm_4
 sum_2: f32[1, 13] = aten.sum.dim_IntList(threshold_backward_1, [0], True)  # free: threshold_backward_1
 view_4: f32[13] = aten.view(sum_2, [13])  # free: sum_2
 t_12: f32[13, 7] = aten.t(t_11)  # free: t_11
-pack_1: f32[576] = zerocompile.pack([view_2, t_4, view_3, t_9, view_4, t_12], 4, [16, 16, 16, 48, 16, 32])  # free: view_2, t_4, view_3, t_9, view_4, t_12
-reduce_scatter_tensor: f32[144] = _c10d_functional.reduce_scatter_tensor(pack_1, 'avg', 4, WORLD)  # param: fc3.bias, fc3.weight, fc2.bias, fc2.weight, fc1.bias, fc1.weight; free: pack_1
-wait_tensor_1: f32[144] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
-split_with_sizes: (f32[16], f32[16], f32[16], f32[48], f32[16], f32[32]) = aten.split_with_sizes(wait_tensor_1, [16, 16, 16, 48, 16, 32])  # free: wait_tensor_1
-getitem_2: f32[16] = split_with_sizes[0]
-getitem_3: f32[16] = split_with_sizes[1]
-getitem_4: f32[16] = split_with_sizes[2]
-getitem_5: f32[48] = split_with_sizes[3]
-getitem_6: f32[16] = split_with_sizes[4]
-getitem_7: f32[32] = split_with_sizes[5]  # free: split_with_sizes
+pack_1: f32[344] = zerocompile.pack([view_2, t_4, view_3, t_9, view_4, t_12], 4, [1, 11, 3, 39, 4, 28])  # free: view_2, t_4, view_3, t_9, view_4, t_12
+reduce_scatter_tensor: f32[86] = _c10d_functional.reduce_scatter_tensor(pack_1, 'avg', 4, WORLD)  # param: fc3.bias, fc3.weight, fc2.bias, fc2.weight, fc1.bias, fc1.weight; free: pack_1
+wait_tensor_1: f32[86] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
+split_with_sizes: (f32[1], f32[11], f32[3], f32[39], f32[4], f32[28]) = aten.split_with_sizes(wait_tensor_1, [1, 11, 3, 39, 4, 28])  # free: wait_tensor_1
+getitem_2: f32[1] = split_with_sizes[0]
+getitem_3: f32[11] = split_with_sizes[1]
+getitem_4: f32[3] = split_with_sizes[2]
+getitem_5: f32[39] = split_with_sizes[3]
+getitem_6: f32[4] = split_with_sizes[4]
+getitem_7: f32[28] = split_with_sizes[5]  # free: split_with_sizes
 return (getitem_7, getitem_6, None, getitem_5, getitem_4, getitem_3, getitem_2)""")
 
 
@@ -1101,110 +1101,94 @@ return (None, view_75, view_74, view_73, view_72, view_71, view_70, view_69, vie
 input primals_1: i64[2, 8]
 input primals_2: f32[128]
 input primals_3: f32[32]
-input primals_4: f32[16]
-input primals_5: f32[16]
+input primals_4: f32[4]
+input primals_5: f32[4]
 input primals_6: f32[192]
-input primals_7: f32[16]
+input primals_7: f32[12]
 input primals_8: f32[64]
-input primals_9: f32[16]
-input primals_10: f32[16]
-input primals_11: f32[16]
+input primals_9: f32[4]
+input primals_10: f32[4]
+input primals_11: f32[4]
 input primals_12: f32[256]
 input primals_13: f32[16]
 input primals_14: f32[256]
-input primals_15: f32[16]
-input primals_16: f32[16]
-input primals_17: f32[16]
+input primals_15: f32[4]
+input primals_16: f32[4]
+input primals_17: f32[4]
 input primals_18: f32[192]
-input primals_19: f32[16]
+input primals_19: f32[12]
 input primals_20: f32[64]
-input primals_21: f32[16]
-input primals_22: f32[16]
-input primals_23: f32[16]
+input primals_21: f32[4]
+input primals_22: f32[4]
+input primals_23: f32[4]
 input primals_24: f32[256]
 input primals_25: f32[16]
 input primals_26: f32[256]
-input primals_27: f32[16]
-input primals_28: f32[16]
-input primals_29: f32[16]
+input primals_27: f32[4]
+input primals_28: f32[4]
+input primals_29: f32[4]
 input primals_30: i64[2, 8]
-pack: f32[1984] = zerocompile.pack([primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15, primals_16, primals_17, primals_18, primals_19, primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26, primals_27, primals_28, primals_29], 1, [128, 32, 16, 16, 192, 16, 64, 16, 16, 16, 256, 16, 256, 16, 16, 16, 192, 16, 64, 16, 16, 16, 256, 16, 256, 16, 16, 16])  # free: primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15, primals_16, primals_17, primals_18, primals_19, primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26, primals_27, primals_28, primals_29
-all_gather_into_tensor: f32[7936] = _c10d_functional.all_gather_into_tensor(pack, 4, WORLD)  # param: wte.weight, wpe.weight, blocks.0.ln1.weight, blocks.0.ln1.bias, blocks.0.attn.qkv.weight, blocks.0.attn.qkv.bias, blocks.0.attn.proj.weight, blocks.0.attn.proj.bias, blocks.0.ln2.weight, blocks.0.ln2.bias, blocks.0.fc.weight, blocks.0.fc.bias, blocks.0.out.weight, blocks.0.out.bias, blocks.1.ln1.weight, blocks.1.ln1.bias, blocks.1.attn.qkv.weight, blocks.1.attn.qkv.bias, blocks.1.attn.proj.weight, blocks.1.attn.proj.bias, blocks.1.ln2.weight, blocks.1.ln2.bias, blocks.1.fc.weight, blocks.1.fc.bias, blocks.1.out.weight, blocks.1.out.bias, ln_f.weight, ln_f.bias; free: pack
+pack: f32[1808] = zerocompile.pack([primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15, primals_16, primals_17, primals_18, primals_19, primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26, primals_27, primals_28, primals_29], 1, [128, 32, 4, 4, 192, 12, 64, 4, 4, 4, 256, 16, 256, 4, 4, 4, 192, 12, 64, 4, 4, 4, 256, 16, 256, 4, 4, 4])  # free: primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15, primals_16, primals_17, primals_18, primals_19, primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26, primals_27, primals_28, primals_29
+all_gather_into_tensor: f32[7232] = _c10d_functional.all_gather_into_tensor(pack, 4, WORLD)  # param: wte.weight, wpe.weight, blocks.0.ln1.weight, blocks.0.ln1.bias, blocks.0.attn.qkv.weight, blocks.0.attn.qkv.bias, blocks.0.attn.proj.weight, blocks.0.attn.proj.bias, blocks.0.ln2.weight, blocks.0.ln2.bias, blocks.0.fc.weight, blocks.0.fc.bias, blocks.0.out.weight, blocks.0.out.bias, blocks.1.ln1.weight, blocks.1.ln1.bias, blocks.1.attn.qkv.weight, blocks.1.attn.qkv.bias, blocks.1.attn.proj.weight, blocks.1.attn.proj.bias, blocks.1.ln2.weight, blocks.1.ln2.bias, blocks.1.fc.weight, blocks.1.fc.bias, blocks.1.out.weight, blocks.1.out.bias, ln_f.weight, ln_f.bias; free: pack
 arange: i64[8] = aten.arange(8, device = device(type='cpu'), pin_memory = False)
-wait_tensor: f32[7936] = _c10d_functional.wait_tensor(all_gather_into_tensor)  # free: all_gather_into_tensor
-unpack: (f32[512], f32[128], f32[64], f32[64], f32[768], f32[64], f32[256], f32[64], f32[64], f32[64], f32[1024], f32[64], f32[1024], f32[64], f32[64], f32[64], f32[768], f32[64], f32[256], f32[64], f32[64], f32[64], f32[1024], f32[64], f32[1024], f32[64], f32[64], f32[64]) = zerocompile.unpack(wait_tensor, 4, [128, 32, 16, 16, 192, 16, 64, 16, 16, 16, 256, 16, 256, 16, 16, 16, 192, 16, 64, 16, 16, 16, 256, 16, 256, 16, 16, 16])  # free: wait_tensor
+wait_tensor: f32[7232] = _c10d_functional.wait_tensor(all_gather_into_tensor)  # free: all_gather_into_tensor
+unpack: (f32[512], f32[128], f32[16], f32[16], f32[768], f32[48], f32[256], f32[16], f32[16], f32[16], f32[1024], f32[64], f32[1024], f32[16], f32[16], f32[16], f32[768], f32[48], f32[256], f32[16], f32[16], f32[16], f32[1024], f32[64], f32[1024], f32[16], f32[16], f32[16]) = zerocompile.unpack(wait_tensor, 4, [128, 32, 4, 4, 192, 12, 64, 4, 4, 4, 256, 16, 256, 4, 4, 4, 192, 12, 64, 4, 4, 4, 256, 16, 256, 4, 4, 4])  # free: wait_tensor
 getitem: f32[512] = unpack[0]
 getitem_1: f32[128] = unpack[1]
-getitem_2: f32[64] = unpack[2]
-getitem_3: f32[64] = unpack[3]
+getitem_2: f32[16] = unpack[2]
+getitem_3: f32[16] = unpack[3]
 getitem_4: f32[768] = unpack[4]
-getitem_5: f32[64] = unpack[5]
+getitem_5: f32[48] = unpack[5]
 getitem_6: f32[256] = unpack[6]
-getitem_7: f32[64] = unpack[7]
-getitem_8: f32[64] = unpack[8]
-getitem_9: f32[64] = unpack[9]
+getitem_7: f32[16] = unpack[7]
+getitem_8: f32[16] = unpack[8]
+getitem_9: f32[16] = unpack[9]
 getitem_10: f32[1024] = unpack[10]
 getitem_11: f32[64] = unpack[11]
 getitem_12: f32[1024] = unpack[12]
-getitem_13: f32[64] = unpack[13]
-getitem_14: f32[64] = unpack[14]
-getitem_15: f32[64] = unpack[15]
+getitem_13: f32[16] = unpack[13]
+getitem_14: f32[16] = unpack[14]
+getitem_15: f32[16] = unpack[15]
 getitem_16: f32[768] = unpack[16]
-getitem_17: f32[64] = unpack[17]
+getitem_17: f32[48] = unpack[17]
 getitem_18: f32[256] = unpack[18]
-getitem_19: f32[64] = unpack[19]
-getitem_20: f32[64] = unpack[20]
-getitem_21: f32[64] = unpack[21]
+getitem_19: f32[16] = unpack[19]
+getitem_20: f32[16] = unpack[20]
+getitem_21: f32[16] = unpack[21]
 getitem_22: f32[1024] = unpack[22]
 getitem_23: f32[64] = unpack[23]
 getitem_24: f32[1024] = unpack[24]
-getitem_25: f32[64] = unpack[25]
-getitem_26: f32[64] = unpack[26]
-getitem_27: f32[64] = unpack[27]  # free: unpack
+getitem_25: f32[16] = unpack[25]
+getitem_26: f32[16] = unpack[26]
+getitem_27: f32[16] = unpack[27]  # free: unpack
 view: f32[32, 16] = aten.view(getitem, [32, 16])  # free: getitem
 view_1: f32[8, 16] = aten.view(getitem_1, [8, 16])  # free: getitem_1
-slice: f32[16] = aten.slice.Tensor(getitem_2, 0, 0, 16)  # free: getitem_2
-view_2: f32[16] = aten.view(slice, [16])  # free: slice
-slice_1: f32[16] = aten.slice.Tensor(getitem_3, 0, 0, 16)  # free: getitem_3
-view_3: f32[16] = aten.view(slice_1, [16])  # free: slice_1
+view_2: f32[16] = aten.view(getitem_2, [16])  # free: getitem_2
+view_3: f32[16] = aten.view(getitem_3, [16])  # free: getitem_3
 view_4: f32[48, 16] = aten.view(getitem_4, [48, 16])  # free: getitem_4
-slice_2: f32[48] = aten.slice.Tensor(getitem_5, 0, 0, 48)  # free: getitem_5
-view_5: f32[48] = aten.view(slice_2, [48])  # free: slice_2
+view_5: f32[48] = aten.view(getitem_5, [48])  # free: getitem_5
 view_6: f32[16, 16] = aten.view(getitem_6, [16, 16])  # free: getitem_6
-slice_3: f32[16] = aten.slice.Tensor(getitem_7, 0, 0, 16)  # free: getitem_7
-view_7: f32[16] = aten.view(slice_3, [16])  # free: slice_3
-slice_4: f32[16] = aten.slice.Tensor(getitem_8, 0, 0, 16)  # free: getitem_8
-view_8: f32[16] = aten.view(slice_4, [16])  # free: slice_4
-slice_5: f32[16] = aten.slice.Tensor(getitem_9, 0, 0, 16)  # free: getitem_9
-view_9: f32[16] = aten.view(slice_5, [16])  # free: slice_5
+view_7: f32[16] = aten.view(getitem_7, [16])  # free: getitem_7
+view_8: f32[16] = aten.view(getitem_8, [16])  # free: getitem_8
+view_9: f32[16] = aten.view(getitem_9, [16])  # free: getitem_9
 view_10: f32[64, 16] = aten.view(getitem_10, [64, 16])  # free: getitem_10
 view_11: f32[64] = aten.view(getitem_11, [64])  # free: getitem_11
 view_12: f32[16, 64] = aten.view(getitem_12, [16, 64])  # free: getitem_12
-slice_6: f32[16] = aten.slice.Tensor(getitem_13, 0, 0, 16)  # free: getitem_13
-view_13: f32[16] = aten.view(slice_6, [16])  # free: slice_6
-slice_7: f32[16] = aten.slice.Tensor(getitem_14, 0, 0, 16)  # free: getitem_14
-view_14: f32[16] = aten.view(slice_7, [16])  # free: slice_7
-slice_8: f32[16] = aten.slice.Tensor(getitem_15, 0, 0, 16)  # free: getitem_15
-view_15: f32[16] = aten.view(slice_8, [16])  # free: slice_8
+view_13: f32[16] = aten.view(getitem_13, [16])  # free: getitem_13
+view_14: f32[16] = aten.view(getitem_14, [16])  # free: getitem_14
+view_15: f32[16] = aten.view(getitem_15, [16])  # free: getitem_15
 view_16: f32[48, 16] = aten.view(getitem_16, [48, 16])  # free: getitem_16
-slice_9: f32[48] = aten.slice.Tensor(getitem_17, 0, 0, 48)  # free: getitem_17
-view_17: f32[48] = aten.view(slice_9, [48])  # free: slice_9
+view_17: f32[48] = aten.view(getitem_17, [48])  # free: getitem_17
 view_18: f32[16, 16] = aten.view(getitem_18, [16, 16])  # free: getitem_18
-slice_10: f32[16] = aten.slice.Tensor(getitem_19, 0, 0, 16)  # free: getitem_19
-view_19: f32[16] = aten.view(slice_10, [16])  # free: slice_10
-slice_11: f32[16] = aten.slice.Tensor(getitem_20, 0, 0, 16)  # free: getitem_20
-view_20: f32[16] = aten.view(slice_11, [16])  # free: slice_11
-slice_12: f32[16] = aten.slice.Tensor(getitem_21, 0, 0, 16)  # free: getitem_21
-view_21: f32[16] = aten.view(slice_12, [16])  # free: slice_12
+view_19: f32[16] = aten.view(getitem_19, [16])  # free: getitem_19
+view_20: f32[16] = aten.view(getitem_20, [16])  # free: getitem_20
+view_21: f32[16] = aten.view(getitem_21, [16])  # free: getitem_21
 view_22: f32[64, 16] = aten.view(getitem_22, [64, 16])  # free: getitem_22
 view_23: f32[64] = aten.view(getitem_23, [64])  # free: getitem_23
 view_24: f32[16, 64] = aten.view(getitem_24, [16, 64])  # free: getitem_24
-slice_13: f32[16] = aten.slice.Tensor(getitem_25, 0, 0, 16)  # free: getitem_25
-view_25: f32[16] = aten.view(slice_13, [16])  # free: slice_13
-slice_14: f32[16] = aten.slice.Tensor(getitem_26, 0, 0, 16)  # free: getitem_26
-view_26: f32[16] = aten.view(slice_14, [16])  # free: slice_14
-slice_15: f32[16] = aten.slice.Tensor(getitem_27, 0, 0, 16)  # free: getitem_27
-view_27: f32[16] = aten.view(slice_15, [16])  # free: slice_15
+view_25: f32[16] = aten.view(getitem_25, [16])  # free: getitem_25
+view_26: f32[16] = aten.view(getitem_26, [16])  # free: getitem_26
+view_27: f32[16] = aten.view(getitem_27, [16])  # free: getitem_27
 embedding: f32[2, 8, 16] = aten.embedding(view, primals_1)
 embedding_1: f32[8, 16] = aten.embedding(view_1, arange)  # free: view_1
 add: f32[2, 8, 16] = aten.add.Tensor(embedding, embedding_1)  # free: embedding, embedding_1
@@ -1525,36 +1509,36 @@ view_47: f32[8, 16] = aten.view(sum_8, [8, 16])  # free: sum_8
 embedding_dense_backward: f32[8, 16] = aten.embedding_dense_backward(view_47, arange, 8, -1, False)  # free: view_47, arange
 embedding_dense_backward_1: f32[32, 16] = aten.embedding_dense_backward(add_8, primals_1, 32, -1, False)  # free: add_8, primals_1
 add_9: f32[32, 16] = aten.add.Tensor(t_11, embedding_dense_backward_1)  # free: t_11, embedding_dense_backward_1
-pack: f32[7936] = zerocompile.pack([getitem_15, getitem_14, view_14, t_14, view_18, t_17, getitem_18, getitem_17, view_21, t_20, view_28, t_23, getitem_24, getitem_23, view_31, t_26, view_35, t_29, getitem_27, getitem_26, view_38, t_32, view_45, t_35, getitem_33, getitem_32, embedding_dense_backward, add_9], 4, [16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 32, 128])  # free: getitem_15, getitem_14, view_14, t_14, view_18, t_17, getitem_18, getitem_17, view_21, t_20, view_28, t_23, getitem_24, getitem_23, view_31, t_26, view_35, t_29, getitem_27, getitem_26, view_38, t_32, view_45, t_35, getitem_33, getitem_32, embedding_dense_backward, add_9
-reduce_scatter_tensor: f32[1984] = _c10d_functional.reduce_scatter_tensor(pack, 'avg', 4, WORLD)  # param: ln_f.bias, ln_f.weight, blocks.1.out.bias, blocks.1.out.weight, blocks.1.fc.bias, blocks.1.fc.weight, blocks.1.ln2.bias, blocks.1.ln2.weight, blocks.1.attn.proj.bias, blocks.1.attn.proj.weight, blocks.1.attn.qkv.bias, blocks.1.attn.qkv.weight, blocks.1.ln1.bias, blocks.1.ln1.weight, blocks.0.out.bias, blocks.0.out.weight, blocks.0.fc.bias, blocks.0.fc.weight, blocks.0.ln2.bias, blocks.0.ln2.weight, blocks.0.attn.proj.bias, blocks.0.attn.proj.weight, blocks.0.attn.qkv.bias, blocks.0.attn.qkv.weight, blocks.0.ln1.bias, blocks.0.ln1.weight, wpe.weight, wte.weight; free: pack
-wait_tensor: f32[1984] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
-split_with_sizes: (f32[16], f32[16], f32[16], f32[256], f32[16], f32[256], f32[16], f32[16], f32[16], f32[64], f32[16], f32[192], f32[16], f32[16], f32[16], f32[256], f32[16], f32[256], f32[16], f32[16], f32[16], f32[64], f32[16], f32[192], f32[16], f32[16], f32[32], f32[128]) = aten.split_with_sizes(wait_tensor, [16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 32, 128])  # free: wait_tensor
-getitem_34: f32[16] = split_with_sizes[0]
-getitem_35: f32[16] = split_with_sizes[1]
-getitem_36: f32[16] = split_with_sizes[2]
+pack: f32[7232] = zerocompile.pack([getitem_15, getitem_14, view_14, t_14, view_18, t_17, getitem_18, getitem_17, view_21, t_20, view_28, t_23, getitem_24, getitem_23, view_31, t_26, view_35, t_29, getitem_27, getitem_26, view_38, t_32, view_45, t_35, getitem_33, getitem_32, embedding_dense_backward, add_9], 4, [4, 4, 4, 256, 16, 256, 4, 4, 4, 64, 12, 192, 4, 4, 4, 256, 16, 256, 4, 4, 4, 64, 12, 192, 4, 4, 32, 128])  # free: getitem_15, getitem_14, view_14, t_14, view_18, t_17, getitem_18, getitem_17, view_21, t_20, view_28, t_23, getitem_24, getitem_23, view_31, t_26, view_35, t_29, getitem_27, getitem_26, view_38, t_32, view_45, t_35, getitem_33, getitem_32, embedding_dense_backward, add_9
+reduce_scatter_tensor: f32[1808] = _c10d_functional.reduce_scatter_tensor(pack, 'avg', 4, WORLD)  # param: ln_f.bias, ln_f.weight, blocks.1.out.bias, blocks.1.out.weight, blocks.1.fc.bias, blocks.1.fc.weight, blocks.1.ln2.bias, blocks.1.ln2.weight, blocks.1.attn.proj.bias, blocks.1.attn.proj.weight, blocks.1.attn.qkv.bias, blocks.1.attn.qkv.weight, blocks.1.ln1.bias, blocks.1.ln1.weight, blocks.0.out.bias, blocks.0.out.weight, blocks.0.fc.bias, blocks.0.fc.weight, blocks.0.ln2.bias, blocks.0.ln2.weight, blocks.0.attn.proj.bias, blocks.0.attn.proj.weight, blocks.0.attn.qkv.bias, blocks.0.attn.qkv.weight, blocks.0.ln1.bias, blocks.0.ln1.weight, wpe.weight, wte.weight; free: pack
+wait_tensor: f32[1808] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
+split_with_sizes: (f32[4], f32[4], f32[4], f32[256], f32[16], f32[256], f32[4], f32[4], f32[4], f32[64], f32[12], f32[192], f32[4], f32[4], f32[4], f32[256], f32[16], f32[256], f32[4], f32[4], f32[4], f32[64], f32[12], f32[192], f32[4], f32[4], f32[32], f32[128]) = aten.split_with_sizes(wait_tensor, [4, 4, 4, 256, 16, 256, 4, 4, 4, 64, 12, 192, 4, 4, 4, 256, 16, 256, 4, 4, 4, 64, 12, 192, 4, 4, 32, 128])  # free: wait_tensor
+getitem_34: f32[4] = split_with_sizes[0]
+getitem_35: f32[4] = split_with_sizes[1]
+getitem_36: f32[4] = split_with_sizes[2]
 getitem_37: f32[256] = split_with_sizes[3]
 getitem_38: f32[16] = split_with_sizes[4]
 getitem_39: f32[256] = split_with_sizes[5]
-getitem_40: f32[16] = split_with_sizes[6]
-getitem_41: f32[16] = split_with_sizes[7]
-getitem_42: f32[16] = split_with_sizes[8]
+getitem_40: f32[4] = split_with_sizes[6]
+getitem_41: f32[4] = split_with_sizes[7]
+getitem_42: f32[4] = split_with_sizes[8]
 getitem_43: f32[64] = split_with_sizes[9]
-getitem_44: f32[16] = split_with_sizes[10]
+getitem_44: f32[12] = split_with_sizes[10]
 getitem_45: f32[192] = split_with_sizes[11]
-getitem_46: f32[16] = split_with_sizes[12]
-getitem_47: f32[16] = split_with_sizes[13]
-getitem_48: f32[16] = split_with_sizes[14]
+getitem_46: f32[4] = split_with_sizes[12]
+getitem_47: f32[4] = split_with_sizes[13]
+getitem_48: f32[4] = split_with_sizes[14]
 getitem_49: f32[256] = split_with_sizes[15]
 getitem_50: f32[16] = split_with_sizes[16]
 getitem_51: f32[256] = split_with_sizes[17]
-getitem_52: f32[16] = split_with_sizes[18]
-getitem_53: f32[16] = split_with_sizes[19]
-getitem_54: f32[16] = split_with_sizes[20]
+getitem_52: f32[4] = split_with_sizes[18]
+getitem_53: f32[4] = split_with_sizes[19]
+getitem_54: f32[4] = split_with_sizes[20]
 getitem_55: f32[64] = split_with_sizes[21]
-getitem_56: f32[16] = split_with_sizes[22]
+getitem_56: f32[12] = split_with_sizes[22]
 getitem_57: f32[192] = split_with_sizes[23]
-getitem_58: f32[16] = split_with_sizes[24]
-getitem_59: f32[16] = split_with_sizes[25]
+getitem_58: f32[4] = split_with_sizes[24]
+getitem_59: f32[4] = split_with_sizes[25]
 getitem_60: f32[32] = split_with_sizes[26]
 getitem_61: f32[128] = split_with_sizes[27]  # free: split_with_sizes
 return (None, getitem_61, getitem_60, getitem_59, getitem_58, getitem_57, getitem_56, getitem_55, getitem_54, getitem_53, getitem_52, getitem_51, getitem_50, getitem_49, getitem_48, getitem_47, getitem_46, getitem_45, getitem_44, getitem_43, getitem_42, getitem_41, getitem_40, getitem_39, getitem_38, getitem_37, getitem_36, getitem_35, getitem_34, None)""")
@@ -1565,110 +1549,94 @@ return (None, getitem_61, getitem_60, getitem_59, getitem_58, getitem_57, getite
 input primals_1: i64[2, 8]
 input primals_2: f32[128]
 input primals_3: f32[32]
-input primals_4: f32[16]
-input primals_5: f32[16]
+input primals_4: f32[4]
+input primals_5: f32[4]
 input primals_6: f32[192]
-input primals_7: f32[16]
+input primals_7: f32[12]
 input primals_8: f32[64]
-input primals_9: f32[16]
-input primals_10: f32[16]
-input primals_11: f32[16]
+input primals_9: f32[4]
+input primals_10: f32[4]
+input primals_11: f32[4]
 input primals_12: f32[256]
 input primals_13: f32[16]
 input primals_14: f32[256]
-input primals_15: f32[16]
-input primals_16: f32[16]
-input primals_17: f32[16]
+input primals_15: f32[4]
+input primals_16: f32[4]
+input primals_17: f32[4]
 input primals_18: f32[192]
-input primals_19: f32[16]
+input primals_19: f32[12]
 input primals_20: f32[64]
-input primals_21: f32[16]
-input primals_22: f32[16]
-input primals_23: f32[16]
+input primals_21: f32[4]
+input primals_22: f32[4]
+input primals_23: f32[4]
 input primals_24: f32[256]
 input primals_25: f32[16]
 input primals_26: f32[256]
-input primals_27: f32[16]
-input primals_28: f32[16]
-input primals_29: f32[16]
+input primals_27: f32[4]
+input primals_28: f32[4]
+input primals_29: f32[4]
 input primals_30: i64[2, 8]
-pack: f32[1984] = zerocompile.pack([primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15, primals_16, primals_17, primals_18, primals_19, primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26, primals_27, primals_28, primals_29], 1, [128, 32, 16, 16, 192, 16, 64, 16, 16, 16, 256, 16, 256, 16, 16, 16, 192, 16, 64, 16, 16, 16, 256, 16, 256, 16, 16, 16])  # free: primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15, primals_16, primals_17, primals_18, primals_19, primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26, primals_27, primals_28, primals_29
-all_gather_into_tensor: f32[7936] = _c10d_functional.all_gather_into_tensor(pack, 4, WORLD)  # param: wte.weight, wpe.weight, blocks.0.ln1.weight, blocks.0.ln1.bias, blocks.0.attn.qkv.weight, blocks.0.attn.qkv.bias, blocks.0.attn.proj.weight, blocks.0.attn.proj.bias, blocks.0.ln2.weight, blocks.0.ln2.bias, blocks.0.fc.weight, blocks.0.fc.bias, blocks.0.out.weight, blocks.0.out.bias, blocks.1.ln1.weight, blocks.1.ln1.bias, blocks.1.attn.qkv.weight, blocks.1.attn.qkv.bias, blocks.1.attn.proj.weight, blocks.1.attn.proj.bias, blocks.1.ln2.weight, blocks.1.ln2.bias, blocks.1.fc.weight, blocks.1.fc.bias, blocks.1.out.weight, blocks.1.out.bias, ln_f.weight, ln_f.bias; free: pack
+pack: f32[1808] = zerocompile.pack([primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15, primals_16, primals_17, primals_18, primals_19, primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26, primals_27, primals_28, primals_29], 1, [128, 32, 4, 4, 192, 12, 64, 4, 4, 4, 256, 16, 256, 4, 4, 4, 192, 12, 64, 4, 4, 4, 256, 16, 256, 4, 4, 4])  # free: primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15, primals_16, primals_17, primals_18, primals_19, primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26, primals_27, primals_28, primals_29
+all_gather_into_tensor: f32[7232] = _c10d_functional.all_gather_into_tensor(pack, 4, WORLD)  # param: wte.weight, wpe.weight, blocks.0.ln1.weight, blocks.0.ln1.bias, blocks.0.attn.qkv.weight, blocks.0.attn.qkv.bias, blocks.0.attn.proj.weight, blocks.0.attn.proj.bias, blocks.0.ln2.weight, blocks.0.ln2.bias, blocks.0.fc.weight, blocks.0.fc.bias, blocks.0.out.weight, blocks.0.out.bias, blocks.1.ln1.weight, blocks.1.ln1.bias, blocks.1.attn.qkv.weight, blocks.1.attn.qkv.bias, blocks.1.attn.proj.weight, blocks.1.attn.proj.bias, blocks.1.ln2.weight, blocks.1.ln2.bias, blocks.1.fc.weight, blocks.1.fc.bias, blocks.1.out.weight, blocks.1.out.bias, ln_f.weight, ln_f.bias; free: pack
 arange: i64[8] = aten.arange(8, device = device(type='cpu'), pin_memory = False)
-wait_tensor: f32[7936] = _c10d_functional.wait_tensor(all_gather_into_tensor)  # free: all_gather_into_tensor
-unpack: (f32[512], f32[128], f32[64], f32[64], f32[768], f32[64], f32[256], f32[64], f32[64], f32[64], f32[1024], f32[64], f32[1024], f32[64], f32[64], f32[64], f32[768], f32[64], f32[256], f32[64], f32[64], f32[64], f32[1024], f32[64], f32[1024], f32[64], f32[64], f32[64]) = zerocompile.unpack(wait_tensor, 4, [128, 32, 16, 16, 192, 16, 64, 16, 16, 16, 256, 16, 256, 16, 16, 16, 192, 16, 64, 16, 16, 16, 256, 16, 256, 16, 16, 16])  # free: wait_tensor
+wait_tensor: f32[7232] = _c10d_functional.wait_tensor(all_gather_into_tensor)  # free: all_gather_into_tensor
+unpack: (f32[512], f32[128], f32[16], f32[16], f32[768], f32[48], f32[256], f32[16], f32[16], f32[16], f32[1024], f32[64], f32[1024], f32[16], f32[16], f32[16], f32[768], f32[48], f32[256], f32[16], f32[16], f32[16], f32[1024], f32[64], f32[1024], f32[16], f32[16], f32[16]) = zerocompile.unpack(wait_tensor, 4, [128, 32, 4, 4, 192, 12, 64, 4, 4, 4, 256, 16, 256, 4, 4, 4, 192, 12, 64, 4, 4, 4, 256, 16, 256, 4, 4, 4])  # free: wait_tensor
 getitem: f32[512] = unpack[0]
 getitem_1: f32[128] = unpack[1]
-getitem_2: f32[64] = unpack[2]
-getitem_3: f32[64] = unpack[3]
+getitem_2: f32[16] = unpack[2]
+getitem_3: f32[16] = unpack[3]
 getitem_4: f32[768] = unpack[4]
-getitem_5: f32[64] = unpack[5]
+getitem_5: f32[48] = unpack[5]
 getitem_6: f32[256] = unpack[6]
-getitem_7: f32[64] = unpack[7]
-getitem_8: f32[64] = unpack[8]
-getitem_9: f32[64] = unpack[9]
+getitem_7: f32[16] = unpack[7]
+getitem_8: f32[16] = unpack[8]
+getitem_9: f32[16] = unpack[9]
 getitem_10: f32[1024] = unpack[10]
 getitem_11: f32[64] = unpack[11]
 getitem_12: f32[1024] = unpack[12]
-getitem_13: f32[64] = unpack[13]
-getitem_14: f32[64] = unpack[14]
-getitem_15: f32[64] = unpack[15]
+getitem_13: f32[16] = unpack[13]
+getitem_14: f32[16] = unpack[14]
+getitem_15: f32[16] = unpack[15]
 getitem_16: f32[768] = unpack[16]
-getitem_17: f32[64] = unpack[17]
+getitem_17: f32[48] = unpack[17]
 getitem_18: f32[256] = unpack[18]
-getitem_19: f32[64] = unpack[19]
-getitem_20: f32[64] = unpack[20]
-getitem_21: f32[64] = unpack[21]
+getitem_19: f32[16] = unpack[19]
+getitem_20: f32[16] = unpack[20]
+getitem_21: f32[16] = unpack[21]
 getitem_22: f32[1024] = unpack[22]
 getitem_23: f32[64] = unpack[23]
 getitem_24: f32[1024] = unpack[24]
-getitem_25: f32[64] = unpack[25]
-getitem_26: f32[64] = unpack[26]
-getitem_27: f32[64] = unpack[27]  # free: unpack
+getitem_25: f32[16] = unpack[25]
+getitem_26: f32[16] = unpack[26]
+getitem_27: f32[16] = unpack[27]  # free: unpack
 view: f32[32, 16] = aten.view(getitem, [32, 16])  # free: getitem
 view_1: f32[8, 16] = aten.view(getitem_1, [8, 16])  # free: getitem_1
-slice: f32[16] = aten.slice.Tensor(getitem_2, 0, 0, 16)  # free: getitem_2
-view_2: f32[16] = aten.view(slice, [16])  # free: slice
-slice_1: f32[16] = aten.slice.Tensor(getitem_3, 0, 0, 16)  # free: getitem_3
-view_3: f32[16] = aten.view(slice_1, [16])  # free: slice_1
+view_2: f32[16] = aten.view(getitem_2, [16])  # free: getitem_2
+view_3: f32[16] = aten.view(getitem_3, [16])  # free: getitem_3
 view_4: f32[48, 16] = aten.view(getitem_4, [48, 16])  # free: getitem_4
-slice_2: f32[48] = aten.slice.Tensor(getitem_5, 0, 0, 48)  # free: getitem_5
-view_5: f32[48] = aten.view(slice_2, [48])  # free: slice_2
+view_5: f32[48] = aten.view(getitem_5, [48])  # free: getitem_5
 view_6: f32[16, 16] = aten.view(getitem_6, [16, 16])  # free: getitem_6
-slice_3: f32[16] = aten.slice.Tensor(getitem_7, 0, 0, 16)  # free: getitem_7
-view_7: f32[16] = aten.view(slice_3, [16])  # free: slice_3
-slice_4: f32[16] = aten.slice.Tensor(getitem_8, 0, 0, 16)  # free: getitem_8
-view_8: f32[16] = aten.view(slice_4, [16])  # free: slice_4
-slice_5: f32[16] = aten.slice.Tensor(getitem_9, 0, 0, 16)  # free: getitem_9
-view_9: f32[16] = aten.view(slice_5, [16])  # free: slice_5
+view_7: f32[16] = aten.view(getitem_7, [16])  # free: getitem_7
+view_8: f32[16] = aten.view(getitem_8, [16])  # free: getitem_8
+view_9: f32[16] = aten.view(getitem_9, [16])  # free: getitem_9
 view_10: f32[64, 16] = aten.view(getitem_10, [64, 16])  # free: getitem_10
 view_11: f32[64] = aten.view(getitem_11, [64])  # free: getitem_11
 view_12: f32[16, 64] = aten.view(getitem_12, [16, 64])  # free: getitem_12
-slice_6: f32[16] = aten.slice.Tensor(getitem_13, 0, 0, 16)  # free: getitem_13
-view_13: f32[16] = aten.view(slice_6, [16])  # free: slice_6
-slice_7: f32[16] = aten.slice.Tensor(getitem_14, 0, 0, 16)  # free: getitem_14
-view_14: f32[16] = aten.view(slice_7, [16])  # free: slice_7
-slice_8: f32[16] = aten.slice.Tensor(getitem_15, 0, 0, 16)  # free: getitem_15
-view_15: f32[16] = aten.view(slice_8, [16])  # free: slice_8
+view_13: f32[16] = aten.view(getitem_13, [16])  # free: getitem_13
+view_14: f32[16] = aten.view(getitem_14, [16])  # free: getitem_14
+view_15: f32[16] = aten.view(getitem_15, [16])  # free: getitem_15
 view_16: f32[48, 16] = aten.view(getitem_16, [48, 16])  # free: getitem_16
-slice_9: f32[48] = aten.slice.Tensor(getitem_17, 0, 0, 48)  # free: getitem_17
-view_17: f32[48] = aten.view(slice_9, [48])  # free: slice_9
+view_17: f32[48] = aten.view(getitem_17, [48])  # free: getitem_17
 view_18: f32[16, 16] = aten.view(getitem_18, [16, 16])  # free: getitem_18
-slice_10: f32[16] = aten.slice.Tensor(getitem_19, 0, 0, 16)  # free: getitem_19
-view_19: f32[16] = aten.view(slice_10, [16])  # free: slice_10
-slice_11: f32[16] = aten.slice.Tensor(getitem_20, 0, 0, 16)  # free: getitem_20
-view_20: f32[16] = aten.view(slice_11, [16])  # free: slice_11
-slice_12: f32[16] = aten.slice.Tensor(getitem_21, 0, 0, 16)  # free: getitem_21
-view_21: f32[16] = aten.view(slice_12, [16])  # free: slice_12
+view_19: f32[16] = aten.view(getitem_19, [16])  # free: getitem_19
+view_20: f32[16] = aten.view(getitem_20, [16])  # free: getitem_20
+view_21: f32[16] = aten.view(getitem_21, [16])  # free: getitem_21
 view_22: f32[64, 16] = aten.view(getitem_22, [64, 16])  # free: getitem_22
 view_23: f32[64] = aten.view(getitem_23, [64])  # free: getitem_23
 view_24: f32[16, 64] = aten.view(getitem_24, [16, 64])  # free: getitem_24
-slice_13: f32[16] = aten.slice.Tensor(getitem_25, 0, 0, 16)  # free: getitem_25
-view_25: f32[16] = aten.view(slice_13, [16])  # free: slice_13
-slice_14: f32[16] = aten.slice.Tensor(getitem_26, 0, 0, 16)  # free: getitem_26
-view_26: f32[16] = aten.view(slice_14, [16])  # free: slice_14
-slice_15: f32[16] = aten.slice.Tensor(getitem_27, 0, 0, 16)  # free: getitem_27
-view_27: f32[16] = aten.view(slice_15, [16])  # free: slice_15
+view_25: f32[16] = aten.view(getitem_25, [16])  # free: getitem_25
+view_26: f32[16] = aten.view(getitem_26, [16])  # free: getitem_26
+view_27: f32[16] = aten.view(getitem_27, [16])  # free: getitem_27
 embedding: f32[2, 8, 16] = aten.embedding(view, primals_1)
 embedding_1: f32[8, 16] = aten.embedding(view_1, arange)  # free: view_1
 add: f32[2, 8, 16] = aten.add.Tensor(embedding, embedding_1)  # free: embedding, embedding_1
@@ -1989,36 +1957,36 @@ view_47: f32[8, 16] = aten.view(sum_8, [8, 16])  # free: sum_8
 embedding_dense_backward: f32[8, 16] = aten.embedding_dense_backward(view_47, arange, 8, -1, False)  # free: view_47, arange
 embedding_dense_backward_1: f32[32, 16] = aten.embedding_dense_backward(add_8, primals_1, 32, -1, False)  # free: add_8, primals_1
 add_9: f32[32, 16] = aten.add.Tensor(t_11, embedding_dense_backward_1)  # free: t_11, embedding_dense_backward_1
-pack: f32[7936] = zerocompile.pack([getitem_15, getitem_14, view_14, t_14, view_18, t_17, getitem_18, getitem_17, view_21, t_20, view_28, t_23, getitem_24, getitem_23, view_31, t_26, view_35, t_29, getitem_27, getitem_26, view_38, t_32, view_45, t_35, getitem_33, getitem_32, embedding_dense_backward, add_9], 4, [16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 32, 128])  # free: getitem_15, getitem_14, view_14, t_14, view_18, t_17, getitem_18, getitem_17, view_21, t_20, view_28, t_23, getitem_24, getitem_23, view_31, t_26, view_35, t_29, getitem_27, getitem_26, view_38, t_32, view_45, t_35, getitem_33, getitem_32, embedding_dense_backward, add_9
-reduce_scatter_tensor: f32[1984] = _c10d_functional.reduce_scatter_tensor(pack, 'avg', 4, WORLD)  # param: ln_f.bias, ln_f.weight, blocks.1.out.bias, blocks.1.out.weight, blocks.1.fc.bias, blocks.1.fc.weight, blocks.1.ln2.bias, blocks.1.ln2.weight, blocks.1.attn.proj.bias, blocks.1.attn.proj.weight, blocks.1.attn.qkv.bias, blocks.1.attn.qkv.weight, blocks.1.ln1.bias, blocks.1.ln1.weight, blocks.0.out.bias, blocks.0.out.weight, blocks.0.fc.bias, blocks.0.fc.weight, blocks.0.ln2.bias, blocks.0.ln2.weight, blocks.0.attn.proj.bias, blocks.0.attn.proj.weight, blocks.0.attn.qkv.bias, blocks.0.attn.qkv.weight, blocks.0.ln1.bias, blocks.0.ln1.weight, wpe.weight, wte.weight; free: pack
-wait_tensor: f32[1984] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
-split_with_sizes: (f32[16], f32[16], f32[16], f32[256], f32[16], f32[256], f32[16], f32[16], f32[16], f32[64], f32[16], f32[192], f32[16], f32[16], f32[16], f32[256], f32[16], f32[256], f32[16], f32[16], f32[16], f32[64], f32[16], f32[192], f32[16], f32[16], f32[32], f32[128]) = aten.split_with_sizes(wait_tensor, [16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 32, 128])  # free: wait_tensor
-getitem_34: f32[16] = split_with_sizes[0]
-getitem_35: f32[16] = split_with_sizes[1]
-getitem_36: f32[16] = split_with_sizes[2]
+pack: f32[7232] = zerocompile.pack([getitem_15, getitem_14, view_14, t_14, view_18, t_17, getitem_18, getitem_17, view_21, t_20, view_28, t_23, getitem_24, getitem_23, view_31, t_26, view_35, t_29, getitem_27, getitem_26, view_38, t_32, view_45, t_35, getitem_33, getitem_32, embedding_dense_backward, add_9], 4, [4, 4, 4, 256, 16, 256, 4, 4, 4, 64, 12, 192, 4, 4, 4, 256, 16, 256, 4, 4, 4, 64, 12, 192, 4, 4, 32, 128])  # free: getitem_15, getitem_14, view_14, t_14, view_18, t_17, getitem_18, getitem_17, view_21, t_20, view_28, t_23, getitem_24, getitem_23, view_31, t_26, view_35, t_29, getitem_27, getitem_26, view_38, t_32, view_45, t_35, getitem_33, getitem_32, embedding_dense_backward, add_9
+reduce_scatter_tensor: f32[1808] = _c10d_functional.reduce_scatter_tensor(pack, 'avg', 4, WORLD)  # param: ln_f.bias, ln_f.weight, blocks.1.out.bias, blocks.1.out.weight, blocks.1.fc.bias, blocks.1.fc.weight, blocks.1.ln2.bias, blocks.1.ln2.weight, blocks.1.attn.proj.bias, blocks.1.attn.proj.weight, blocks.1.attn.qkv.bias, blocks.1.attn.qkv.weight, blocks.1.ln1.bias, blocks.1.ln1.weight, blocks.0.out.bias, blocks.0.out.weight, blocks.0.fc.bias, blocks.0.fc.weight, blocks.0.ln2.bias, blocks.0.ln2.weight, blocks.0.attn.proj.bias, blocks.0.attn.proj.weight, blocks.0.attn.qkv.bias, blocks.0.attn.qkv.weight, blocks.0.ln1.bias, blocks.0.ln1.weight, wpe.weight, wte.weight; free: pack
+wait_tensor: f32[1808] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
+split_with_sizes: (f32[4], f32[4], f32[4], f32[256], f32[16], f32[256], f32[4], f32[4], f32[4], f32[64], f32[12], f32[192], f32[4], f32[4], f32[4], f32[256], f32[16], f32[256], f32[4], f32[4], f32[4], f32[64], f32[12], f32[192], f32[4], f32[4], f32[32], f32[128]) = aten.split_with_sizes(wait_tensor, [4, 4, 4, 256, 16, 256, 4, 4, 4, 64, 12, 192, 4, 4, 4, 256, 16, 256, 4, 4, 4, 64, 12, 192, 4, 4, 32, 128])  # free: wait_tensor
+getitem_34: f32[4] = split_with_sizes[0]
+getitem_35: f32[4] = split_with_sizes[1]
+getitem_36: f32[4] = split_with_sizes[2]
 getitem_37: f32[256] = split_with_sizes[3]
 getitem_38: f32[16] = split_with_sizes[4]
 getitem_39: f32[256] = split_with_sizes[5]
-getitem_40: f32[16] = split_with_sizes[6]
-getitem_41: f32[16] = split_with_sizes[7]
-getitem_42: f32[16] = split_with_sizes[8]
+getitem_40: f32[4] = split_with_sizes[6]
+getitem_41: f32[4] = split_with_sizes[7]
+getitem_42: f32[4] = split_with_sizes[8]
 getitem_43: f32[64] = split_with_sizes[9]
-getitem_44: f32[16] = split_with_sizes[10]
+getitem_44: f32[12] = split_with_sizes[10]
 getitem_45: f32[192] = split_with_sizes[11]
-getitem_46: f32[16] = split_with_sizes[12]
-getitem_47: f32[16] = split_with_sizes[13]
-getitem_48: f32[16] = split_with_sizes[14]
+getitem_46: f32[4] = split_with_sizes[12]
+getitem_47: f32[4] = split_with_sizes[13]
+getitem_48: f32[4] = split_with_sizes[14]
 getitem_49: f32[256] = split_with_sizes[15]
 getitem_50: f32[16] = split_with_sizes[16]
 getitem_51: f32[256] = split_with_sizes[17]
-getitem_52: f32[16] = split_with_sizes[18]
-getitem_53: f32[16] = split_with_sizes[19]
-getitem_54: f32[16] = split_with_sizes[20]
+getitem_52: f32[4] = split_with_sizes[18]
+getitem_53: f32[4] = split_with_sizes[19]
+getitem_54: f32[4] = split_with_sizes[20]
 getitem_55: f32[64] = split_with_sizes[21]
-getitem_56: f32[16] = split_with_sizes[22]
+getitem_56: f32[12] = split_with_sizes[22]
 getitem_57: f32[192] = split_with_sizes[23]
-getitem_58: f32[16] = split_with_sizes[24]
-getitem_59: f32[16] = split_with_sizes[25]
+getitem_58: f32[4] = split_with_sizes[24]
+getitem_59: f32[4] = split_with_sizes[25]
 getitem_60: f32[32] = split_with_sizes[26]
 getitem_61: f32[128] = split_with_sizes[27]  # free: split_with_sizes
 return (None, getitem_61, getitem_60, getitem_59, getitem_58, getitem_57, getitem_56, getitem_55, getitem_54, getitem_53, getitem_52, getitem_51, getitem_50, getitem_49, getitem_48, getitem_47, getitem_46, getitem_45, getitem_44, getitem_43, getitem_42, getitem_41, getitem_40, getitem_39, getitem_38, getitem_37, getitem_36, getitem_35, getitem_34, None)""")
@@ -2029,109 +1997,93 @@ return (None, getitem_61, getitem_60, getitem_59, getitem_58, getitem_57, getite
 input primals_1: i64[2, 8]
 input primals_2: f32[128]
 input primals_3: f32[32]
-input primals_4: f32[16]
-input primals_5: f32[16]
+input primals_4: f32[4]
+input primals_5: f32[4]
 input primals_6: f32[192]
-input primals_7: f32[16]
+input primals_7: f32[12]
 input primals_8: f32[64]
-input primals_9: f32[16]
-input primals_10: f32[16]
-input primals_11: f32[16]
+input primals_9: f32[4]
+input primals_10: f32[4]
+input primals_11: f32[4]
 input primals_12: f32[256]
 input primals_13: f32[16]
 input primals_14: f32[256]
-input primals_15: f32[16]
-input primals_16: f32[16]
-input primals_17: f32[16]
+input primals_15: f32[4]
+input primals_16: f32[4]
+input primals_17: f32[4]
 input primals_18: f32[192]
-input primals_19: f32[16]
+input primals_19: f32[12]
 input primals_20: f32[64]
-input primals_21: f32[16]
-input primals_22: f32[16]
-input primals_23: f32[16]
+input primals_21: f32[4]
+input primals_22: f32[4]
+input primals_23: f32[4]
 input primals_24: f32[256]
 input primals_25: f32[16]
 input primals_26: f32[256]
-input primals_27: f32[16]
-input primals_28: f32[16]
-input primals_29: f32[16]
+input primals_27: f32[4]
+input primals_28: f32[4]
+input primals_29: f32[4]
 input primals_30: i64[2, 8]
-pack: f32[1984] = zerocompile.pack([primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15, primals_16, primals_17, primals_18, primals_19, primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26, primals_27, primals_28, primals_29], 1, [128, 32, 16, 16, 192, 16, 64, 16, 16, 16, 256, 16, 256, 16, 16, 16, 192, 16, 64, 16, 16, 16, 256, 16, 256, 16, 16, 16])  # free: primals_3, primals_7, primals_9, primals_13, primals_15, primals_19, primals_21, primals_25, primals_27
-all_gather_into_tensor: f32[7936] = _c10d_functional.all_gather_into_tensor(pack, 4, WORLD)  # param: wte.weight, wpe.weight, blocks.0.ln1.weight, blocks.0.ln1.bias, blocks.0.attn.qkv.weight, blocks.0.attn.qkv.bias, blocks.0.attn.proj.weight, blocks.0.attn.proj.bias, blocks.0.ln2.weight, blocks.0.ln2.bias, blocks.0.fc.weight, blocks.0.fc.bias, blocks.0.out.weight, blocks.0.out.bias, blocks.1.ln1.weight, blocks.1.ln1.bias, blocks.1.attn.qkv.weight, blocks.1.attn.qkv.bias, blocks.1.attn.proj.weight, blocks.1.attn.proj.bias, blocks.1.ln2.weight, blocks.1.ln2.bias, blocks.1.fc.weight, blocks.1.fc.bias, blocks.1.out.weight, blocks.1.out.bias, ln_f.weight, ln_f.bias; free: pack
-wait_tensor: f32[7936] = _c10d_functional.wait_tensor(all_gather_into_tensor)  # free: all_gather_into_tensor
-unpack: (f32[512], f32[128], f32[64], f32[64], f32[768], f32[64], f32[256], f32[64], f32[64], f32[64], f32[1024], f32[64], f32[1024], f32[64], f32[64], f32[64], f32[768], f32[64], f32[256], f32[64], f32[64], f32[64], f32[1024], f32[64], f32[1024], f32[64], f32[64], f32[64]) = zerocompile.unpack(wait_tensor, 4, [128, 32, 16, 16, 192, 16, 64, 16, 16, 16, 256, 16, 256, 16, 16, 16, 192, 16, 64, 16, 16, 16, 256, 16, 256, 16, 16, 16])  # free: wait_tensor
+pack: f32[1808] = zerocompile.pack([primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15, primals_16, primals_17, primals_18, primals_19, primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26, primals_27, primals_28, primals_29], 1, [128, 32, 4, 4, 192, 12, 64, 4, 4, 4, 256, 16, 256, 4, 4, 4, 192, 12, 64, 4, 4, 4, 256, 16, 256, 4, 4, 4])  # free: primals_3, primals_7, primals_9, primals_13, primals_15, primals_19, primals_21, primals_25, primals_27
+all_gather_into_tensor: f32[7232] = _c10d_functional.all_gather_into_tensor(pack, 4, WORLD)  # param: wte.weight, wpe.weight, blocks.0.ln1.weight, blocks.0.ln1.bias, blocks.0.attn.qkv.weight, blocks.0.attn.qkv.bias, blocks.0.attn.proj.weight, blocks.0.attn.proj.bias, blocks.0.ln2.weight, blocks.0.ln2.bias, blocks.0.fc.weight, blocks.0.fc.bias, blocks.0.out.weight, blocks.0.out.bias, blocks.1.ln1.weight, blocks.1.ln1.bias, blocks.1.attn.qkv.weight, blocks.1.attn.qkv.bias, blocks.1.attn.proj.weight, blocks.1.attn.proj.bias, blocks.1.ln2.weight, blocks.1.ln2.bias, blocks.1.fc.weight, blocks.1.fc.bias, blocks.1.out.weight, blocks.1.out.bias, ln_f.weight, ln_f.bias; free: pack
+wait_tensor: f32[7232] = _c10d_functional.wait_tensor(all_gather_into_tensor)  # free: all_gather_into_tensor
+unpack: (f32[512], f32[128], f32[16], f32[16], f32[768], f32[48], f32[256], f32[16], f32[16], f32[16], f32[1024], f32[64], f32[1024], f32[16], f32[16], f32[16], f32[768], f32[48], f32[256], f32[16], f32[16], f32[16], f32[1024], f32[64], f32[1024], f32[16], f32[16], f32[16]) = zerocompile.unpack(wait_tensor, 4, [128, 32, 4, 4, 192, 12, 64, 4, 4, 4, 256, 16, 256, 4, 4, 4, 192, 12, 64, 4, 4, 4, 256, 16, 256, 4, 4, 4])  # free: wait_tensor
 getitem: f32[512] = unpack[0]
 getitem_1: f32[128] = unpack[1]
-getitem_2: f32[64] = unpack[2]
-getitem_3: f32[64] = unpack[3]
+getitem_2: f32[16] = unpack[2]
+getitem_3: f32[16] = unpack[3]
 getitem_4: f32[768] = unpack[4]
-getitem_5: f32[64] = unpack[5]
+getitem_5: f32[48] = unpack[5]
 getitem_6: f32[256] = unpack[6]
-getitem_7: f32[64] = unpack[7]
-getitem_8: f32[64] = unpack[8]
-getitem_9: f32[64] = unpack[9]
+getitem_7: f32[16] = unpack[7]
+getitem_8: f32[16] = unpack[8]
+getitem_9: f32[16] = unpack[9]
 getitem_10: f32[1024] = unpack[10]
 getitem_11: f32[64] = unpack[11]
 getitem_12: f32[1024] = unpack[12]
-getitem_13: f32[64] = unpack[13]
-getitem_14: f32[64] = unpack[14]
-getitem_15: f32[64] = unpack[15]
+getitem_13: f32[16] = unpack[13]
+getitem_14: f32[16] = unpack[14]
+getitem_15: f32[16] = unpack[15]
 getitem_16: f32[768] = unpack[16]
-getitem_17: f32[64] = unpack[17]
+getitem_17: f32[48] = unpack[17]
 getitem_18: f32[256] = unpack[18]
-getitem_19: f32[64] = unpack[19]
-getitem_20: f32[64] = unpack[20]
-getitem_21: f32[64] = unpack[21]
+getitem_19: f32[16] = unpack[19]
+getitem_20: f32[16] = unpack[20]
+getitem_21: f32[16] = unpack[21]
 getitem_22: f32[1024] = unpack[22]
 getitem_23: f32[64] = unpack[23]
 getitem_24: f32[1024] = unpack[24]
-getitem_25: f32[64] = unpack[25]
-getitem_26: f32[64] = unpack[26]
-getitem_27: f32[64] = unpack[27]  # free: unpack
+getitem_25: f32[16] = unpack[25]
+getitem_26: f32[16] = unpack[26]
+getitem_27: f32[16] = unpack[27]  # free: unpack
 view: f32[32, 16] = aten.view(getitem, [32, 16])  # free: getitem
 view_1: f32[8, 16] = aten.view(getitem_1, [8, 16])  # free: getitem_1
-slice: f32[16] = aten.slice.Tensor(getitem_2, 0, 0, 16)  # free: getitem_2
-view_2: f32[16] = aten.view(slice, [16])  # free: slice
-slice_1: f32[16] = aten.slice.Tensor(getitem_3, 0, 0, 16)  # free: getitem_3
-view_3: f32[16] = aten.view(slice_1, [16])  # free: slice_1
+view_2: f32[16] = aten.view(getitem_2, [16])  # free: getitem_2
+view_3: f32[16] = aten.view(getitem_3, [16])  # free: getitem_3
 view_4: f32[48, 16] = aten.view(getitem_4, [48, 16])  # free: getitem_4
-slice_2: f32[48] = aten.slice.Tensor(getitem_5, 0, 0, 48)  # free: getitem_5
-view_5: f32[48] = aten.view(slice_2, [48])  # free: slice_2
+view_5: f32[48] = aten.view(getitem_5, [48])  # free: getitem_5
 view_6: f32[16, 16] = aten.view(getitem_6, [16, 16])  # free: getitem_6
-slice_3: f32[16] = aten.slice.Tensor(getitem_7, 0, 0, 16)  # free: getitem_7
-view_7: f32[16] = aten.view(slice_3, [16])  # free: slice_3
-slice_4: f32[16] = aten.slice.Tensor(getitem_8, 0, 0, 16)  # free: getitem_8
-view_8: f32[16] = aten.view(slice_4, [16])  # free: slice_4
-slice_5: f32[16] = aten.slice.Tensor(getitem_9, 0, 0, 16)  # free: getitem_9
-view_9: f32[16] = aten.view(slice_5, [16])  # free: slice_5
+view_7: f32[16] = aten.view(getitem_7, [16])  # free: getitem_7
+view_8: f32[16] = aten.view(getitem_8, [16])  # free: getitem_8
+view_9: f32[16] = aten.view(getitem_9, [16])  # free: getitem_9
 view_10: f32[64, 16] = aten.view(getitem_10, [64, 16])  # free: getitem_10
 view_11: f32[64] = aten.view(getitem_11, [64])  # free: getitem_11
 view_12: f32[16, 64] = aten.view(getitem_12, [16, 64])  # free: getitem_12
-slice_6: f32[16] = aten.slice.Tensor(getitem_13, 0, 0, 16)  # free: getitem_13
-view_13: f32[16] = aten.view(slice_6, [16])  # free: slice_6
-slice_7: f32[16] = aten.slice.Tensor(getitem_14, 0, 0, 16)  # free: getitem_14
-view_14: f32[16] = aten.view(slice_7, [16])  # free: slice_7
-slice_8: f32[16] = aten.slice.Tensor(getitem_15, 0, 0, 16)  # free: getitem_15
-view_15: f32[16] = aten.view(slice_8, [16])  # free: slice_8
+view_13: f32[16] = aten.view(getitem_13, [16])  # free: getitem_13
+view_14: f32[16] = aten.view(getitem_14, [16])  # free: getitem_14
+view_15: f32[16] = aten.view(getitem_15, [16])  # free: getitem_15
 view_16: f32[48, 16] = aten.view(getitem_16, [48, 16])  # free: getitem_16
-slice_9: f32[48] = aten.slice.Tensor(getitem_17, 0, 0, 48)  # free: getitem_17
-view_17: f32[48] = aten.view(slice_9, [48])  # free: slice_9
+view_17: f32[48] = aten.view(getitem_17, [48])  # free: getitem_17
 view_18: f32[16, 16] = aten.view(getitem_18, [16, 16])  # free: getitem_18
-slice_10: f32[16] = aten.slice.Tensor(getitem_19, 0, 0, 16)  # free: getitem_19
-view_19: f32[16] = aten.view(slice_10, [16])  # free: slice_10
-slice_11: f32[16] = aten.slice.Tensor(getitem_20, 0, 0, 16)  # free: getitem_20
-view_20: f32[16] = aten.view(slice_11, [16])  # free: slice_11
-slice_12: f32[16] = aten.slice.Tensor(getitem_21, 0, 0, 16)  # free: getitem_21
-view_21: f32[16] = aten.view(slice_12, [16])  # free: slice_12
+view_19: f32[16] = aten.view(getitem_19, [16])  # free: getitem_19
+view_20: f32[16] = aten.view(getitem_20, [16])  # free: getitem_20
+view_21: f32[16] = aten.view(getitem_21, [16])  # free: getitem_21
 view_22: f32[64, 16] = aten.view(getitem_22, [64, 16])  # free: getitem_22
 view_23: f32[64] = aten.view(getitem_23, [64])  # free: getitem_23
 view_24: f32[16, 64] = aten.view(getitem_24, [16, 64])  # free: getitem_24
-slice_13: f32[16] = aten.slice.Tensor(getitem_25, 0, 0, 16)  # free: getitem_25
-view_25: f32[16] = aten.view(slice_13, [16])  # free: slice_13
-slice_14: f32[16] = aten.slice.Tensor(getitem_26, 0, 0, 16)  # free: getitem_26
-view_26: f32[16] = aten.view(slice_14, [16])  # free: slice_14
-slice_15: f32[16] = aten.slice.Tensor(getitem_27, 0, 0, 16)  # free: getitem_27
-view_27: f32[16] = aten.view(slice_15, [16])  # free: slice_15
+view_25: f32[16] = aten.view(getitem_25, [16])  # free: getitem_25
+view_26: f32[16] = aten.view(getitem_26, [16])  # free: getitem_26
+view_27: f32[16] = aten.view(getitem_27, [16])  # free: getitem_27
 arange: i64[8] = aten.arange(8, device = device(type='cpu'), pin_memory = False)
 embedding: f32[2, 8, 16] = aten.embedding(view, primals_1)
 embedding_1: f32[8, 16] = aten.embedding(view_1, arange)  # free: view_1
@@ -2242,24 +2194,24 @@ return (getitem_53, primals_1, primals_2, primals_4, primals_5, primals_6, prima
         self.assertExpectedInline(backward, """\
 input primals_1: i64[2, 8]
 input primals_2: f32[128]
-input primals_4: f32[16]
-input primals_5: f32[16]
+input primals_4: f32[4]
+input primals_5: f32[4]
 input primals_6: f32[192]
 input primals_8: f32[64]
-input primals_10: f32[16]
-input primals_11: f32[16]
+input primals_10: f32[4]
+input primals_11: f32[4]
 input primals_12: f32[256]
 input primals_14: f32[256]
-input primals_16: f32[16]
-input primals_17: f32[16]
+input primals_16: f32[4]
+input primals_17: f32[4]
 input primals_18: f32[192]
 input primals_20: f32[64]
-input primals_22: f32[16]
-input primals_23: f32[16]
+input primals_22: f32[4]
+input primals_23: f32[4]
 input primals_24: f32[256]
 input primals_26: f32[256]
-input primals_28: f32[16]
-input primals_29: f32[16]
+input primals_28: f32[4]
+input primals_29: f32[4]
 input arange: i64[8]
 input add: f32[2, 8, 16]
 input getitem: f32[2, 8, 1]
@@ -2309,58 +2261,48 @@ view_10: f32[2, 8, 32] = aten.view(_log_softmax_backward_data, [2, 8, 32])  # fr
 view_11: f32[16, 32] = aten.view(view_10, [16, 32])  # free: view_10
 t: f32[32, 16] = aten.t(view_11)
 mm: f32[32, 16] = aten.mm(t, view_8)  # free: t, view_8
-pack: f32[1824] = zerocompile.pack([primals_2, primals_28, primals_29, primals_26, primals_24, primals_22, primals_23, primals_20, primals_18, primals_16, primals_17, primals_14, primals_12, primals_10, primals_11, primals_8, primals_6, primals_4, primals_5], 1, [128, 16, 16, 256, 256, 16, 16, 64, 192, 16, 16, 256, 256, 16, 16, 64, 192, 16, 16])  # free: primals_2, primals_28, primals_29, primals_26, primals_24, primals_22, primals_23, primals_20, primals_18, primals_16, primals_17, primals_14, primals_12, primals_10, primals_11, primals_8, primals_6, primals_4, primals_5
-all_gather_into_tensor: f32[7296] = _c10d_functional.all_gather_into_tensor(pack, 4, WORLD)  # param: wte.weight, ln_f.weight, ln_f.bias, blocks.1.out.weight, blocks.1.fc.weight, blocks.1.ln2.weight, blocks.1.ln2.bias, blocks.1.attn.proj.weight, blocks.1.attn.qkv.weight, blocks.1.ln1.weight, blocks.1.ln1.bias, blocks.0.out.weight, blocks.0.fc.weight, blocks.0.ln2.weight, blocks.0.ln2.bias, blocks.0.attn.proj.weight, blocks.0.attn.qkv.weight, blocks.0.ln1.weight, blocks.0.ln1.bias; free: pack
-wait_tensor: f32[7296] = _c10d_functional.wait_tensor(all_gather_into_tensor)  # free: all_gather_into_tensor
-unpack: (f32[512], f32[64], f32[64], f32[1024], f32[1024], f32[64], f32[64], f32[256], f32[768], f32[64], f32[64], f32[1024], f32[1024], f32[64], f32[64], f32[256], f32[768], f32[64], f32[64]) = zerocompile.unpack(wait_tensor, 4, [128, 16, 16, 256, 256, 16, 16, 64, 192, 16, 16, 256, 256, 16, 16, 64, 192, 16, 16])  # free: wait_tensor
+pack: f32[1704] = zerocompile.pack([primals_2, primals_28, primals_29, primals_26, primals_24, primals_22, primals_23, primals_20, primals_18, primals_16, primals_17, primals_14, primals_12, primals_10, primals_11, primals_8, primals_6, primals_4, primals_5], 1, [128, 4, 4, 256, 256, 4, 4, 64, 192, 4, 4, 256, 256, 4, 4, 64, 192, 4, 4])  # free: primals_2, primals_28, primals_29, primals_26, primals_24, primals_22, primals_23, primals_20, primals_18, primals_16, primals_17, primals_14, primals_12, primals_10, primals_11, primals_8, primals_6, primals_4, primals_5
+all_gather_into_tensor: f32[6816] = _c10d_functional.all_gather_into_tensor(pack, 4, WORLD)  # param: wte.weight, ln_f.weight, ln_f.bias, blocks.1.out.weight, blocks.1.fc.weight, blocks.1.ln2.weight, blocks.1.ln2.bias, blocks.1.attn.proj.weight, blocks.1.attn.qkv.weight, blocks.1.ln1.weight, blocks.1.ln1.bias, blocks.0.out.weight, blocks.0.fc.weight, blocks.0.ln2.weight, blocks.0.ln2.bias, blocks.0.attn.proj.weight, blocks.0.attn.qkv.weight, blocks.0.ln1.weight, blocks.0.ln1.bias; free: pack
+wait_tensor: f32[6816] = _c10d_functional.wait_tensor(all_gather_into_tensor)  # free: all_gather_into_tensor
+unpack: (f32[512], f32[16], f32[16], f32[1024], f32[1024], f32[16], f32[16], f32[256], f32[768], f32[16], f32[16], f32[1024], f32[1024], f32[16], f32[16], f32[256], f32[768], f32[16], f32[16]) = zerocompile.unpack(wait_tensor, 4, [128, 4, 4, 256, 256, 4, 4, 64, 192, 4, 4, 256, 256, 4, 4, 64, 192, 4, 4])  # free: wait_tensor
 getitem_13: f32[512] = unpack[0]
-getitem_14: f32[64] = unpack[1]
-getitem_15: f32[64] = unpack[2]
+getitem_14: f32[16] = unpack[1]
+getitem_15: f32[16] = unpack[2]
 getitem_16: f32[1024] = unpack[3]
 getitem_17: f32[1024] = unpack[4]
-getitem_18: f32[64] = unpack[5]
-getitem_19: f32[64] = unpack[6]
+getitem_18: f32[16] = unpack[5]
+getitem_19: f32[16] = unpack[6]
 getitem_20: f32[256] = unpack[7]
 getitem_21: f32[768] = unpack[8]
-getitem_22: f32[64] = unpack[9]
-getitem_23: f32[64] = unpack[10]
+getitem_22: f32[16] = unpack[9]
+getitem_23: f32[16] = unpack[10]
 getitem_24: f32[1024] = unpack[11]
 getitem_25: f32[1024] = unpack[12]
-getitem_26: f32[64] = unpack[13]
-getitem_27: f32[64] = unpack[14]
+getitem_26: f32[16] = unpack[13]
+getitem_27: f32[16] = unpack[14]
 getitem_28: f32[256] = unpack[15]
 getitem_29: f32[768] = unpack[16]
-getitem_30: f32[64] = unpack[17]
-getitem_31: f32[64] = unpack[18]  # free: unpack
+getitem_30: f32[16] = unpack[17]
+getitem_31: f32[16] = unpack[18]  # free: unpack
 view_12: f32[32, 16] = aten.view(getitem_13, [32, 16])  # free: getitem_13
-slice: f32[16] = aten.slice.Tensor(getitem_14, 0, 0, 16)  # free: getitem_14
-view_13: f32[16] = aten.view(slice, [16])  # free: slice
-slice_1: f32[16] = aten.slice.Tensor(getitem_15, 0, 0, 16)  # free: getitem_15
-view_14: f32[16] = aten.view(slice_1, [16])  # free: slice_1
+view_13: f32[16] = aten.view(getitem_14, [16])  # free: getitem_14
+view_14: f32[16] = aten.view(getitem_15, [16])  # free: getitem_15
 view_15: f32[16, 64] = aten.view(getitem_16, [16, 64])  # free: getitem_16
 view_16: f32[64, 16] = aten.view(getitem_17, [64, 16])  # free: getitem_17
-slice_2: f32[16] = aten.slice.Tensor(getitem_18, 0, 0, 16)  # free: getitem_18
-view_17: f32[16] = aten.view(slice_2, [16])  # free: slice_2
-slice_3: f32[16] = aten.slice.Tensor(getitem_19, 0, 0, 16)  # free: getitem_19
-view_18: f32[16] = aten.view(slice_3, [16])  # free: slice_3
+view_17: f32[16] = aten.view(getitem_18, [16])  # free: getitem_18
+view_18: f32[16] = aten.view(getitem_19, [16])  # free: getitem_19
 view_19: f32[16, 16] = aten.view(getitem_20, [16, 16])  # free: getitem_20
 view_20: f32[48, 16] = aten.view(getitem_21, [48, 16])  # free: getitem_21
-slice_4: f32[16] = aten.slice.Tensor(getitem_22, 0, 0, 16)  # free: getitem_22
-view_21: f32[16] = aten.view(slice_4, [16])  # free: slice_4
-slice_5: f32[16] = aten.slice.Tensor(getitem_23, 0, 0, 16)  # free: getitem_23
-view_22: f32[16] = aten.view(slice_5, [16])  # free: slice_5
+view_21: f32[16] = aten.view(getitem_22, [16])  # free: getitem_22
+view_22: f32[16] = aten.view(getitem_23, [16])  # free: getitem_23
 view_23: f32[16, 64] = aten.view(getitem_24, [16, 64])  # free: getitem_24
 view_24: f32[64, 16] = aten.view(getitem_25, [64, 16])  # free: getitem_25
-slice_6: f32[16] = aten.slice.Tensor(getitem_26, 0, 0, 16)  # free: getitem_26
-view_25: f32[16] = aten.view(slice_6, [16])  # free: slice_6
-slice_7: f32[16] = aten.slice.Tensor(getitem_27, 0, 0, 16)  # free: getitem_27
-view_26: f32[16] = aten.view(slice_7, [16])  # free: slice_7
+view_25: f32[16] = aten.view(getitem_26, [16])  # free: getitem_26
+view_26: f32[16] = aten.view(getitem_27, [16])  # free: getitem_27
 view_27: f32[16, 16] = aten.view(getitem_28, [16, 16])  # free: getitem_28
 view_28: f32[48, 16] = aten.view(getitem_29, [48, 16])  # free: getitem_29
-slice_8: f32[16] = aten.slice.Tensor(getitem_30, 0, 0, 16)  # free: getitem_30
-view_29: f32[16] = aten.view(slice_8, [16])  # free: slice_8
-slice_9: f32[16] = aten.slice.Tensor(getitem_31, 0, 0, 16)  # free: getitem_31
-view_30: f32[16] = aten.view(slice_9, [16])  # free: slice_9
+view_29: f32[16] = aten.view(getitem_30, [16])  # free: getitem_30
+view_30: f32[16] = aten.view(getitem_31, [16])  # free: getitem_31
 t_1: f32[16, 32] = aten.t(mm)  # free: mm
 t_2: f32[16, 32] = aten.t(view_12)  # free: view_12
 t_3: f32[32, 16] = aten.t(t_2)  # free: t_2
@@ -2514,36 +2456,36 @@ view_66: f32[8, 16] = aten.view(sum_8, [8, 16])  # free: sum_8
 embedding_dense_backward: f32[8, 16] = aten.embedding_dense_backward(view_66, arange, 8, -1, False)  # free: view_66, arange
 embedding_dense_backward_1: f32[32, 16] = aten.embedding_dense_backward(add_8, primals_1, 32, -1, False)  # free: add_8, primals_1
 add_9: f32[32, 16] = aten.add.Tensor(t_4, embedding_dense_backward_1)  # free: t_4, embedding_dense_backward_1
-pack_1: f32[7936] = zerocompile.pack([getitem_34, getitem_33, view_33, t_9, view_37, t_14, getitem_37, getitem_36, view_40, t_19, view_47, t_24, getitem_43, getitem_42, view_50, t_29, view_54, t_34, getitem_46, getitem_45, view_57, t_39, view_64, t_44, getitem_52, getitem_51, embedding_dense_backward, add_9], 4, [16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 32, 128])  # free: getitem_34, getitem_33, view_33, t_9, view_37, t_14, getitem_37, getitem_36, view_40, t_19, view_47, t_24, getitem_43, getitem_42, view_50, t_29, view_54, t_34, getitem_46, getitem_45, view_57, t_39, view_64, t_44, getitem_52, getitem_51, embedding_dense_backward, add_9
-reduce_scatter_tensor: f32[1984] = _c10d_functional.reduce_scatter_tensor(pack_1, 'avg', 4, WORLD)  # param: ln_f.bias, ln_f.weight, blocks.1.out.bias, blocks.1.out.weight, blocks.1.fc.bias, blocks.1.fc.weight, blocks.1.ln2.bias, blocks.1.ln2.weight, blocks.1.attn.proj.bias, blocks.1.attn.proj.weight, blocks.1.attn.qkv.bias, blocks.1.attn.qkv.weight, blocks.1.ln1.bias, blocks.1.ln1.weight, blocks.0.out.bias, blocks.0.out.weight, blocks.0.fc.bias, blocks.0.fc.weight, blocks.0.ln2.bias, blocks.0.ln2.weight, blocks.0.attn.proj.bias, blocks.0.attn.proj.weight, blocks.0.attn.qkv.bias, blocks.0.attn.qkv.weight, blocks.0.ln1.bias, blocks.0.ln1.weight, wpe.weight, wte.weight; free: pack_1
-wait_tensor_1: f32[1984] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
-split_with_sizes: (f32[16], f32[16], f32[16], f32[256], f32[16], f32[256], f32[16], f32[16], f32[16], f32[64], f32[16], f32[192], f32[16], f32[16], f32[16], f32[256], f32[16], f32[256], f32[16], f32[16], f32[16], f32[64], f32[16], f32[192], f32[16], f32[16], f32[32], f32[128]) = aten.split_with_sizes(wait_tensor_1, [16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 16, 256, 16, 256, 16, 16, 16, 64, 16, 192, 16, 16, 32, 128])  # free: wait_tensor_1
-getitem_53: f32[16] = split_with_sizes[0]
-getitem_54: f32[16] = split_with_sizes[1]
-getitem_55: f32[16] = split_with_sizes[2]
+pack_1: f32[7232] = zerocompile.pack([getitem_34, getitem_33, view_33, t_9, view_37, t_14, getitem_37, getitem_36, view_40, t_19, view_47, t_24, getitem_43, getitem_42, view_50, t_29, view_54, t_34, getitem_46, getitem_45, view_57, t_39, view_64, t_44, getitem_52, getitem_51, embedding_dense_backward, add_9], 4, [4, 4, 4, 256, 16, 256, 4, 4, 4, 64, 12, 192, 4, 4, 4, 256, 16, 256, 4, 4, 4, 64, 12, 192, 4, 4, 32, 128])  # free: getitem_34, getitem_33, view_33, t_9, view_37, t_14, getitem_37, getitem_36, view_40, t_19, view_47, t_24, getitem_43, getitem_42, view_50, t_29, view_54, t_34, getitem_46, getitem_45, view_57, t_39, view_64, t_44, getitem_52, getitem_51, embedding_dense_backward, add_9
+reduce_scatter_tensor: f32[1808] = _c10d_functional.reduce_scatter_tensor(pack_1, 'avg', 4, WORLD)  # param: ln_f.bias, ln_f.weight, blocks.1.out.bias, blocks.1.out.weight, blocks.1.fc.bias, blocks.1.fc.weight, blocks.1.ln2.bias, blocks.1.ln2.weight, blocks.1.attn.proj.bias, blocks.1.attn.proj.weight, blocks.1.attn.qkv.bias, blocks.1.attn.qkv.weight, blocks.1.ln1.bias, blocks.1.ln1.weight, blocks.0.out.bias, blocks.0.out.weight, blocks.0.fc.bias, blocks.0.fc.weight, blocks.0.ln2.bias, blocks.0.ln2.weight, blocks.0.attn.proj.bias, blocks.0.attn.proj.weight, blocks.0.attn.qkv.bias, blocks.0.attn.qkv.weight, blocks.0.ln1.bias, blocks.0.ln1.weight, wpe.weight, wte.weight; free: pack_1
+wait_tensor_1: f32[1808] = _c10d_functional.wait_tensor(reduce_scatter_tensor)  # free: reduce_scatter_tensor
+split_with_sizes: (f32[4], f32[4], f32[4], f32[256], f32[16], f32[256], f32[4], f32[4], f32[4], f32[64], f32[12], f32[192], f32[4], f32[4], f32[4], f32[256], f32[16], f32[256], f32[4], f32[4], f32[4], f32[64], f32[12], f32[192], f32[4], f32[4], f32[32], f32[128]) = aten.split_with_sizes(wait_tensor_1, [4, 4, 4, 256, 16, 256, 4, 4, 4, 64, 12, 192, 4, 4, 4, 256, 16, 256, 4, 4, 4, 64, 12, 192, 4, 4, 32, 128])  # free: wait_tensor_1
+getitem_53: f32[4] = split_with_sizes[0]
+getitem_54: f32[4] = split_with_sizes[1]
+getitem_55: f32[4] = split_with_sizes[2]
 getitem_56: f32[256] = split_with_sizes[3]
 getitem_57: f32[16] = split_with_sizes[4]
 getitem_58: f32[256] = split_with_sizes[5]
-getitem_59: f32[16] = split_with_sizes[6]
-getitem_60: f32[16] = split_with_sizes[7]
-getitem_61: f32[16] = split_with_sizes[8]
+getitem_59: f32[4] = split_with_sizes[6]
+getitem_60: f32[4] = split_with_sizes[7]
+getitem_61: f32[4] = split_with_sizes[8]
 getitem_62: f32[64] = split_with_sizes[9]
-getitem_63: f32[16] = split_with_sizes[10]
+getitem_63: f32[12] = split_with_sizes[10]
 getitem_64: f32[192] = split_with_sizes[11]
-getitem_65: f32[16] = split_with_sizes[12]
-getitem_66: f32[16] = split_with_sizes[13]
-getitem_67: f32[16] = split_with_sizes[14]
+getitem_65: f32[4] = split_with_sizes[12]
+getitem_66: f32[4] = split_with_sizes[13]
+getitem_67: f32[4] = split_with_sizes[14]
 getitem_68: f32[256] = split_with_sizes[15]
 getitem_69: f32[16] = split_with_sizes[16]
 getitem_70: f32[256] = split_with_sizes[17]
-getitem_71: f32[16] = split_with_sizes[18]
-getitem_72: f32[16] = split_with_sizes[19]
-getitem_73: f32[16] = split_with_sizes[20]
+getitem_71: f32[4] = split_with_sizes[18]
+getitem_72: f32[4] = split_with_sizes[19]
+getitem_73: f32[4] = split_with_sizes[20]
 getitem_74: f32[64] = split_with_sizes[21]
-getitem_75: f32[16] = split_with_sizes[22]
+getitem_75: f32[12] = split_with_sizes[22]
 getitem_76: f32[192] = split_with_sizes[23]
-getitem_77: f32[16] = split_with_sizes[24]
-getitem_78: f32[16] = split_with_sizes[25]
+getitem_77: f32[4] = split_with_sizes[24]
+getitem_78: f32[4] = split_with_sizes[25]
 getitem_79: f32[32] = split_with_sizes[26]
 getitem_80: f32[128] = split_with_sizes[27]  # free: split_with_sizes
 return (None, getitem_80, getitem_79, getitem_78, getitem_77, getitem_76, getitem_75, getitem_74, getitem_73, getitem_72, getitem_71, getitem_70, getitem_69, getitem_68, getitem_67, getitem_66, getitem_65, getitem_64, getitem_63, getitem_62, getitem_61, getitem_60, getitem_59, getitem_58, getitem_57, getitem_56, getitem_55, getitem_54, getitem_53, None)""")

@@ -3,6 +3,8 @@ with nothing but the markers' arguments: no process group exists for the group t
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.fx as fx
@@ -16,7 +18,7 @@ from zerocompile.passes.lowering import ALL_TO_ALL_REDUCE_SCATTER, NATIVE_REDUCE
 from zerocompile.passes.markers import REDUCE_GRAD, UNSHARD
 from zerocompile.passes.merge_unshards import merge_repeated_unshards
 from zerocompile.passes.recompute_gathers import tag_gathers_for_recompute
-from zerocompile.passes.stages import STAGES, padded_numel, shard_numel, stage_policy
+from zerocompile.passes.stages import STAGES, chunk_numel, padded_numel, shard_numel, stage_policy
 
 pytestmark = pytest.mark.fast
 
@@ -36,19 +38,41 @@ def test_the_table_says_what_the_zero_paper_and_our_design_say():
         2: (True, True, True, False, "reduce_scatter"),
         3: (True, False, False, False, "reduce_scatter"),
     }
-    assert [stage_policy(s).local_numel(10, WORLD) for s in range(4)] == [10, 16, 16, 16]
+    assert [stage_policy(s).local_numel((10, 3), WORLD) for s in range(4)] == [30, 12, 12, 12]  # ceil(10 / 3) = 4 rows of 3
 
 
-def test_shards_are_the_fewest_whole_16_element_blocks_that_cover_the_parameter():
-    """Rank r's chunk of a gather starts at element r * shard: 16-byte aligned for int8 codes
-    (1 byte) and so for every wider dtype; no more padding than that needs."""
-    for world_size in range(1, 10):
+def test_a_shard_is_ceil_rows_over_n_rows_as_torch_chunk_and_dtensor_shard_0_split():
+    """Rank r's shard holds rows [r * ceil(R / N), ...) flattened and zero-padded: its valid rows
+    are exactly `torch.chunk`'s (and so DTensor `Shard(0)`'s local tensor on rank r, empty where
+    chunk gives none), and the N shards end to end are the flat parameter then padding, which
+    the gather's narrow-and-view relies on."""
+    for world_size in range(1, 9):
+        for shape in [(), (0,), (1,), (7,), (1, 8), (3, 64), (5, 3), (16, 4), (9, 2, 3)]:
+            full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+            rows = full.reshape(1) if full.dim() == 0 else full
+            shard = shard_numel(shape, world_size)
+            assert padded_numel(shape, world_size) == shard * world_size
+            assert shard * world_size >= full.numel()
+            assert shard * world_size - full.numel() < world_size * max(1, math.prod(shape[1:])), (shape, world_size)
+            padded = torch.cat([full.reshape(-1), full.new_zeros(shard * world_size - full.numel())])
+            chunks = rows.chunk(world_size) if rows.shape[0] else ()
+            for rank in range(world_size):
+                flat = padded[rank * shard : (rank + 1) * shard]
+                expected = chunks[rank].reshape(-1) if rank < len(chunks) else full.new_zeros(0)
+                assert torch.equal(flat[: expected.numel()], expected), (shape, world_size, rank)
+                assert not flat[expected.numel() :].any()
+
+
+def test_chunks_of_a_collective_are_the_fewest_whole_16_element_blocks():
+    """Rank r's chunk of a flat buffer cut inside a collective starts at element r * chunk:
+    16-byte aligned for int8 codes (1 byte) and so for every wider dtype; no more padding than
+    that needs."""
+    for parts in range(1, 10):
         for numel in range(0, 300):
-            shard = shard_numel(numel, world_size)
-            assert shard % 16 == 0, (numel, world_size, shard)
-            assert shard * world_size >= numel, (numel, world_size, shard)
-            assert shard == 0 or (shard - 16) * world_size < numel, (numel, world_size, shard)
-            assert padded_numel(numel, world_size) == shard * world_size
+            chunk = chunk_numel(numel, parts)
+            assert chunk % 16 == 0, (numel, parts, chunk)
+            assert chunk * parts >= numel, (numel, parts, chunk)
+            assert chunk == 0 or (chunk - 16) * parts < numel, (numel, parts, chunk)
 
 
 def _step_graph(stage: int, flavour: str) -> fx.GraphModule:
@@ -56,7 +80,7 @@ def _step_graph(stage: int, flavour: str) -> fx.GraphModule:
     policy = stage_policy(stage)
 
     def numel(shape: list[int]) -> int:
-        return policy.local_numel(shape[0] * shape[1], WORLD)
+        return policy.local_numel(shape, WORLD)
 
     def f(s1, s2, g1, g2, x):
         group = (ABSENT, WORLD, flavour)

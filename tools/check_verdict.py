@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 SENT_TOLERANCE = 0.02
-# Under the fake group (one rank of N): padding, at most 0.9 % of Φ for check.py's CHECK_GPT up to N = 8.
-FAKE_STATE_TOLERANCE = 0.01
+# Under the fake group (one rank of N = 8): padding, under 8 rows per parameter, 3.2 % of Φ for
+# check.py's CHECK_GPT (odd sizes on purpose; a model of 64-multiple widths pads nothing).
+FAKE_STATE_TOLERANCE = 0.04
 
 
 def row_name(row: dict[str, Any]) -> str:

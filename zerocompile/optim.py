@@ -240,7 +240,7 @@ def exchange_bytes(optimizer: Muon | Adafactor) -> int:
 def muon_exchange_bytes(shapes: list[tuple[int, int]], ranks: int) -> list[int]:
     """Each rank's bytes sent per `Muon.step()` over `ranks` ranks for matrices of these full
     shapes, sharded as `shard()` pads them (what `zerocompile plan --muon` counts)."""
-    numels = [shard_numel(math.prod(shape), ranks) for shape in shapes]
+    numels = [shard_numel(shape, ranks) for shape in shapes]
     owners = _owners(shapes, ranks)
     return [sum(bytes_sent_each_way(numels, owners, rank, ranks, _WIRE_DTYPE.itemsize)) for rank in range(ranks)]
 

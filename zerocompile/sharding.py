@@ -116,7 +116,7 @@ def shard(
             names=names,
             shape=tuple(param.shape),
             numel=param.numel(),
-            shard_numel=policy.local_numel(param.numel(), world_size),
+            shard_numel=policy.local_numel(tuple(param.shape), world_size),
             group_name=hybrid.shard.group_name,
             group_rank=rank,
             world_size=world_size,

@@ -85,7 +85,7 @@ def model_plan(
     n = ranks
     spread = (n - 1) / n
     parameters, trainable = counted.parameters, counted.trainable
-    padded = {param.fqn: padded_numel(param.numel, n) for param in parameters}
+    padded = {param.fqn: padded_numel(param.shape, n) for param in parameters}
     compute, reduce = precision.compute_bytes, precision.reduce_bytes
     muon_names = {param.fqn for param in muon}
     exchange = max(muon_exchange(muon, n), default=0)

@@ -30,7 +30,7 @@ def masters(counted: CountedModel, ranks: int, param_dtype: str | None) -> Maste
     parameter wider than it (the optimizer's; frozen ones keep their own dtype)."""
     narrow = ELEMENT_BYTES[param_dtype] if param_dtype else None
     moved = [
-        (padded_numel(param.numel, ranks) // ranks, param.element_bytes)
+        (padded_numel(param.shape, ranks) // ranks, param.element_bytes)
         for param in counted.trainable
         if narrow is not None and param.dtype.is_floating_point and param.element_bytes > narrow
     ]

@@ -45,7 +45,7 @@ class CountedParameter:
     numel: int
     trainable: bool
     dtype: torch.dtype  # its shard's, gradient's and (by default) optimizer state's, at any setting
-    shape: tuple[int, ...] = ()
+    shape: tuple[int, ...]
 
     @property
     def element_bytes(self) -> int:
@@ -80,17 +80,17 @@ class ZeroPrecision:
 
     def gathered_wire_bytes(self, param: CountedParameter, ranks: int) -> int:
         """Bytes of all N ranks' parts of one all-gather of `param` (stages 1-3)."""
-        shard, block = shard_numel(param.numel, ranks), self.gather_quant_block
+        shard, block = shard_numel(param.shape, ranks), self.gather_quant_block
         if block and param.dtype.is_floating_point and gathers_quantised(shard, self.compute_bytes(param), block):
             return ranks * int8_row_bytes(shard, block)
-        return self.compute_bytes(param) * padded_numel(param.numel, ranks)
+        return self.compute_bytes(param) * padded_numel(param.shape, ranks)
 
     def reduced_wire_bytes(self, param: CountedParameter, ranks: int) -> int:
         """Bytes of all N rows of one reduce-scatter of `param`'s gradient (stages 1-3; quantised
         at stage 0 too, as the first half of its all-reduce, in the same shards)."""
         if self.reduce_quant_block:
-            return ranks * int8_row_bytes(shard_numel(param.numel, ranks), self.reduce_quant_block)
-        return self.reduce_bytes(param) * padded_numel(param.numel, ranks)
+            return ranks * int8_row_bytes(shard_numel(param.shape, ranks), self.reduce_quant_block)
+        return self.reduce_bytes(param) * padded_numel(param.shape, ranks)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -232,7 +232,7 @@ def model_json(
         "largest_param": {
             "fqn": largest.fqn,
             "numel": largest.numel,
-            "padded_numel": padded_numel(largest.numel, ranks),
+            "padded_numel": padded_numel(largest.shape, ranks),
         },
         "buffer_bytes": counted.buffer_bytes,
         "muon": {
