@@ -41,7 +41,7 @@ from zerocompile.process_hooks import ProcessHooks
 from zerocompile.rank_deaths import RANK_DEATHS, watch_job, worth_watching
 from zerocompile.sharded_modules import FIX_BEFORE_SHARD, data_replaced_message, install_state, module_state
 from zerocompile.sharded_parameters import ShardInfo, parameter_owners, shard_info, sharded_shape
-from zerocompile.state_dicts import ShardedStateDictNotice, keep_this_ranks_slice_of_full_tensors
+from zerocompile.state_dicts import load_full_or_distributed_tensors, shards_as_dtensors
 from zerocompile.user_warnings import warn_at_caller
 from zerocompile.weights import file_readers
 
@@ -156,11 +156,10 @@ def shard(
         first = next((infos[p].fqn for p in store.regions), "")
         dump.emit_offload(dump.dump_dir(config.dump_dir), f"{type(passed).__name__.lower()}@{first}", store.traffic)
     sync = GradientSync({shard_info(param).fqn: param for param in owners})
-    notice = ShardedStateDictNotice()
     for prefix, module in model.named_modules():
         if install_state(module, prefix, sync).shards:
-            module.register_load_state_dict_pre_hook(keep_this_ranks_slice_of_full_tensors)
-            module.register_state_dict_post_hook(notice)
+            module.register_load_state_dict_pre_hook(load_full_or_distributed_tensors)
+            module.register_state_dict_post_hook(shards_as_dtensors)
     if config.broadcast_buffers:
         broadcast_buffers_in_forward(model, group, sync)
     if config.param_dtype is not None:

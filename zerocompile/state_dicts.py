@@ -1,30 +1,35 @@
 """A sharded model's `state_dict()` and `load_state_dict()`: the hooks `shard()` puts on each
 module holding parameters, and zerocompile's own reading of a state dict.
 
-A state dict of a sharded model holds this rank's shards. Loading a full state dict (as every rank
-of a DDP job holds one) keeps this rank's slice of each full tensor; the first state dict that
-holds shards says so, once per model, unless zerocompile itself is reading it (checkpoints).
+A state dict of a sharded model holds a DTensor per sharded parameter (its full shape, this rank's
+rows, the shard's own storage), as FSDP2's does: torch's DCP state-dict tools read and write it.
+Loading takes those, any other DTensor of the full shape, or a full tensor (as every rank of a DDP
+job holds one: this rank keeps its slice, no communication). zerocompile's own reads
+(checkpoints) see the sharded Parameters themselves.
 """
 
 from __future__ import annotations
 
 import contextvars
-import warnings
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
+from zerocompile.dtensors import as_dtensor, shard_mesh, shard_of
+from zerocompile.gathered import is_gathered
 from zerocompile.meta_init import local_slice
 from zerocompile.sharded_modules import module_state
-from zerocompile.sharded_parameters import shard_info
+from zerocompile.sharded_parameters import ShardInfo, is_sharded, shard_info
 
-# Set while zerocompile itself reads a state dict (checkpoints), which must not warn the user.
+# Set while zerocompile itself reads a state dict (checkpoints), which wants its Parameters as they are.
 _READING_OWN_STATE_DICT: contextvars.ContextVar[bool] = contextvars.ContextVar("zerocompile_reading_own_state_dict", default=False)
 
 
 def own_state_dict(model: nn.Module) -> dict[str, Any]:
-    """`model.state_dict(keep_vars=True)` for zerocompile's own use, without the notice below."""
+    """`model.state_dict(keep_vars=True)` for zerocompile's own use: the sharded Parameters, not DTensors."""
     token = _READING_OWN_STATE_DICT.set(True)
     try:
         return model.state_dict(keep_vars=True)
@@ -38,7 +43,7 @@ def persistent_buffers(model: nn.Module, params: dict[nn.Parameter, tuple[str, .
     return {k: v for k, v in own_state_dict(model).items() if k not in param_names}
 
 
-def keep_this_ranks_slice_of_full_tensors(
+def load_full_or_distributed_tensors(
     module: nn.Module,
     state_dict: dict[str, Any],
     prefix: str,
@@ -48,44 +53,46 @@ def keep_this_ranks_slice_of_full_tensors(
     unexpected_keys: list[str],
     error_msgs: list[str],
 ) -> None:
-    """`load_state_dict` of a full state dict (as every rank of a DDP job holds one): a tensor of a
-    sharded parameter's full shape is replaced by this rank's slice of it, so the load needs no
-    communication. The model's own shards (from `state_dict()`) pass unchanged, and any other
+    """`load_state_dict` of a sharded parameter: a plain tensor of its full shape (as every rank of
+    a DDP job holds one) is replaced by this rank's slice of it, with no communication; a DTensor
+    of its full shape (this model's `state_dict()`, DCP's, FSDP2's, any placement) by this rank's
+    shard of it (`dtensors.shard_of`). A flat shard of this layout passes unchanged, and any other
     shape meets torch's usual size-mismatch error."""
     for name, shard in module_state(module).shards.items():
         info = shard_info(shard)
         value = state_dict.get(prefix + name)
-        held = module._parameters.get(name)  # full inside `gathered()`: then a full tensor fits as it is
-        full_to_shard = held is not None and tuple(held.shape) != info.shape
-        if full_to_shard and isinstance(value, torch.Tensor) and tuple(value.shape) == info.shape:
+        if _whole_now(module, name, info) or not isinstance(value, torch.Tensor):
+            continue
+        if isinstance(value, DTensor):
+            if tuple(value.shape) == info.shape:
+                state_dict[prefix + name] = shard_of(value, info)
+        elif tuple(value.shape) == info.shape:
             state_dict[prefix + name] = local_slice(value.detach().reshape(-1), info.shard_numel, info.group_rank)
 
 
-class ShardedStateDictNotice:
-    """A `state_dict()` post-hook on every module of one sharded model: the first state dict that
-    holds shards says so, once per model. `torch.save(model.state_dict(), ...)`, the DDP habit,
-    would otherwise write 1/N of the model and fail only when loaded, maybe after the job ended."""
+def shards_as_dtensors(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict) -> None:
+    """A `state_dict()` post-hook on every module holding sharded parameters: each shard in the
+    state dict becomes a DTensor of the parameter's full shape over the shard group, a view of the
+    shard (`dtensors.as_dtensor`), as FSDP2's state dicts hold. DCP's `get_model_state_dict`
+    gathers them into full tensors (`full_state_dict=True`) or saves each rank's rows, and
+    `torch.save` writes what describes itself (`.shape`, `.full_tensor()`), not an anonymous
+    1/N slice. zerocompile's own reads (checkpoints) keep the Parameters."""
+    if _READING_OWN_STATE_DICT.get():
+        return
+    meshes: dict[str, DeviceMesh] = {}
+    for name, shard in module_state(module).shards.items():
+        info = shard_info(shard)
+        key = prefix + name
+        if _whole_now(module, name, info) or key not in state_dict:
+            continue
+        if info.group_name not in meshes:
+            meshes[info.group_name] = shard_mesh(info, shard.device)
+        value = state_dict[key]
+        dtensor = as_dtensor(value.detach(), info, meshes[info.group_name])
+        state_dict[key] = nn.Parameter(dtensor, requires_grad=value.requires_grad) if isinstance(value, nn.Parameter) else dtensor
 
-    def __init__(self) -> None:
-        self.said = False
 
-    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict) -> None:
-        if self.said or _READING_OWN_STATE_DICT.get():
-            return
-        for name, shard in module_state(module).shards.items():
-            info = shard_info(shard)
-            held = module._parameters.get(name)  # full inside `gathered()`: then nothing to say
-            if held is not None and tuple(held.shape) != info.shape:
-                self.said = True
-                warnings.warn(
-                    f"state_dict() of a model sharded by zerocompile (stage {info.stage}, {info.world_size} "
-                    f"ranks) holds this rank's shards, not the model: '{prefix}{name}' is a flat "
-                    f"{tuple(held.shape)} slice of {info.shape}. Saved with torch.save it loads only into this "
-                    "model sharded the same way on this rank. To save the model: zerocompile.save(path, model, "
-                    "optimizer) (every rank writes its shards; loads at any world size and stage), "
-                    "zerocompile.full_state_dict(model) (full tensors on rank 0, for torch.save), or "
-                    "zerocompile.save_weights(model, path) (safetensors, as Hugging Face). Said once per model.",
-                    UserWarning,
-                    stacklevel=2,
-                )
-                return
+def _whole_now(module: nn.Module, name: str, info: ShardInfo) -> bool:
+    """Whether `module.name` holds its whole parameter now (stage 0, or inside `gathered()`), not a shard."""
+    held = module._parameters.get(name)
+    return held is None or not is_sharded(info) or is_gathered(held)
