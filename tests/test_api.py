@@ -213,8 +213,8 @@ def test_frozen_parameters_get_no_reduction(single_rank) -> None:
         compiled(torch.randn(2, 6)).backward()
     (backward,) = [g for g in graphs if g.kind == "backward"]
     reduced = sorted((p, n) for e in backward.ledger.entries for p, n in zip(e.params, e.param_bytes))
-    # The bytes of this rank's shards: 5 and 50 elements padded to whole 16-element blocks.
-    assert reduced == [("head.bias", 16 * 4), ("head.weight", 64 * 4)], "only the trainable head is reduced"
+    # The bytes of this rank's shards: head (5, 10) and its bias, ceil(5 / N) rows each.
+    assert reduced == [("head.bias", 5 * 4), ("head.weight", 50 * 4)], "only the trainable head is reduced"
     assert model.frozen._parameters["weight"].grad is None
 
 

@@ -150,8 +150,8 @@ def test_data_replaced_after_shard_fails_at_the_next_compiled_call(two_ranks) ->
     for report in two_ranks[0]:
         message = report["data_replaced"]
         assert "parameter 'fc2.weight' holds a tensor of shape (11, 13)" in message, message
-        # 143 elements over 2 ranks: 72 each, rounded up to whole 16-element blocks
-        assert "sharded to (80,)" in message and "stage 3" in message and "before it" in message, message
+        # 11 rows of 13 over 2 ranks: 6 rows each
+        assert "sharded to (78,)" in message and "stage 3" in message and "before it" in message, message
 
 
 @pytest.mark.parametrize("damage", ("file_deleted", "byte_flipped"))
@@ -285,7 +285,7 @@ def test_new_or_replaced_parameters_are_refused(single_rank) -> None:
 @pytest.mark.parametrize("stage", (0, 3))
 def test_data_replaced_after_shard_fails_at_the_next_forward_or_step(single_rank, stage: int) -> None:
     model, compiled, optimizer = _sharded_mlp(stage)
-    sharded = "(13, 7)" if stage == 0 else "(96,)"  # one rank: 91 elements in whole 16-element blocks
+    sharded = "(13, 7)" if stage == 0 else "(91,)"  # one rank: all 13 rows of 7
     weight = model.fc1._parameters["weight"]
     weight.data = torch.randn(5, 5)
     expected = rf"parameter 'fc1.weight' holds a tensor of shape \(5, 5\), but at stage {stage} it is sharded to {re.escape(sharded)}"

@@ -111,7 +111,7 @@ def test_fake_group_of_eight_on_cpu_holds_16_phi_over_8(tmp_path: Path) -> None:
     assert (row["backend"], row["ranks"], row["stage"]) == ("fake", 8, 3)
     phi = check.full_numel()
     assert row["state_bytes"] == [check.expected_state_bytes(3, 8)]
-    assert row["state_bytes"][0] == pytest.approx(16 * phi / 8, rel=0.01)
+    assert row["state_bytes"][0] == pytest.approx(16 * phi / 8, rel=check_verdict.FAKE_STATE_TOLERANCE)
     assert row["device_peak_bytes"] is None and row["sent_bytes"] is None
 
 

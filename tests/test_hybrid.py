@@ -243,6 +243,8 @@ def bytes_report(rank: int, world_size: int, dump_root: str) -> dict[str, dict]:
             "ledger": sum(ledger.sent_bytes for ledger in ledgers),
             "across_nodes": sum(ledger.sent_across_nodes(SHARD_SIZE) for ledger in ledgers),
             "phi": zc.full_numel(model),
+            # Φ as the collectives carry it: each parameter padded to whole rows per shard-group rank.
+            "padded_phi": sum(info.shard_numel * info.world_size for info in {id(p): p._zero for p in model.parameters()}.values()),
         }
     return report
 
@@ -269,11 +271,12 @@ def test_bytes_across_nodes_follow_the_formulas_and_the_ledger_what_was_written(
     """docs/launchers.md's formulas, nodes of M = 2 among N = 4, fp32 (p = 4), gloo: hybrid sends
     2pΦ(N-M)/(N·M) to other nodes (the replicas' ring all-reduce of the reduced shards), hpZ
     pΦ(N-1)/(N·M) for the forward's ring all-gather over all ranks plus pΦ(N-M)/N for the
-    reduce-scatter, an all-to-all on gloo (its backward gathers stay inside the node). This MLP's
-    shards need no padding, so the ledger meets the formulas exactly; what the rank wrote is the
-    ledger's total plus gloo's message headers and the step's small collectives."""
+    reduce-scatter, an all-to-all on gloo (its backward gathers stay inside the node). With Φ as
+    the collectives carry it (padded to whole rows: the last layer's 2 rows over hpZ's 4 ranks
+    travel as 4) the ledger meets the formulas exactly; what the rank wrote is the ledger's total
+    plus gloo's message headers and the step's small collectives."""
     facts = bytes_sent[layout]
-    phi, n, m, p = facts["phi"], WORLD, SHARD_SIZE, 4
+    phi, n, m, p = facts["padded_phi"], WORLD, SHARD_SIZE, 4
     hpz = p * phi * (n - 1) / (n * m) + p * phi * (n - m) / n
     formula = 2 * p * phi * (n - m) / (n * m) if layout == "K" else hpz
     assert facts["across_nodes"] == formula

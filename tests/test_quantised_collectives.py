@@ -12,6 +12,8 @@ Three layers, each exact where it can be:
 
 from __future__ import annotations
 
+import math
+
 import hypothesis
 import hypothesis.strategies as st
 import pytest
@@ -89,7 +91,7 @@ def test_dequantises_into_the_compute_dtype():
 
 # -- the collectives, against a local simulation -----------------------------------------------
 
-NUMELS = [(5, 3), (70,), (1,)]  # uneven, bigger than a block, smaller than a block
+NUMELS = [(17, 3), (70,), (1,)]  # uneven rows, bigger than a block, smaller than a block
 
 
 def _rank_tensor(rank: int, shape: tuple[int, ...], salt: int) -> torch.Tensor:
@@ -113,7 +115,10 @@ def collectives_match_simulation(rank: int, world_size: int, block: int) -> dict
     for flavour in (lowering.ALL_TO_ALL_REDUCE_SCATTER, lowering.NATIVE_REDUCE_SCATTER):
         fulls = lowering.gather_bucket(shards_of(rank), shapes, group_name, world_size, flavour, torch.float32, block)
         for i, (shape, full) in enumerate(zip(shapes, fulls)):
-            rows = _simulated_rows([shards_of(r)[i] for r in range(world_size)], block)
+            sent = [shards_of(r)[i] for r in range(world_size)]
+            # A shard whose int8 row would be the larger travels exact (`gathers_quantised`).
+            quantised = lowering.gathers_quantised(shard_numels[i], 4, block)
+            rows = _simulated_rows(sent, block) if quantised else torch.stack(sent)
             error = (full - rows.reshape(-1)[: full.numel()].view(shape)).abs().max().item()
             errors[f"gather {shape} {flavour}"] = error
     # Reductions: row o of every rank's [N, S] bucket (each gradient in its N shards) is bound
@@ -126,10 +131,14 @@ def collectives_match_simulation(rank: int, world_size: int, block: int) -> dict
     marker = ReduceGradArgs(None, sum(shard_numels), 2, group_name, world_size, flavour, quant_block=block)
     reduced = lowering.reduce_scatter_bucket(grads_of(rank), shard_numels, marker)
     errors["reduce_scatter"] = (torch.cat(reduced) - means[rank]).abs().max().item()
-    # Stage 0's all-reduce: that reduce-scatter, then every rank's means gathered quantised.
+    # Stage 0's all-reduce: the same reduce-scatter over the gradients cut in aligned flat chunks
+    # (`chunk_numel`, not a parameter's rows), then every rank's means gathered quantised.
     averaged = lowering.all_reduce_bucket(grads_of(rank), marker)
+    chunks = [stages.chunk_numel(math.prod(shape), world_size) for shape in shapes]
+    buckets = [lowering.pack(grads_of(r), world_size, chunks).view(world_size, -1) for r in range(world_size)]
+    means = [_simulated_rows([bucket[owner] for bucket in buckets], block).sum(0) / world_size for owner in range(world_size)]
     gathered = _simulated_rows(means, block)
-    for grad, column, shape in zip(averaged, gathered.split(shard_numels, dim=1), shapes):
+    for grad, column, shape in zip(averaged, gathered.split(chunks, dim=1), shapes):
         expected = column.reshape(-1)[: grad.numel()].view(shape)
         errors[f"all_reduce {shape}"] = (grad - expected).abs().max().item()
     return errors

@@ -8,6 +8,8 @@ warm-up, so they include everything the process wrote, not just what we think we
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -63,6 +65,7 @@ def stage_report(rank: int, world_size: int) -> dict[int, dict]:
         report[stage] = {
             "phi": zc.full_numel(model),
             "shard_numels": [zc.sharded_parameters.shard_info(p).shard_numel for p in model.parameters()],
+            "row_numels": [math.prod(zc.sharded_parameters.shard_info(p).shape[1:]) for p in model.parameters()],
             "held": held[-1],
             "sent_per_step": sent[-1],
             "graphs": graphs,
@@ -86,7 +89,7 @@ def test_model_state_held_between_steps(reports, stage: int, world_size: int) ->
     else:
         assert held == 16 * sum(r["shard_numels"])
         padding = sum(r["shard_numels"]) * world_size - r["phi"]
-        assert 0 <= padding < world_size * len(r["shard_numels"])
+        assert 0 <= padding < world_size * sum(r["row_numels"])  # under N rows per parameter
         assert abs(held - 16 * r["phi"] / world_size) <= 16 * padding
 
 
@@ -180,12 +183,11 @@ def shard_layout(rank: int, world_size: int) -> dict[tuple, dict]:
     return layout
 
 
-def test_shards_of_uneven_parameters_are_16_byte_aligned_chunks() -> None:
-    """Every shard holds a multiple of 16 elements, so in an all-gather's output rank r's chunk
-    starts at byte r * shard * itemsize, a multiple of 16 for int8 codes (1 byte) and every wider
-    dtype; the chunks are rank-ordered slices of the flat parameter, zero padded, and the padding
-    is no more than the alignment needs (rank 1 holds only padding of the 3-element bias). Stage 0
-    keeps each parameter whole, unpadded."""
+def test_shards_of_uneven_parameters_are_whole_rows() -> None:
+    """Every shard holds ceil(rows / N) rows of its parameter's dim 0; the chunks of an all-gather
+    are the rank-ordered rows of the flat parameter, zero padded by under N rows (fc3.weight's 3
+    rows: 2 on rank 0; 1 and a row of padding on rank 1). Stage 0 keeps each parameter whole,
+    unpadded."""
     world_size = 2
     layout = run_on_ranks(world_size, shard_layout)
     for rank, held in enumerate(layout):
@@ -196,6 +198,7 @@ def test_shards_of_uneven_parameters_are_16_byte_aligned_chunks() -> None:
                 assert shard == numel and entry["held"] == entry["shape"], where
                 continue
             assert entry["held"] == (shard,), where
-            assert all(r * shard * itemsize % 16 == 0 for r in range(world_size) for itemsize in (1, 2, 4)), where
-            assert (shard - 16) * world_size < numel <= shard * world_size, where
+            rows, width = entry["shape"][0], math.prod(entry["shape"][1:])
+            assert shard == math.ceil(rows / world_size) * width, where
+            assert (shard - width) * world_size < numel <= shard * world_size, where
             assert entry["gathers_back"], where
