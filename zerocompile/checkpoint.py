@@ -27,6 +27,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from zerocompile import checkpoint_files as files
 from zerocompile.distributed import agreed
+from zerocompile.dtensors import group_mesh
 from zerocompile.offload import full_precision, master_written, offloaded_state
 from zerocompile.optimizers import optimizer_list, replicated_state_keys
 from zerocompile.sharded_parameters import ShardInfo, is_sharded, parameter_owners, shard_info
@@ -60,9 +61,7 @@ def parameter_names(model: nn.Module) -> dict[nn.Parameter, tuple[str, ...]]:
 @functools.cache
 def _mesh(group: dist.ProcessGroup, device_type: str) -> Any:
     """One mesh per group object and device type, for one `save` or `load` (`_meshes_per_call`)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    return DeviceMesh.from_group(group, device_type)
+    return group_mesh(group, device_type)
 
 
 def _meshes_per_call(operation: Callable[..., Any]) -> Callable[..., Any]:
@@ -90,9 +89,9 @@ def _global_view(local: torch.Tensor, info: ShardInfo | None) -> torch.Tensor:
     from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
     # Rank r holds [r * shard_numel, (r + 1) * shard_numel) of the flat tensor, the last ranks
-    # shorter or empty. Shard(0) alone would tell DCP torch.chunk's split, whose chunks are not
-    # rounded up to our 16-element alignment; the wrapper (torch's own, for shards DTensor's
-    # placements cannot describe) gives DCP this rank's offset and size instead.
+    # shorter or empty. Shard(0) alone would tell DCP torch.chunk's split of the flat tensor, not
+    # of the parameter's rows; the wrapper (torch's own, for shards DTensor's placements cannot
+    # describe) gives DCP this rank's offset and size instead.
     offset = min(info.shard_offset, info.numel)
     return DTensor.from_local(
         LocalShardsWrapper([local.detach()[: info.valid_numel]], [(offset,)]),

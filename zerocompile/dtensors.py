@@ -27,10 +27,15 @@ from zerocompile.meta_init import local_slice
 from zerocompile.sharded_parameters import ShardInfo
 
 
+def group_mesh(group: c10d.ProcessGroup, device_type: str) -> DeviceMesh:
+    """The 1-D mesh of `group` (made from the group, no collective), unnamed: equal to FSDP2's
+    default mesh over the same ranks, so their DTensors copy into each other's."""
+    return DeviceMesh.from_group(group, device_type)
+
+
 def shard_mesh(info: ShardInfo, device: torch.device) -> DeviceMesh:
-    """The 1-D mesh of `info`'s shard group (made from the group, no collective), unnamed: equal to
-    FSDP2's default mesh over the same ranks, so their DTensors copy into each other's."""
-    return DeviceMesh.from_group(c10d._resolve_process_group(info.group_name), device.type)
+    """The mesh of `info`'s shard group."""
+    return group_mesh(c10d._resolve_process_group(info.group_name), device.type)
 
 
 def local_rows(info: ShardInfo) -> int:
