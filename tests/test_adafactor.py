@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocompile as zc
+from zerocompile.dtensor_parameters import flat_state
 import zerocompile.optim
 from matrix_optimizers import MuonGPT, case_id, largest_difference, parity_report, report_of
 from models import global_batch
@@ -37,7 +38,7 @@ def _adafactor(model: nn.Module, ours: bool) -> list[torch.optim.Optimizer]:
 
 
 def _factored_matrices_sharded_vectors(optimizers: list[torch.optim.Optimizer]) -> None:
-    for param, state in optimizers[0].state.items():
+    for param, state in flat_state(optimizers[0]).items():
         info = zc.sharded_parameters.shard_info(param)
         if len(info.shape) == 1:
             assert state["variance"].shape == (info.shard_numel,)

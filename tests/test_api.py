@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import weakref
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 import torch.distributed as dist
 from torch import nn
 
@@ -193,17 +195,56 @@ def test_backend_resolves_by_name_through_the_entry_point() -> None:
     assert "zero" in torch._dynamo.list_backends()
 
 
-def test_shard_keeps_parameter_objects_and_names(single_rank) -> None:
+def test_shard_keeps_names_and_gives_dtensor_parameters_of_the_full_shapes(single_rank) -> None:
+    """What users see is a DTensor of each parameter's full shape; the object held before shard()
+    is its flat shard (what the graphs read), and a tied pair stays one parameter."""
     model = TiedGPT()
     before = dict(model.named_parameters())
+    shapes = {name: p.shape for name, p in before.items()}
     zc.shard(model, stage=3)
     after = dict(model.named_parameters())
     assert after.keys() == before.keys()
-    assert all(after[name] is before[name] for name in before)
+    assert all(isinstance(after[name], DTensor) and after[name].shape == shapes[name] for name in before)
+    assert all(zc.sharded_parameters.user_parameter(before[name]) is after[name] for name in before)
+    assert all(before[name].dim() == 1 for name in before)  # the flat shards
     assert model.gpt.lm_head.weight.shape == model.gpt.wte.weight.shape == (256, 32)
+    assert model.gpt.wte._parameters["weight"] is model.gpt.lm_head._parameters["weight"]
     tied = zc.sharded_parameters.shard_info(model.gpt.wte._parameters["weight"])
     assert tied.names == ("gpt.wte.weight", "gpt.lm_head.weight")
-    assert all(p.dim() == 1 for p in model.parameters())
+
+
+def test_zero_grad_frees_the_gradients_behind_the_dtensor_parameters(single_rank) -> None:
+    """Each parameter's `.grad` is a DTensor view of a padded flat gradient; nothing else keeps
+    that gradient, so `zero_grad()` frees it as it frees a plain model's (held past it, stage 3
+    would carry Φ/N gradient bytes through the next forward)."""
+    model = zc.shard(UnevenMLP(), stage=3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
+    compiled(local_batch("uneven_mlp", 0, 0, 1)).sum().backward()
+    optimizer.step()
+    flat = [weakref.ref(zc.dtensor_parameters.flat_grad(p)) for p in model.parameters()]
+    assert all(isinstance(p.grad, DTensor) for p in model.parameters()) and all(ref() is not None for ref in flat)
+    optimizer.zero_grad(set_to_none=True)
+    assert [ref() for ref in flat] == [None] * len(flat)
+
+
+def test_module_to_keeps_the_dtensor_parameters_on_their_shards(single_rank) -> None:
+    """`model.to(...)` (Trainer and accelerate call it on a sharded model) keeps each parameter the
+    same DTensor object, now over its shard's converted data: nn.Module._apply would otherwise
+    swap a DTensor's contents for a new Parameter's, cutting it from its shard."""
+    model = zc.shard(UnevenMLP(), stage=3)
+    before = list(model.parameters())
+    model.to("cpu")
+    model.to(torch.float64)
+    after = list(model.parameters())
+    assert all(p is q for p, q in zip(before, after, strict=True))
+    for param in after:
+        shard = zc.sharded_parameters.shard_of_parameter(param)
+        assert shard is not param and param.dtype == shard.dtype == torch.float64
+        assert param.to_local().untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
+    compiled = torch.compile(model, backend="zero", options={"compiler": "eager"})
+    compiled(local_batch("uneven_mlp", 0, 0, 1).double()).sum().backward()
+    assert all(isinstance(p.grad, DTensor) and p.grad.dtype == torch.float64 for p in after)
 
 
 def test_frozen_parameters_get_no_reduction(single_rank) -> None:
@@ -275,7 +316,7 @@ def subgroups_and_uncompiled_match_ddp(rank: int, world_size: int) -> list[float
             x = local_batch("uneven_mlp", step, rank, world_size)
             for run, optimizer in zip((forward, reference), optimizers):
                 train(run, optimizer, [x])
-        full = {fqn: p._zero.gather(p.detach()) for fqn, p in model.named_parameters()}
+        full = {fqn: p.detach().full_tensor() for fqn, p in model.named_parameters()}
         errors.append(max((full[k] - v).abs().max().item() for k, v in reference.module.named_parameters()))
     return errors
 

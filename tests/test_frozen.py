@@ -59,7 +59,7 @@ def _sharded(stage: int) -> dict:
     outcome.update(
         reduced=sorted({fqn for e in entries if e.op != "all_gather" for fqn in e.params}),
         gathered_sent=sum(e.sent_bytes for e in entries if e.op == "all_gather"),
-        trainable_shard_bytes=sum(p.numel() * p.element_size() for p in trainable),
+        trainable_shard_bytes=sum(zc.sharded_parameters.shard_info(p).shard_numel * p.element_size() for p in trainable),
         trainable_bytes=sum(zc.sharded_parameters.shard_info(p).numel * p.element_size() for p in trainable),
     )
     return outcome

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerocompile as zc
+from zerocompile.dtensor_parameters import flat_state
 import zerocompile.optim
 from matrix_optimizers import STEPS, MuonGPT, case_id, largest_difference, parity_report, report_of, train_step
 from zerocompile.tools import dump as dump_tool
@@ -63,7 +64,7 @@ def _muon_and_adamw(model: nn.Module, ours: bool) -> list[torch.optim.Optimizer]
 
 
 def _momentum_is_one_shard(optimizers: list[torch.optim.Optimizer]) -> None:
-    for param, state in optimizers[0].state.items():  # Muon's state is 1/N: one shard's momentum
+    for param, state in flat_state(optimizers[0]).items():  # Muon's state is 1/N: one shard's momentum
         assert state["momentum_buffer"].shape == (zc.sharded_parameters.shard_info(param).shard_numel,)
 
 

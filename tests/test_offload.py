@@ -48,6 +48,8 @@ import zerocompile.sharding
 from matrix_optimizers import STEPS, MuonGPT, train_step
 from models import global_batch
 from ranks import run_cases, run_on_ranks
+from zerocompile.dtensor_parameters import flat_state
+from zerocompile.sharded_parameters import shard_of_parameter
 
 # The step's mechanics lean on torch.optim's internals (the hooked step, the state's layout): the
 # core tier runs them on every supported torch.
@@ -190,7 +192,7 @@ MIXED = {"param_dtype": torch.bfloat16}
 
 def _master_differences(in_memory: dict, offloaded: dict) -> dict:
     return {
-        "masters_differ": sorted(n for n, p in in_memory["params"].items() if not torch.equal(p, offloaded["precise"][n])),
+        "masters_differ": sorted(n for n, p in in_memory["precise"].items() if not torch.equal(p, offloaded["precise"][n])),
         "shards_differ": sorted(n for n, p in in_memory["params"].items() if not torch.equal(p.bfloat16(), offloaded["params"][n])),
         "full_differ": sorted(n for n, t in in_memory["full"].items() if not torch.equal(t, offloaded["full"][n])),
         "states_differ": _differing_states(in_memory, offloaded),
@@ -290,17 +292,19 @@ def _load_and_step(rank: int, world_size: int, root: str, stage: int) -> dict:
         not_in_store = [
             f"{key} of {tuple(p.shape)}"
             for o, s in zip(optimizers, stores)
-            for p, st in o.state.items()
+            for p, st in flat_state(o).items()
             for key in s.regions[p]
             if st[key] is not s.view(p, key)
         ]  # fmt: skip
         compiled = torch.compile(model, backend="zero")
         for step in range(3, 5):
             train_step(compiled, model, optimizers, step, rank, world_size, "plain", None)
-        names = {p: n for n, p in model.named_parameters()}
+        # Plain tensors (the shards, the state the step sees) travel back: a DTensor compared in
+        # the test's process would reduce over a group that is not there.
+        names = {shard_of_parameter(p): n for n, p in model.named_parameters()}
         results[store] = {
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "states": {f"{names[p]}.{k}": v.clone() for o in optimizers for p, st in o.state.items() for k, v in st.items() if isinstance(v, torch.Tensor)},
+            "params": {n: shard_of_parameter(p).detach().clone() for n, p in model.named_parameters()},
+            "states": {f"{names[p]}.{k}": v.clone() for o in optimizers for p, st in flat_state(o).items() for k, v in st.items() if isinstance(v, torch.Tensor)},
             "resident_after_load": resident,
             "loaded_outside_the_store": not_in_store,
         }
@@ -333,13 +337,14 @@ def test_load_state_dict_puts_the_state_back_on_disk(single_rank, tmp_path) -> N
     optimizer.step()
     saved = optimizer.state_dict()  # its tensors are the file's: copied, as torch.save would
     saved["state"] = {k: {n: v.clone() for n, v in st.items()} for k, st in saved["state"].items()}
-    expected = {id(p): {k: v.clone() for k, v in st.items()} for p, st in optimizer.state.items()}
+    expected = {id(p): {k: v.clone() for k, v in st.items()} for p, st in flat_state(optimizer).items()}
     disk = zerocompile.offload.offloaded_state(optimizer)
     for state in optimizer.state.values():
         state["exp_avg"].zero_()
     optimizer.load_state_dict(saved)
     assert resident_bytes(disk.path) == 0
-    for param, state in optimizer.state.items():
+    # Users' state shows DTensor views; the tensors behind them (what the step sees) are the file's.
+    for param, state in flat_state(optimizer).items():
         for key in ("exp_avg", "exp_avg_sq"):
             assert state[key] is disk.view(param, key), f"{key} left in memory"
             assert torch.equal(state[key], expected[id(param)][key])
@@ -612,7 +617,7 @@ def test_without_offload_masters_the_fp32_shards_stay_in_memory(single_rank) -> 
 
 def test_values_written_into_a_shard_become_its_master_with_a_warning(single_rank) -> None:
     model, optimizer = _model_with_masters_on_host()
-    weight = model.gpt.wte._parameters["weight"]  # the shard itself (the attribute gives the full tensor)
+    weight = model.gpt.wte._parameters["weight"]  # the DTensor parameter (the attribute gives the full tensor)
     assert weight.dtype == torch.bfloat16
     with torch.no_grad():
         weight.fill_(0.5)
@@ -641,14 +646,14 @@ def test_gathered_weights_files_and_ema_see_the_fp32_masters(single_rank, tmp_pa
         with torch.no_grad():
             model.mix.weight.add_(1e-3)  # a change bf16 would round away
     assert all(torch.equal(inside[n], full[n]) for n in inside)
-    shard = model.mix._parameters["weight"]
+    shard = shard_of_parameter(model.mix._parameters["weight"])
     assert torch.equal(zc.full_state_dict(model)["mix.weight"], full["mix.weight"] + 1e-3)
     assert torch.equal(shard.detach(), zerocompile.offload.full_precision(shard).bfloat16())
     zc.save_weights(model, tmp_path / "weights")
     fresh, fresh_optimizer = _model_with_masters_on_host()
     zc.load_weights(fresh, tmp_path / "weights")
     assert all(torch.equal(t, zc.full_state_dict(fresh)[n]) for n, t in zc.full_state_dict(model).items())
-    assert all(torch.equal(p.detach(), zerocompile.offload.full_precision(p).bfloat16()) for p in fresh.parameters())
+    assert all(torch.equal(shard_of_parameter(p), zerocompile.offload.full_precision(p).bfloat16()) for p in fresh.parameters())
 
 
 def test_fp16_masters_refuse_the_grad_scaler(single_rank) -> None:

@@ -1,8 +1,8 @@
 """Optimizer groups by shape after `shard()`: nanoGPT's configure_optimizers (weight decay only on
-parameters of two or more dimensions) written with `zc.full_shape` trains like DDP.
-
-Written with `p.dim()`, it sees only 1-D shards and decays nothing: that variant is trained too,
-and must differ, so the comparison is known to tell the two apart.
+parameters of two or more dimensions) trains like DDP written with `p.dim()` (the parameters are
+DTensors of the full shape) or with `zc.full_shape`. (When parameters were flat 1-D shards, the
+`p.dim()` variant decayed nothing and was 3.5e-2 off: tests/test_torch_habits.py checks the
+groups themselves.)
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ def decay_groups(rank: int, world_size: int) -> dict[str, float]:
     return errors
 
 
-def test_groups_built_after_shard_with_full_shape_train_like_ddp() -> None:
+def test_groups_built_after_shard_by_dim_or_full_shape_train_like_ddp() -> None:
     errors = run_on_ranks(2, decay_groups)[0]
     assert errors["full_shape"] <= TOLERANCE, errors
-    assert errors["dim"] > 100 * TOLERANCE, errors  # p.dim() after shard(): no decay at all
+    assert errors["dim"] <= TOLERANCE, errors  # p.dim() after shard() is the full parameter's
 
 
 def test_full_shape_is_the_shape_before_shard(single_rank) -> None:

@@ -171,11 +171,12 @@ def shard_layout(rank: int, world_size: int) -> dict[tuple, dict]:
             zc.shard(model, stage=stage)
             for name, param in model.named_parameters():
                 info = zc.sharded_parameters.shard_info(param)
+                held = zc.sharded_parameters.shard_of_parameter(param)  # the flat shard under the DTensor
                 entry = {"shape": info.shape, "numel": info.numel, "shard_numel": info.shard_numel}
-                entry["held"] = tuple(param.shape)
+                entry["held"] = tuple(held.shape)
                 if info.policy.shards_parameters:
-                    gathered = param.new_empty(info.shard_numel * world_size)
-                    dist.all_gather_into_tensor(gathered, param.detach())
+                    gathered = held.new_empty(info.shard_numel * world_size)
+                    dist.all_gather_into_tensor(gathered, held.detach())
                     entry["gathers_back"] = bool(
                         torch.equal(gathered[: info.numel], full[name]) and not gathered[info.numel :].any()
                     )

@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import zerocompile as zc
 
@@ -67,9 +68,6 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     full = {}
     with torch.no_grad():
         for fqn, param in model.named_parameters():
-            info = zc.sharded_parameters.shard_info(param)
-            if info is None or info.stage == 0:
-                full[fqn] = param.detach().clone()
-            else:
-                full[fqn] = info.gather(param.detach())
+            # Sharded ones are DTensors of the full shape (stage 0 holds plain whole tensors).
+            full[fqn] = param.detach().full_tensor() if isinstance(param, DTensor) else param.detach().clone()
     return full

@@ -66,7 +66,8 @@ import zerocompile as zc
 from zerocompile import offload_files, torch_support
 from zerocompile.distributed import default_backend
 from zerocompile.passes.stages import shard_numel
-from zerocompile.sharded_parameters import shard_info
+from zerocompile.dtensor_parameters import flat_grad
+from zerocompile.sharded_parameters import shard_info, shard_of_parameter
 from zerocompile.tools.arguments import add_offload_arguments, positive_int
 from zerocompile.tools import spawn
 from zerocompile.tools.check_verdict import judge, render
@@ -372,19 +373,19 @@ def _train(model: _Model, device: torch.device, batches: list, count_sent: bool)
         start = time.perf_counter()
         model.runner(inputs.to(device), targets.to(device)).backward()
         if step == 0:  # the untimed step
-            first_grads = _full(model.module, lambda param: param.grad)
+            first_grads = _full(model.module, flat_grad)
         optimizer.step()
         finish_queued_work(device)
         seconds.append(time.perf_counter() - start)
         sent.append(written_bytes() - written if count_sent else 0)
     held = zc.model_state_bytes(model.module, optimizer)
-    params = _full(model.module, lambda param: param)
+    params = _full(model.module, shard_of_parameter)
     return Trace(first_grads, params, seconds[1:], sent[1:] if count_sent else None, sum(held.values()), held.get("optimizer_on_disk", held.get("optimizer_on_host", 0)))
 
 
 def _full(module: nn.Module, value: Callable[[nn.Parameter], torch.Tensor]) -> dict[str, torch.Tensor]:
     """`value(param)` for each parameter (tied ones once, by their first FQN), gathered to full
-    shape where it is a shard, on the CPU."""
+    shape where it is a flat shard (a DTensor parameter's, or its gradient's), on the CPU."""
     full = {}
     with torch.no_grad():
         for fqn, param in module.named_parameters():

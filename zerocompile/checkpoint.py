@@ -31,6 +31,7 @@ from zerocompile.dtensors import group_mesh
 from zerocompile.offload import full_precision, master_written, offloaded_state
 from zerocompile.optimizers import optimizer_list, replicated_state_keys
 from zerocompile.sharded_parameters import ShardInfo, is_sharded, parameter_owners, shard_info
+from zerocompile.dtensor_parameters import on_shards
 from zerocompile.state_dicts import own_state_dict, persistent_buffers
 
 if TYPE_CHECKING:
@@ -318,7 +319,8 @@ def save(
             description["ema"] = {"decay": ema.decay}
         return state, description, files.encode_extra(extra)
 
-    state, description, (extra_tensors, extra_json) = agreed(gather_state)
+    with on_shards(*optimizer_list(optimizer)):  # the flat state: what the checkpoint holds
+        state, description, (extra_tensors, extra_json) = agreed(gather_state)
     staging = files.staging_dir(final)
     agreed(lambda: files.prepare_staging(final) if rank == 0 else None)
     agreed(lambda: files.write_extra(staging, rank, extra_tensors, extra_json))
@@ -496,22 +498,23 @@ def load(
             padded += [(ema.shadow[p], shard_info(p)) for p in params]
         return directory, saved, views, installs, padded, extra
 
-    directory, saved, views, installs, padded, extra = agreed(plan)
+    with on_shards(*optimizer_list(optimizer)):  # the flat state: what the checkpoint holds
+        directory, saved, views, installs, padded, extra = agreed(plan)
 
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    with _single_process_quietly():
-        dcp.load(
-            views,
-            storage_reader=HuggingFaceStorageReader(str(directory / files.STATE_DIR)),
-            no_dist=not dist.is_initialized(),
-        )
-    _zero_padding(padded)
-    for param in parameter_names(model):
-        master_written(param)
-    for one, described, state in installs:
-        _install_optimizer_state(one, described, state)
+        with _single_process_quietly():
+            dcp.load(
+                views,
+                storage_reader=HuggingFaceStorageReader(str(directory / files.STATE_DIR)),
+                no_dist=not dist.is_initialized(),
+            )
+        _zero_padding(padded)
+        for param in parameter_names(model):
+            master_written(param)
+        for one, described, state in installs:
+            _install_optimizer_state(one, described, state)
     _release_disk_pages(optimizer)
     if ema is not None:
         ema.decay = saved["ema"]["decay"]

@@ -1,11 +1,12 @@
 """`clip_grad_norm_` for a sharded model: torch's, with the norm taken over the whole model.
 
-At stages 1-3 each rank holds only its shard of each gradient, so a local norm would differ per
-rank and clip each shard by its own factor. Here each rank takes the norm of the gradient it holds
-(shards without their padding; stage-0 gradients, which are whole and identical on every rank,
-once), the shard norms are combined over each parameter's own process group (a sum of p-th powers,
-or a max for the inf-norm), and torch's `clip_grads_with_norm_` scales every local gradient by the
-one resulting factor. Tied parameters are one Parameter, so they count once.
+`torch.nn.utils.clip_grad_norm_` gives the same answer on a sharded model (its parameters are
+DTensors), paying DTensor's dispatch per gradient; this one works on the flat gradients. Each rank
+takes the norm of the gradient it holds (shards without their padding; stage-0 gradients, which
+are whole and identical on every rank, once), the shard norms are combined over each parameter's
+own process group (a sum of p-th powers, or a max for the inf-norm), and every local gradient is
+scaled by the one resulting factor, as torch's `clip_grads_with_norm_` scales. Tied parameters are
+one Parameter, so they count once.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import distributed_c10d as c10d
-from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+from torch.nn.utils import get_total_norm
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
+from zerocompile.dtensor_parameters import flat_grad
 from zerocompile.sharded_parameters import ShardInfo, shard_info
 
 
@@ -43,20 +46,30 @@ def clip_grad_norm_(
         )
     whole: list[torch.Tensor] = []  # stage 0 and unsharded: complete here already
     by_group: dict[str, list[torch.Tensor]] = {}
+    grads = []
     for param in params:
         info = shard_info(param)
-        if param.grad is None:
+        grad = flat_grad(param)
+        if grad is None:
             continue
+        grads.append(grad)
         if info is None or not info.policy.shards_parameters:
-            whole.append(param.grad)
+            whole.append(grad)
             continue
-        by_group.setdefault(info.group_name, []).append(_without_padding(param.grad, info))
+        by_group.setdefault(info.group_name, []).append(_without_padding(grad, info))
     # Sorted names: every rank runs the collectives of several groups in the same order.
     norms = [_group_norm(by_group[name], norm_type, name, foreach) for name in sorted(by_group)]
     if whole:
         norms.append(get_total_norm(whole, norm_type, foreach=foreach))
     total = get_total_norm(norms, norm_type, error_if_nonfinite)
-    clip_grads_with_norm_(params, max_norm, total, foreach)
+    if grads:
+        clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for (device, _dtype), ([same], _indices) in _group_tensors_by_device_and_dtype([grads]).items():
+            if foreach or (foreach is None and _has_foreach_support(same, device)):
+                torch._foreach_mul_(same, clip_coef.to(device))
+            else:
+                for grad in same:
+                    grad.mul_(clip_coef.to(device))
     return total
 
 

@@ -26,7 +26,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from zerocompile.offload import full_precision, master_written
 from zerocompile.sharded_modules import plain_class
-from zerocompile.sharded_parameters import ShardInfo, parameter_owners, shard_info
+from zerocompile.sharded_parameters import ShardInfo, parameter_owners, shard_info, user_parameter
 
 
 def is_gathered(param: torch.Tensor) -> bool:
@@ -94,6 +94,8 @@ class gathered:
                     param.grad = None  # a shard-shaped gradient cannot sit on a full tensor
                     param.data = full
                     param._zero_gathered = True
+                    for module, attr in self._held[-1].places:  # the full tensor, not the DTensor users hold
+                        module._parameters[attr] = param
             modules = {id(m): m for held in self._held for m, _a in held.places}.values()
             self._classes = [(module, type(module)) for module in modules]
             for module, _ in self._classes:
@@ -180,7 +182,7 @@ class gathered:
             held.param.grad = held.grad
             vars(held.param).pop("_zero_gathered", None)
             for module, attr in held.places:
-                module._parameters[attr] = held.param
+                module._parameters[attr] = user_parameter(held.param)
         for module, sharded_class in self._classes:
             module.__class__ = sharded_class
         # Deleted rather than set False: compiled code guarded on its absence keeps matching.

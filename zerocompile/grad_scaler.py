@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from zerocompile.dtensor_parameters import on_shards
 from zerocompile.offload import offloaded_state
 from zerocompile.sharded_parameters import shard_info
 
@@ -51,7 +52,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 "offload_masters=False to keep the masters and fp32 gradients in memory, or use bfloat16 without a "
                 "GradScaler"
             )
-        found_per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        with on_shards(optimizer):  # plain flat gradients: torch's unscale does not take DTensors
+            found_per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         groups = _sharded_groups(optimizer)
         if not groups:
             return found_per_device

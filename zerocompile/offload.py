@@ -27,11 +27,13 @@ updates the masters (their gradients cast up from `param_dtype`) and writes the 
 Whatever reads or writes the weights at full precision (checkpoints, `full_state_dict`, weights
 files, `gathered`, EMA) goes through `full_precision` and `master_written`.
 
-The state tensors in `optimizer.state` are views of the store between steps, so `state_dict()`,
-`zc.save` and `zc.load` read and write it in place; torch's `load_state_dict` is followed by moving
-what it installed back into the store. The arithmetic is the optimizer's own, on the same values: a
-step with offloaded state equals one in memory bit for bit (every supported optimizer updates each
-parameter from its own state; Muon and Adafactor exchange per bucket what they exchanged per step).
+The state tensors the step sees are views of the store (users' `optimizer.state` shows them as
+DTensor views, `zerocompile.dtensor_parameters`), so `state_dict()`, `zc.save` and `zc.load` read
+and write it in place; torch's `load_state_dict` is followed by moving what it installed back into
+the store (`move_all_into_store`, hooked by `zerocompile.sharding`). The arithmetic is the
+optimizer's own, on the same values: a step with offloaded state equals one in memory bit for bit
+(every supported optimizer updates each parameter from its own state; Muon and Adafactor exchange
+per bucket what they exchanged per step).
 
 The file is reserved whole by `shard()`, before anything changes, and removed when the optimizer
 is collected; files of dead processes are removed by the next `shard()` offloading to the same
@@ -55,6 +57,7 @@ from typing import Any, Callable
 import torch
 
 from zerocompile.offload_files import remove_file, reserve_file
+from zerocompile.sharded_parameters import shard_of_parameter, written_count
 from zerocompile.user_warnings import warn_at_caller
 
 # Offloaded state bytes per bucket of the streamed step. Each bucket is one call of the optimizer's
@@ -169,7 +172,6 @@ class OffloadedState:
         optimizer.__class__ = _streaming_class(type(optimizer))
         optimizer._patch_step_function()  # the step hooks wrap each class's own `step`
         optimizer._zero_offloaded = self
-        optimizer.register_load_state_dict_post_hook(lambda loaded: self.move_all_into_store(loaded))
         self.move_all_into_store(optimizer)
         with torch.no_grad():
             # Bucket by bucket, so the fp32 shards go as their masters are written and the file's
@@ -182,7 +184,7 @@ class OffloadedState:
                     # keep its file past the optimizer's end (until a garbage collection, or for
                     # good in a rank that ends with os._exit).
                     param._zero_masters = weakref.ref(self)
-                    self._versions[param] = param._version
+                    self._versions[param] = written_count(param)
                 self._written(bucket)
         self.release()
 
@@ -197,7 +199,7 @@ class OffloadedState:
     def current_master(self, param: torch.Tensor) -> torch.Tensor:
         """`master(param)`, after taking in what was written into the parameter outside the
         store since the store last wrote it (the user's `copy_`, a module's `load_state_dict`)."""
-        if param._version != self._versions[param]:
+        if written_count(param) != self._versions[param]:
             warn_at_caller(
                 f"parameter {self._describe(param)} was written outside zerocompile's loaders since the last step: "
                 f"its {self.masters[param].dtype} master weights in the offload store take the written values, "
@@ -205,7 +207,7 @@ class OffloadedState:
             )
             with torch.no_grad():
                 self.master(param).copy_(param.detach())
-            self._versions[param] = param._version
+            self._versions[param] = written_count(param)
         return self.master(param)
 
     def master_written(self, param: torch.Tensor) -> None:
@@ -218,7 +220,7 @@ class OffloadedState:
         with torch.no_grad():
             param.copy_(source, non_blocking=non_blocking)
         if param in self.masters:
-            self._versions[param] = param._version
+            self._versions[param] = written_count(param)
 
     def move_all_into_store(self, optimizer: torch.optim.Optimizer) -> None:
         """`move_into_store` for every parameter, then `release`."""
@@ -557,17 +559,19 @@ class HostState(OffloadedState):
 
 def full_precision(param: torch.Tensor) -> torch.Tensor:
     """`param`'s values at full precision: its master weights where an offload store keeps them
-    (`offload_masters`), else the parameter itself."""
-    store = _masters_store(param)
-    return param if store is None else store.current_master(param)
+    (`offload_masters`), else its shard (a DTensor parameter answers with its flat shard)."""
+    shard = shard_of_parameter(param)
+    store = _masters_store(shard)
+    return shard if store is None else store.current_master(shard)
 
 
 def master_written(param: torch.Tensor) -> None:
     """After `full_precision(param)` was written: the parameter's shard made to match (nothing
     where the parameter is its own full precision)."""
-    store = _masters_store(param)
+    shard = shard_of_parameter(param)
+    store = _masters_store(shard)
     if store is not None:
-        store.master_written(param)
+        store.master_written(shard)
 
 
 def _masters_store(param: torch.Tensor) -> OffloadedState | None:
@@ -591,7 +595,12 @@ class _StreamsOffloadedState:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._zero_offloaded.step(self, _own_step(type(self).__mro__[2]))
+        try:
+            self._zero_offloaded.step(self, _own_step(type(self).__mro__[2]))
+        except BaseException:  # no step post-hook runs: users' groups and state back before it leaves
+            if "_zero_local_step" in self.__dict__:
+                self._zero_local_step.after(self)
+            raise
         return loss
 
 

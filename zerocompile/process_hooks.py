@@ -8,7 +8,9 @@ sharded model and removes them, by their handles, when the last one is collected
 made through `patch` (the Inductor workaround of `zerocompile.upstream_fixes`, the death watch of
 `zerocompile.rank_deaths`): a process that holds no sharded model runs none of our code.
 
-While one lives, every optimizer's step passes through `_before_step`. An optimizer is sorted once
+While one lives, every optimizer's step passes through `_before_step` and `_after_step`: for one
+that holds sharded parameters they run `StepAround` (the step on the flat shards of
+`zerocompile.dtensor_parameters`) around the checks and the step. An optimizer is sorted once
 (and again when its parameter groups change): one that holds no sharded parameter is dismissed by
 a weak-dictionary lookup, and none of the checks walks it. One that holds sharded parameters of a
 CPU model with `trim_heap` gets the heap trimmer as a step post-hook of its own (`zerocompile.heap`).
@@ -25,12 +27,25 @@ from torch.nn.modules.module import (
     register_module_module_registration_hook,
     register_module_parameter_registration_hook,
 )
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from zerocompile.heap import StepTrimmer, glibc_malloc_trim
 
 OptimizerCheck = Callable[[torch.optim.Optimizer], None]
+
+
+StepArguments = Callable[[torch.optim.Optimizer, tuple, dict], "tuple[tuple, dict] | None"]
+
+
+class StepAround:
+    """What runs around the step of an optimizer that holds sharded parameters: `adopt` when it is
+    first sorted (or its groups change), `before` ahead of the checks and the step (given the
+    step's arguments, it may return others, as torch's step pre-hooks may: a closure wrapped),
+    `after` once the step returned (or a check raised)."""
+
+    def __init__(self, adopt: OptimizerCheck, before: StepArguments, after: OptimizerCheck) -> None:
+        self.adopt, self.before, self.after = adopt, before, after
 
 
 class _Sorted:
@@ -51,12 +66,14 @@ class ProcessHooks:
     def __init__(
         self,
         optimizer_checks: tuple[OptimizerCheck, ...],
+        step_around: StepAround,
         holds_sharded: Callable[[torch.Tensor], bool],
         trims: Callable[[torch.Tensor], bool],
         parameter_registration: Callable[[nn.Module, str, nn.Parameter], Any],
         module_registration: Callable[[nn.Module, str, nn.Module | None], Any],
     ) -> None:
         self._optimizer_checks = optimizer_checks
+        self._around = step_around
         self._holds_sharded = holds_sharded
         self._trims = trims
         self._parameter_registration = parameter_registration
@@ -76,6 +93,7 @@ class ProcessHooks:
         if self._alive == 0:
             self._handles = [
                 register_optimizer_step_pre_hook(self._before_step),
+                register_optimizer_step_post_hook(self._after_step),
                 register_module_parameter_registration_hook(self._parameter_registration),
                 register_module_module_registration_hook(self._module_registration),
             ]
@@ -102,19 +120,32 @@ class ProcessHooks:
             self._sorted = weakref.WeakKeyDictionary()
             self.trimmers = weakref.WeakKeyDictionary()
 
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         layout = tuple(len(group["params"]) for group in optimizer.param_groups)
         known = self._sorted.get(optimizer)
         if known is None or known.layout != layout:
             known = self._sorted[optimizer] = self._sort(optimizer, layout)
         if not known.sharded:
-            return
-        for check in self._optimizer_checks:
-            check(optimizer)
+            return None
+        arguments = self._around.before(optimizer, args, kwargs)
+        try:
+            for check in self._optimizer_checks:
+                check(optimizer)
+        except BaseException:
+            self._around.after(optimizer)
+            raise
+        return arguments
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        known = self._sorted.get(optimizer)
+        if known is not None and known.sharded:
+            self._around.after(optimizer)
 
     def _sort(self, optimizer: torch.optim.Optimizer, layout: tuple[int, ...]) -> _Sorted:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         sharded = [p for p in params if self._holds_sharded(p)]
+        if sharded:
+            self._around.adopt(optimizer)
         trim = glibc_malloc_trim()
         if trim is not None and optimizer not in self.trimmers and any(self._trims(p) for p in sharded):
             trimmer = self.trimmers[optimizer] = StepTrimmer(trim)

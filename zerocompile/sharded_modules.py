@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from zerocompile.passes.markers import UNSHARD
-from zerocompile.sharded_parameters import ShardInfo, shard_info, sharded_shape
+from zerocompile.sharded_parameters import ShardInfo, shard_info, sharded_shape, user_parameter, views_its_shard
 
 if TYPE_CHECKING:
     from zerocompile.accumulation import AccumulationSlot, GradientSync
@@ -40,12 +40,14 @@ class ModuleState:
 
     prefix: str  # its name in the model: what the registration guard names; its mark of a sharded model
     sync: GradientSync  # one per model: what no_sync(model) enters and exits
-    shards: dict[str, nn.Parameter]  # its own parameters as shard() left them: what the properties expect
-    # The property's one lookup: the sharded shape and the marker's arguments after the shard (see
-    # zerocompile.passes.markers.unshard). The FQN is left out: Dynamo would guard on it, and every
-    # block of a model compiled block by block (or split by graph breaks) would then compile a graph
-    # of its own. The backend fills it in.
-    access: dict[str, tuple[tuple[int, ...], tuple, dict[str, Any]]]
+    shards: dict[str, nn.Parameter]  # its own parameters as shard() left them: what the properties read
+    # What it holds in `_parameters` for users: each shard's DTensor parameter (stage 0: the shard).
+    params: dict[str, nn.Parameter]
+    # The property's one lookup: the shard, its sharded shape and the marker's arguments after the
+    # shard (see zerocompile.passes.markers.unshard). The FQN is left out: Dynamo would guard on
+    # it, and every block of a model compiled block by block (or split by graph breaks) would then
+    # compile a graph of its own. The backend fills it in.
+    access: dict[str, tuple[nn.Parameter, tuple[int, ...], tuple, dict[str, Any]]]
     slots: dict[str, AccumulationSlot]  # each parameter's no_sync slot, shared by every module holding it
 
 
@@ -56,16 +58,19 @@ def module_state(module: nn.Module) -> ModuleState | None:
 
 
 def install_state(module: nn.Module, prefix: str, sync: GradientSync) -> ModuleState:
-    """Record `module`'s state (its parameters already carry their shard info) and, if it holds
-    parameters, give it the sharded class whose properties read that state."""
+    """Record `module`'s state (its parameters already carry their shard info, and the sharded
+    ones a DTensor parameter) and, if it holds parameters, register what users see and give it
+    the sharded class whose properties read the shards."""
     shards = {name: param for name, param in module._parameters.items() if param is not None}
+    params = {name: user_parameter(shard) for name, shard in shards.items()}
     access, slots = {}, {}
     for name, shard in shards.items():
         info = shard_info(shard)
         markers, keywords = info.marker_args(shard.dtype).call()
-        access[name] = (sharded_shape(info), markers, keywords)
+        access[name] = (shard, sharded_shape(info), markers, keywords)
         slots[name] = sync.slots[info.fqn]
-    state = ModuleState(prefix=prefix, sync=sync, shards=shards, access=access, slots=slots)
+    module._parameters.update(params)  # no registration hook runs: the guard below is not yet armed
+    state = ModuleState(prefix=prefix, sync=sync, shards=shards, params=params, access=access, slots=slots)
     module._zero_state = state
     if shards:
         module._zero_access, module._zero_sync = state.access, state.sync  # what the properties read (see above)
@@ -83,21 +88,20 @@ def plain_class(module: nn.Module) -> type:
 def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     def make_property(name: str) -> property:
         def full_parameter(self: nn.Module) -> torch.Tensor:
-            param = self._parameters.get(name)
             # What shard() recorded, in one lookup: under torch.compile every attribute this reads
             # is traced and guarded at every use of every parameter. Walking param._zero's
             # ShardInfo, config and stage policy instead was a fifth of Dynamo's work on a GPT
             # (Python calls while tracing a 12-layer one: 5.7M, 4.6M with this lookup).
-            sharded, markers, keywords = self._zero_access[name]
-            # Traced, testing identity with the recorded shard would make Dynamo guard that two
-            # sources are one object, in a guard function of Python run at every call; `hasattr`
-            # is guarded in C++, and a Parameter put in the shard's place has no shard info.
-            if torch.compiler.is_compiling():
-                replaced = not hasattr(param, "_zero")
-            else:
-                replaced = param is not self._zero_state.shards[name]
+            param, sharded, markers, keywords = self._zero_access[name]
+            # What users hold is checked eagerly only: traced, reading it would make every DTensor
+            # parameter an input of the graph, which reads the shard. Replacing one by assignment
+            # is refused when it happens (the registration guard of zerocompile.sharding).
+            if not torch.compiler.is_compiling():
+                held = self._parameters.get(name)
+                if held is not self._zero_state.params[name] or not views_its_shard(held, param):
+                    _raise_changed_after_shard(self._zero_state, name, held)
             # The shape comparison is decided while tracing (a changed shape fails a guard).
-            if replaced or tuple(param.shape) != sharded:  # a removed parameter (None) is replaced too
+            if tuple(param.shape) != sharded:
                 _raise_changed_after_shard(self._zero_state, name, param)
             if self._zero_sync.quiet:  # no no_sync copy or pending gradient: the plain marker
                 return UNSHARD(param, *markers, **keywords)
@@ -105,9 +109,26 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
 
         return property(full_parameter, doc=f"the full `{name}`, gathered from its shards")
 
+    def _apply(self: nn.Module, fn: Any, recurse: bool = True) -> nn.Module:
+        # nn.Module._apply (`model.to`, `.half()`) swaps a DTensor parameter's contents for a new
+        # Parameter's (torch.utils.swap_tensors), cutting it from its shard: it runs on the shards,
+        # as before shard(), and each DTensor parameter then shows its shard's new data.
+        state = self._zero_state
+        self._parameters.update(state.shards)
+        try:
+            return super(sharded, self)._apply(fn, recurse)
+        finally:
+            self._parameters.update(state.params)
+            for shard in state.shards.values():
+                link = getattr(shard, "_zero_link", None)
+                if link is not None:
+                    link.follow_shard()
+
     attributes: dict[str, Any] = {name: make_property(name) for name in names}
+    attributes["_apply"] = _apply
     attributes["_zero_plain_class"] = cls
-    return type(cls.__name__, (cls,), attributes)
+    sharded = type(cls.__name__, (cls,), attributes)
+    return sharded
 
 
 def _raise_changed_after_shard(state: ModuleState, name: str, param: torch.Tensor | None) -> None:
@@ -115,7 +136,7 @@ def _raise_changed_after_shard(state: ModuleState, name: str, param: torch.Tenso
     info = shard_info(state.shards[name])
     if param is None:
         raise RuntimeError(f"parameter '{info.fqn}' was removed after zerocompile.shard(): {FIX_BEFORE_SHARD}")
-    if param is not state.shards[name]:
+    if param is not state.shards[name] and param is not state.params[name]:
         raise RuntimeError(
             f"parameter '{info.fqn}' was replaced after zerocompile.shard() by a new Parameter of shape "
             f"{tuple(param.shape)}, which is not sharded: {FIX_BEFORE_SHARD}"

@@ -118,11 +118,43 @@ def sharded_shape(info: ShardInfo) -> tuple[int, ...]:
     return (info.shard_numel,) if info.policy.shards_parameters else info.shape
 
 
+def shard_of_parameter(param: torch.Tensor) -> torch.Tensor:
+    """The flat shard behind `param` when it is the DTensor parameter users see
+    (`zerocompile.dtensor_parameters`), else `param` itself."""
+    link = getattr(param, "_zero_link", None)
+    return param if link is None else link.shard
+
+
+def user_parameter(param: torch.Tensor) -> torch.Tensor:
+    """The DTensor parameter users see for the shard `param`, else `param` itself."""
+    link = getattr(param, "_zero_link", None)
+    return param if link is None else link.param
+
+
+def written_count(shard: torch.Tensor) -> int:
+    """A count that grows with every write into `shard`: in place, or through the DTensor
+    parameter that shows it (whose writes count in that DTensor's own version, not the shard's)."""
+    user = user_parameter(shard)
+    return shard._version + (user._version if user is not shard else 0)
+
+
+def views_its_shard(param: torch.Tensor, shard: torch.Tensor) -> bool:
+    """Whether `param` (what a module holds) still shows `shard`: the shard itself, or its DTensor
+    parameter whose local rows are the shard's storage (not replaced through `param.data = ...`)."""
+    if param is shard:
+        return True
+    local, info = getattr(param, "_local_tensor", None), shard_info(shard)
+    if local is None or info is None or tuple(param.shape) != info.shape:  # `.data = t` sets a DTensor's shape
+        return False
+    return local.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
+
+
 def parameter_owners(model: nn.Module) -> dict[nn.Parameter, list[tuple[str, nn.Module, str]]]:
-    """Each distinct Parameter with every (module prefix, module, attribute) holding it."""
+    """Each distinct Parameter (a sharded one as its flat shard, whatever the module holds) with
+    every (module prefix, module, attribute) holding it."""
     owners: dict[nn.Parameter, list[tuple[str, nn.Module, str]]] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
         for attr, param in module._parameters.items():
             if param is not None:
-                owners.setdefault(param, []).append((prefix, module, attr))
+                owners.setdefault(shard_of_parameter(param), []).append((prefix, module, attr))
     return owners

@@ -29,6 +29,8 @@ from zerocompile.config import (
     refuse_gloo_gathers_on_accelerator,
 )
 from zerocompile.distributed import agreed, backend_for, group_device, reduce_scatter_flavour
+from zerocompile.dtensor_norms import install_empty_shard_norms, remove_empty_shard_norms
+from zerocompile.dtensor_parameters import LocalStep, flat_grad, flat_state, link_parameters, on_shards, show_parameters
 from zerocompile.gathered import is_gathered
 from zerocompile.heap import glibc_malloc_trim
 from zerocompile.hybrid import hybrid_groups
@@ -37,11 +39,11 @@ from zerocompile.offload import DiskState, HostState, OffloadedState, Shards, of
 from zerocompile.optim import SHARDED_EQUIVALENTS, take_over
 from zerocompile.optimizers import optimizer_list, refuse_unsupported_optimizer, replicated_state_keys
 from zerocompile.passes.stages import StagePolicy, stage_policy
-from zerocompile.process_hooks import ProcessHooks
+from zerocompile.process_hooks import ProcessHooks, StepAround
 from zerocompile.rank_deaths import RANK_DEATHS, watch_job, worth_watching
 from zerocompile.sharded_modules import FIX_BEFORE_SHARD, data_replaced_message, install_state, module_state
-from zerocompile.sharded_parameters import ShardInfo, parameter_owners, shard_info, sharded_shape
-from zerocompile.state_dicts import load_full_or_distributed_tensors, shards_as_dtensors
+from zerocompile.sharded_parameters import ShardInfo, parameter_owners, shard_info, shard_of_parameter, sharded_shape
+from zerocompile.state_dicts import load_full_or_distributed_tensors
 from zerocompile.user_warnings import warn_at_caller
 from zerocompile.weights import file_readers
 
@@ -155,11 +157,15 @@ def shard(
         store.install(passed)
         first = next((infos[p].fqn for p in store.regions), "")
         dump.emit_offload(dump.dump_dir(config.dump_dir), f"{type(passed).__name__.lower()}@{first}", store.traffic)
+    link_parameters(infos)
     sync = GradientSync({shard_info(param).fqn: param for param in owners})
     for prefix, module in model.named_modules():
         if install_state(module, prefix, sync).shards:
             module.register_load_state_dict_pre_hook(load_full_or_distributed_tensors)
-            module.register_state_dict_post_hook(shards_as_dtensors)
+    for passed in optimizers:
+        show_parameters(passed)
+    for passed, store in zip(optimizers, offloaded):
+        passed.register_load_state_dict_post_hook(functools.partial(_loaded_into_store, store))
     if config.broadcast_buffers:
         broadcast_buffers_in_forward(model, group, sync)
     if config.param_dtype is not None:
@@ -168,6 +174,8 @@ def shard(
         )
     model._zero_config = config
     WHILE_SHARDED.hold(model)
+    if policy.shards_parameters:  # DTensor parameters: torch's clip_grad_norm_ over empty shards
+        WHILE_SHARDED.patch(install_empty_shard_norms, remove_empty_shard_norms)
     if worth_watching(group):
         # Peers that can die: how this rank dies is recorded for them while a sharded model lives.
         WHILE_SHARDED.patch(watch_job, RANK_DEATHS.stop)
@@ -207,13 +215,13 @@ def _check_can_shard(model: nn.Module, on_meta: bool) -> None:
             "zerocompile.init_distributed() first (it reads torchrun/Slurm settings and also works "
             "in a single process)"
         )
-    _check_not_wrapped(model)
     already = [name for name, p in model.named_parameters() if shard_info(p) is not None]
     if already or getattr(model, "_zero_config", None) is not None:
         raise RuntimeError(
             f"the model is already sharded (e.g. parameter {already[:1]}): call zerocompile.shard() "
             "once per model; to change the stage, build the model again and shard it once"
         )
+    _check_not_wrapped(model)
     if on_meta:
         check_meta_model(model)  # buffers may live anywhere: they move to the group's device
     devices: dict[torch.device, list[str]] = {}
@@ -255,11 +263,19 @@ def _check_not_wrapped(model: nn.Module) -> None:
                 "takes the plain, unsharded model. Build it without FSDP/fully_shard and call "
                 "zerocompile.shard(model, stage=3) instead"
             )
-    distributed = [name for name, p in model.named_parameters() if isinstance(p, DTensor)]
+    distributed = [(name, p) for name, p in model.named_parameters() if isinstance(p, DTensor)]
     if distributed:
+        name, param = distributed[0]
+        mesh = param.device_mesh
+        dims = mesh.mesh_dim_names or tuple(f"dim {d}" for d in range(mesh.ndim))
         raise TypeError(
-            f"parameters {distributed[:3]} are DTensors (sharded by FSDP's fully_shard or tensor "
-            "parallelism): zerocompile.shard() takes the plain, unsharded model"
+            f"parameters {[n for n, _ in distributed[:3]]} are already DTensors ('{name}': "
+            f"{tuple(param.placements)} over mesh dimensions {dims}, as tensor parallelism's "
+            "parallelize_module makes them): zerocompile.shard() shards plain parameters over one process "
+            "group, and sharding the local tensors of a tensor-parallel model over the data-parallel "
+            "dimension of a 2-D mesh (TP x ZeRO) is not supported. For TP x ZeRO-3 use torch's "
+            "fully_shard(model, mesh=mesh['dp']) after parallelize_module; or zerocompile.shard() the "
+            "model without tensor parallelism"
         )
 
 
@@ -306,6 +322,14 @@ def _install_materialised(
         torch.utils.swap_tensors(param, fresh)
     for (module, name), value in buffers.items():
         module._buffers[name] = value
+
+
+def _loaded_into_store(store: OffloadedState, optimizer: torch.optim.Optimizer) -> None:
+    """After `optimizer.load_state_dict`: the loaded state (keyed by the DTensor parameters) moved
+    into the offload store, whose tensors users' state then shows."""
+    with on_shards(optimizer):
+        store.move_all_into_store(optimizer)
+    LocalStep.of(optimizer).show_state()  # the store's tensors, not the loaded copies
 
 
 def _offloaded_states(
@@ -431,6 +455,11 @@ def _trims_heap(param: torch.Tensor) -> bool:
 
 WHILE_SHARDED = ProcessHooks(
     optimizer_checks=(_check_optimizer_state, check_nothing_pending),
+    step_around=StepAround(
+        adopt=show_parameters,
+        before=lambda optimizer, args, kwargs: LocalStep.of(optimizer).before(optimizer, args, kwargs),
+        after=lambda optimizer: LocalStep.of(optimizer).after(optimizer),
+    ),
     holds_sharded=lambda param: shard_info(param) is not None,
     trims=_trims_heap,
     parameter_registration=_refuse_new_parameter,
@@ -463,20 +492,20 @@ def model_state_bytes(
     several), tied parameters counted once; where an optimizer's state is offloaded, what its store
     holds is counted under "optimizer_on_disk" (`offload="disk"`) or "optimizer_on_host"
     (`offload="cpu"`), not in "optimizer", with the master weights it keeps (`offload_masters`)."""
-    params = list({id(p): p for p in model.parameters()}.values())
+    params = list({id(p): shard_of_parameter(p) for p in model.parameters()}.values())
     held = {"optimizer": 0}
     for one in optimizer_list(optimizer):
         store = offloaded_state(one)
         if store is not None:
             held[store.held_as] = held.get(store.held_as, 0) + store.master_bytes
-        for param, state in one.state.items():
+        for param, state in flat_state(one).items():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     stored = store is not None and store.view(param, key) is value
                     held[store.held_as if stored else "optimizer"] += value.numel() * value.element_size()
     return {
         "params": sum(p.numel() * p.element_size() for p in params),
-        "grads": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+        "grads": sum(grad.numel() * grad.element_size() for p in params if (grad := flat_grad(p)) is not None),
         **held,
     }
 
