@@ -27,12 +27,12 @@ from torch.distributed import distributed_c10d as c10d
 
 from zerocompile import checkpoint_files as files
 from zerocompile.distributed import agreed
+from zerocompile.dtensor_parameters import on_shards
 from zerocompile.dtensors import group_mesh
 from zerocompile.offload import full_precision, master_written, offloaded_state
 from zerocompile.optimizers import optimizer_list, replicated_state_keys
 from zerocompile.sharded_parameters import ShardInfo, is_sharded, parameter_owners, shard_info
-from zerocompile.dtensor_parameters import on_shards
-from zerocompile.state_dicts import own_state_dict, persistent_buffers
+from zerocompile.state_dicts import persistent_buffers
 
 if TYPE_CHECKING:
     from zerocompile.ema import EMA
@@ -272,7 +272,7 @@ def _describe(
         "buffers": [
             {"name": name, "shape": list(b.shape), "dtype": files.dtype_name(b.dtype)} for name, b in buffers.items()
         ],
-        "state_dict_keys": list(own_state_dict(model)),
+        "state_dict_keys": list(model.state_dict(keep_vars=True)),
     }
 
 
@@ -559,7 +559,7 @@ def gathered_state_dict(
             return {}
         for name, buffer in persistent_buffers(model, params).items() if only is None else ():
             full[name] = buffer.detach().clone().cpu() if cpu else buffer.detach().clone()
-    return {name: full[name] for name in own_state_dict(model) if only is None or name in full}
+    return {name: full[name] for name in model.state_dict(keep_vars=True) if only is None or name in full}
 
 
 def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu: bool = True) -> dict[str, torch.Tensor]:

@@ -5,7 +5,7 @@ A state dict of a sharded model holds its DTensor parameters (`zerocompile.dtens
 the full shape, this rank's rows, the shard's own storage), as FSDP2's does: torch's DCP
 state-dict tools read and write it. Loading takes those, any other DTensor of the full shape, or a
 full tensor (as every rank of a DDP job holds one: this rank keeps its slice, no communication).
-zerocompile's own reads (checkpoints) see the flat shards.
+zerocompile's own reads (checkpoints) take the flat shards from `parameter_owners`.
 """
 
 from __future__ import annotations
@@ -22,15 +22,11 @@ from zerocompile.meta_init import local_slice
 from zerocompile.sharded_modules import module_state
 from zerocompile.sharded_parameters import ShardInfo, is_sharded, shard_info
 
-def own_state_dict(model: nn.Module) -> dict[str, Any]:
-    """`model.state_dict(keep_vars=True)`: every entry's name, the parameters as registered."""
-    return model.state_dict(keep_vars=True)
-
 
 def persistent_buffers(model: nn.Module, params: dict[nn.Parameter, tuple[str, ...]]) -> dict[str, torch.Tensor]:
     """The entries of `model`'s state dict that are not the parameters `params` names."""
     param_names = {name for names in params.values() for name in names}
-    return {k: v for k, v in own_state_dict(model).items() if k not in param_names}
+    return {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in param_names}
 
 
 def load_full_or_distributed_tensors(
