@@ -109,6 +109,23 @@ def test_optimizer_that_stepped_before_shard_must_be_passed_in(single_rank) -> N
         optimizer.step()
 
 
+def test_full_shape_state_loaded_after_steps_is_refused(single_rank) -> None:
+    """The state check walks the state again when it changed after steps had passed it (it skips
+    the walk while the groups and the state are those it looked at)."""
+    unsharded = UnevenMLP()
+    full = torch.optim.AdamW(unsharded.parameters())
+    unsharded(torch.randn(2, 7)).sum().backward()
+    full.step()
+    model = zc.shard(UnevenMLP(), stage=3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        model(torch.randn(2, 7)).sum().backward()
+        optimizer.step()
+    optimizer.load_state_dict(full.state_dict())  # as many entries as it held: the full shapes differ
+    with pytest.raises(RuntimeError, match=r"has the full shape .*optimizer=optimizer"):
+        optimizer.step()
+
+
 def _train(forward, optimizer, steps: range) -> list[float]:
     return train(forward, optimizer, (local_batch("uneven_mlp", step, 0, 1) for step in steps))
 
