@@ -94,26 +94,31 @@ def _arguments(options: argparse.Namespace) -> Any:
 
 def _model(options: argparse.Namespace) -> torch.nn.Module:
     """ZeroTrainer's model comes sharded from `zc.from_pretrained` (each rank reads its shards, nothing
-    initialised twice); a LoRA adapter is attached to a whole base, which ZeroTrainer then shards (a
-    sharded model takes no new modules); DDP's and FSDP2's from transformers' `from_pretrained`."""
+    initialised twice; a LoRA adapter attached on meta, so no rank holds the whole base); DDP's and
+    FSDP2's from transformers' `from_pretrained`, a LoRA adapter attached by PEFT to the whole base."""
     from transformers import AutoModelForCausalLM
 
-    if options.mode == "zero" and not options.lora:
+    lora = None
+    if options.lora:
+        from peft import LoraConfig
+
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights="gaussian")
+        torch.manual_seed(0)  # the adapter's initial values, alike on every rank and in every mode
+    if options.mode == "zero":
         import zerocompile as zc
 
         zc.init_distributed()
-        return zc.from_pretrained(options.pretrained, stage=options.stage)
+        return zc.from_pretrained(options.pretrained, stage=options.stage, lora=lora)
     if options.mode == "fsdp2":
         from transformers.distributed import DistributedConfig
 
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         return AutoModelForCausalLM.from_pretrained(options.pretrained, distributed_config=DistributedConfig(fsdp_size=world_size))
     model = AutoModelForCausalLM.from_pretrained(options.pretrained)
-    if options.lora:
-        from peft import LoraConfig, get_peft_model
+    if lora is not None:
+        from peft import get_peft_model
 
-        torch.manual_seed(0)  # the adapter's initial values, alike on every rank and in every mode
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights="gaussian"))
+        model = get_peft_model(model, lora)
     return model
 
 
@@ -157,8 +162,7 @@ def train(options: argparse.Namespace) -> dict[str, Any] | None:
     )  # fmt: skip
     if options.mode == "zero":
         compile_options = {"compiler": options.compiler}
-        stage = options.stage if options.lora else None  # else from_pretrained sharded it
-        trainer = ZeroTrainer(**common, zero_config=stage, compile_options=compile_options)
+        trainer = ZeroTrainer(**common, compile_options=compile_options)  # from_pretrained sharded it
     else:
         trainer = Trainer(**common)
     trainer.train(resume_from_checkpoint=options.resume)

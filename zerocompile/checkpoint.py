@@ -256,10 +256,30 @@ def _ema_state(ema: EMA, model: nn.Module, params: dict[nn.Parameter, tuple[str,
     return {f"ema.{params[p][0]}": _global_view(ema.shadow[p], shard_info(p)) for p in params}
 
 
+def _trainable(params: dict[nn.Parameter, tuple[str, ...]]) -> dict[nn.Parameter, tuple[str, ...]]:
+    return {param: names for param, names in params.items() if param.requires_grad}
+
+
+def _check_same_base(where: Path, saved: dict[str, Any], model: nn.Module) -> None:
+    """A checkpoint of the trainable parameters alone goes with the base it was trained on: the
+    record `zerocompile.from_pretrained` keeps of the base's files (their index's digest) must
+    match where both have one."""
+    trained_on, built_from = saved.get("base"), getattr(model, "_zero_base", None)
+    if trained_on is None or built_from is None or trained_on["digest"] == built_from["digest"]:
+        return
+    raise ValueError(
+        f"the checkpoint at {where} holds trainable parameters trained on the base at {trained_on['path']} "
+        f"(index digest {trained_on['digest'][:12]}), and this model's base was read from {built_from['path']} "
+        f"(digest {built_from['digest'][:12]}): other weights. Build the model from the base it was trained on "
+        f"(zerocompile.from_pretrained({trained_on['path']!r}, ..., lora=...)) before loading"
+    )
+
+
 def _describe(
     model: nn.Module, params: dict[nn.Parameter, tuple[str, ...]], buffers: dict[str, torch.Tensor]
 ) -> dict[str, Any]:
     config = getattr(model, "_zero_config", None)
+    saved_names = {name for names in params.values() for name in names} | set(buffers)
     return {
         "format": files.FORMAT,
         "version": files.VERSION,
@@ -272,7 +292,7 @@ def _describe(
         "buffers": [
             {"name": name, "shape": list(b.shape), "dtype": files.dtype_name(b.dtype)} for name, b in buffers.items()
         ],
-        "state_dict_keys": list(model.state_dict(keep_vars=True)),
+        "state_dict_keys": [name for name in model.state_dict(keep_vars=True) if name in saved_names],
     }
 
 
@@ -287,6 +307,7 @@ def save(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     ema: EMA | None = None,
+    trainable_only: bool = False,
     **extra: Any,
 ) -> None:
     """Write a checkpoint of `model` (and `optimizer`, one or a list, and `ema`) to directory
@@ -295,6 +316,10 @@ def save(
     Each rank writes its own shards. `extra` holds this rank's tensors and JSON values (step
     counters, RNG states); `load` returns them. The checkpoint appears at `path` only when
     complete, replacing any older one there: a crash mid-save leaves the older one loadable.
+
+    `trainable_only`: the parameters that require a gradient (a LoRA adapter) and their state
+    alone, without the frozen base or the buffers, with the record of the base's files
+    `zerocompile.from_pretrained` keeps; `load` fills those into a model built on the same base.
     """
     model = unwrap_model(model)
     final = Path(path).absolute()
@@ -303,9 +328,13 @@ def save(
     def gather_state() -> tuple[dict[str, torch.Tensor], dict[str, Any], tuple[dict, str]]:
         params = parameter_names(model)
         _check_group(params)
-        buffers = persistent_buffers(model, params)
-        state = _model_state(params, buffers)
-        description = _describe(model, params, buffers)
+        saved, buffers = (_trainable(params), {}) if trainable_only else (params, persistent_buffers(model, params))
+        if not saved:
+            raise ValueError("save(trainable_only=True): no parameter of the model requires a gradient, so there is nothing to save")
+        state = _model_state(saved, buffers)
+        description = _describe(model, saved, buffers)
+        description["trainable_only"] = trainable_only
+        description["base"] = getattr(model, "_zero_base", None) if trainable_only else None
         description["optimizer"] = description["ema"] = None
         described = []
         for index, one in enumerate(optimizer_list(optimizer)):
@@ -313,9 +342,10 @@ def save(
             state.update(optim_tensors)
             described.append(description_of_one)
         if described:
-            description["optimizer"] = described[0] if isinstance(optimizer, torch.optim.Optimizer) else described
+            single = isinstance(optimizer, torch.optim.Optimizer) and len(described) == 1  # a MuonWithAdamW is two
+            description["optimizer"] = described[0] if single else described
         if ema is not None:
-            state.update(_ema_state(ema, model, params))
+            state.update(_ema_state(ema, model, saved))
             description["ema"] = {"decay": ema.decay}
         return state, description, files.encode_extra(extra)
 
@@ -462,7 +492,8 @@ def load(
     ema: EMA | None = None,
 ) -> dict[str, Any]:
     """Load a checkpoint written by `save` into `model` (and `optimizer`, one or the list saved, and
-    `ema`); returns `extra`.
+    `ema`); returns `extra`. One saved `trainable_only` fills the parameters that require a
+    gradient and leaves the rest (the frozen base, read from its files) as they are.
 
     The stage and world size may differ from the saving run's (N = 1 and unsharded models
     included). A checkpoint of another model, or a damaged one (a file truncated, changed or
@@ -473,17 +504,21 @@ def load(
     model = unwrap_model(model)
     rank, _world = _rank_and_world()
 
-    def plan() -> tuple[Path, dict, dict[str, torch.Tensor], list, list, dict[str, Any]]:
+    def plan() -> tuple[Path, dict, dict[str, torch.Tensor], list, list, dict[str, Any], dict[nn.Parameter, tuple[str, ...]]]:
         directory = files.resolve(path)
         saved = files.read_metadata(directory)
         files.check_files(directory, saved, _my_share())
         extra = files.read_extra(directory, rank)
         params = parameter_names(model)
         _check_group(params)
-        buffers = persistent_buffers(model, params)
-        _check_matches(directory, saved, params, buffers)
-        views = _model_state(params, buffers)
-        padded = [(p, shard_info(p)) for p in params]
+        if saved.get("trainable_only"):
+            _check_same_base(directory, saved, model)
+            filled, buffers = _trainable(params), {}
+        else:
+            filled, buffers = params, persistent_buffers(model, params)
+        _check_matches(directory, saved, filled, buffers)
+        views = _model_state(filled, buffers)
+        padded = [(p, shard_info(p)) for p in filled]
         installs: list[tuple[torch.optim.Optimizer, dict, dict]] = []  # (optimizer, as saved, fresh state)
         optimizers = optimizer_list(optimizer)
         for index, (one, described) in enumerate(zip(optimizers, _saved_optimizers(saved, len(optimizers)))):
@@ -494,12 +529,12 @@ def load(
         if ema is not None:
             if saved["ema"] is None:
                 raise ValueError("the checkpoint holds no EMA: load without ema=, or save with it")
-            views.update(_ema_state(ema, model, params))
-            padded += [(ema.shadow[p], shard_info(p)) for p in params]
-        return directory, saved, views, installs, padded, extra
+            views.update(_ema_state(ema, model, filled))
+            padded += [(ema.shadow[p], shard_info(p)) for p in filled]
+        return directory, saved, views, installs, padded, extra, filled
 
     with on_shards(*optimizer_list(optimizer)):  # the flat state: what the checkpoint holds
-        directory, saved, views, installs, padded, extra = agreed(plan)
+        directory, saved, views, installs, padded, extra, filled = agreed(plan)
 
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -511,7 +546,7 @@ def load(
                 no_dist=not dist.is_initialized(),
             )
         _zero_padding(padded)
-        for param in parameter_names(model):
+        for param in filled:
             master_written(param)
         for one, described, state in installs:
             _install_optimizer_state(one, described, state)

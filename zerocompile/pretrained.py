@@ -17,7 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerocompile.lora import adapter_init, attach_on_meta
 from zerocompile.sharding import shard
+from zerocompile.weights import file_readers, weights_record
 
 _GENERATION_CONFIG = "generation_config.json"
 
@@ -28,6 +30,7 @@ def from_pretrained(
     *,
     model_class: Any = None,
     config: Any = None,
+    lora: Any = None,
     **shard_settings: Any,
 ) -> nn.Module:
     """A sharded Hugging Face model holding the weights `save_pretrained` wrote to `path`.
@@ -39,6 +42,11 @@ def from_pretrained(
     files the model lacks (another task's head) are ignored (`weights_strict=True` refuses them),
     tensors the files lack get the model's `_init_weights`, and the model is returned in eval mode.
     `path` is a local directory: download a Hub model first (`huggingface_hub.snapshot_download`).
+
+    `lora`: a `peft.LoraConfig`. The model returned is then PEFT's model (`get_peft_model`) of the
+    sharded base, built as the base is: no rank holds the base whole, its frozen parameters get
+    no gradient and no optimizer state, and the adapter holds the values PEFT would give it on the
+    whole base with the same seed (`zerocompile.lora` says what is supported).
     """
     transformers = _transformers()
     directory = Path(path)
@@ -53,9 +61,17 @@ def from_pretrained(
     # Auto classes build through from_config; model classes through the _from_config it calls.
     build = getattr(model_class, "from_config", None) or model_class._from_config
     with torch.device("meta"):
-        model = build(config)
-    shard(model, stage, init=model._init_weights, weights=directory, **{"weights_strict": False, **shard_settings})
-    _as_from_pretrained_leaves_it(model, directory, transformers)
+        base = build(config)
+    weights, init, model = directory, base._init_weights, base
+    if lora is not None:
+        # The files name the base's tensors as the base names them, before PEFT's wrappers do.
+        weights = file_readers(base, directory, strict=shard_settings.get("weights_strict", False))
+        model = attach_on_meta(base, lora)
+        init = adapter_init(model, base._init_weights)
+    shard(model, stage, init=init, weights=weights, **{"weights_strict": False, **shard_settings})
+    model._zero_base = weights_record(directory)  # what checkpoints of its trainable part were trained on
+    _as_from_pretrained_leaves_it(base, directory, transformers)
+    model.eval()
     return model
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
 import torch
@@ -55,7 +55,7 @@ def shard(
     group: dist.ProcessGroup | None = None,
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     init: Callable[[nn.Module], Any] | None = None,
-    weights: str | os.PathLike | None = None,
+    weights: str | os.PathLike | Mapping[torch.Tensor, PartReader] | None = None,
     weights_strict: bool = True,
     **settings: Any,
 ) -> nn.Module:
@@ -80,7 +80,10 @@ def shard(
     a loaded tensor in any other call is skipped. Names and shapes are checked before anything is
     read; names in the files the model lacks raise unless `weights_strict=False`, which ignores
     them (as `from_pretrained` ignores another task's head). A model with real parameters is
-    refused: call `load_weights` after `shard()`. On any failure the model stays on meta.
+    refused: call `load_weights` after `shard()`. On any failure the model stays on meta. For a
+    model whose names differ from the files' (a PEFT model: `zerocompile.from_pretrained(lora=)`),
+    `weights` may be what `zerocompile.weights.file_readers` found for its tensors under the names
+    the files use.
     """
     base = stage if isinstance(stage, ZeroConfig) else None
     if group is not None:
@@ -183,8 +186,8 @@ def shard(
 
 
 def _weight_readers(
-    model: nn.Module, weights: str | os.PathLike, strict: bool, on_meta: bool
-) -> dict[torch.Tensor, PartReader]:
+    model: nn.Module, weights: str | os.PathLike | Mapping[torch.Tensor, PartReader], strict: bool, on_meta: bool
+) -> Mapping[torch.Tensor, PartReader]:
     if not on_meta:
         raise ValueError(
             f"shard(weights={str(weights)!r}) fills a model built on the meta device, whose tensors hold no "
@@ -192,7 +195,7 @@ def _weight_readers(
             "zerocompile.load_weights(model, path) after shard() instead, or build the model under "
             "`with torch.device('meta'):`"
         )
-    return file_readers(model, weights, strict=strict)
+    return weights if isinstance(weights, Mapping) else file_readers(model, weights, strict=strict)
 
 
 def _cast_floating_inputs(module: nn.Module, args: tuple, kwargs: dict, *, dtype: torch.dtype) -> tuple | None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
@@ -180,6 +181,22 @@ def _stored_tensors(path: Path, opened: contextlib.ExitStack) -> dict[str, _Stor
             "zerocompile.save_weights() wrote, or a .safetensors file"
         )
     raise FileNotFoundError(f"no weights at {path}: no such file or directory")
+
+
+def weights_record(path: str | os.PathLike) -> dict[str, str]:
+    """Which weights `path` holds, for checkpoints of what was trained on them: the path and the
+    SHA-256 of the index (or of a single file's header): their names, shapes, dtypes and files.
+    It tells another model or another save layout apart, not other values of the same layout."""
+    path = Path(path).absolute()
+    if path.is_dir() and (path / SINGLE_FILE).is_file():
+        path = path / SINGLE_FILE
+    if path.is_file():
+        with open(path, "rb") as file:
+            (length,) = struct.unpack("<Q", file.read(8))
+            described = file.read(length)
+    else:
+        described = (path / INDEX_FILE).read_bytes()
+    return {"path": str(path), "digest": hashlib.sha256(described).hexdigest()}
 
 
 def _open(file: Path, opened: contextlib.ExitStack) -> Any:
