@@ -136,8 +136,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-sync",
         action="store_true",
-        help="with --grad-accum: accumulate full gradients locally and reduce once per step (less "
-        "traffic, a full gradient per parameter of memory) instead of reducing every micro-batch",
+        help="with --grad-accum: accumulate full gradients locally and reduce once per step (one gather "
+        "of the parameters and one reduction per step; a full copy of every parameter and a full gradient "
+        "per rank of memory) instead of reducing every micro-batch",
     )
     parser.add_argument("--clip", type=float, default=None, help="clip the global gradient norm to this value")
     parser.add_argument("--save", type=Path, default=None, help="checkpoint directory, written every --save-every steps and at the end")
@@ -313,16 +314,23 @@ def _accumulate(
     """Forward and backward over --grad-accum micro-batches of this rank's rows; their mean loss.
 
     Without --no-sync every micro-batch's backward reduces its gradients (the least memory); with
-    it, all but the last accumulate full gradients locally and the last reduces them once.
+    it, all but the last run inside one `zc.no_sync` block, accumulating full gradients locally
+    (one gather of the parameters on entry, rather than one per micro-batch), and the last reduces
+    them once.
     """
     total = torch.zeros((), device=inputs.device)
-    for micro, (x, y) in enumerate(zip(inputs.chunk(args.grad_accum), targets.chunk(args.grad_accum))):
-        last = micro == args.grad_accum - 1
-        with zc.no_sync(model) if args.no_sync and not last else contextlib.nullcontext():
-            loss = compiled(x, y) / args.grad_accum
-            loss.backward()
-        total += loss.detach().float()
-    return total
+    micro_batches = list(zip(inputs.chunk(args.grad_accum), targets.chunk(args.grad_accum)))
+    with zc.no_sync(model) if args.no_sync else contextlib.nullcontext():
+        for x, y in micro_batches[:-1]:
+            total += _micro_step(compiled, x, y, args.grad_accum)
+    return total + _micro_step(compiled, *micro_batches[-1], args.grad_accum)
+
+
+def _micro_step(compiled: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, micro_steps: int) -> torch.Tensor:
+    """One micro-batch's forward and backward; its share of the step's mean loss."""
+    loss = compiled(x, y) / micro_steps
+    loss.backward()
+    return loss.detach().float()
 
 
 def _resume(

@@ -13,9 +13,12 @@ the gradient norm over the shards (`zerocompile.clip_grad_norm_`), saving the we
 (`save_weights`: rank 0 streams them into safetensors files, holding one shard at a time beyond its
 own), and checkpoints through `zerocompile.save`/`load`, which reshard to another world size or stage.
 
-Gradient accumulation reduces each micro-step's gradients into the shards (DeepSpeed's way at stages
-2 and 3): `zerocompile.no_sync` would hold every full parameter and gradient between micro-steps,
-stage 0's memory. The loss is the same as DDP's up to the order of floating-point sums.
+Gradient accumulation reduces each micro-step's gradients into the shards by default (DeepSpeed's
+way at stages 2 and 3), so memory stays sharded between micro-steps. Trainer asks for DDP's
+`no_sync` on all but the last micro-step through accelerate, which does nothing for a model it did
+not wrap; `sync_each_micro_step=False` does it with `zerocompile.no_sync` instead: one reduction per
+optimizer step for a full parameter and gradient per rank while the micro-steps run. The loss is
+the same as DDP's up to the order of floating-point sums.
 
 Mixed precision comes from the shard's `param_dtype` (FSDP's and DeepSpeed's bf16: fp32 master
 shards, bf16 compute and all-gathers). `bf16=True` sets it when ZeroTrainer shards the model;
@@ -24,6 +27,7 @@ accelerate's autocast, which DDP's route uses, never sees a model it does not pr
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -39,6 +43,7 @@ except ImportError as error:
         f'zerocompile.hf needs transformers and accelerate ({error.name} is missing): pip install "zerocompile[hf]"'
     ) from error
 
+from zerocompile.accumulation import no_sync
 from zerocompile.checkpoint import gathered_state_dict, load, save
 from zerocompile.clipping import clip_grad_norm_
 from zerocompile.config import ZeroConfig, config_from_kwargs
@@ -63,6 +68,17 @@ class ZeroTrainer(Trainer):
     stage 3); a model `zerocompile.shard()` or `zerocompile.from_pretrained()` already sharded is used
     as it is. `compile_options`: `torch.compile(..., options=)` of the zero backend (e.g.
     `{"compiler": "eager"}`). Every other argument is `Trainer`'s.
+
+    `sync_each_micro_step`: with `gradient_accumulation_steps` > 1, whether every micro-step's
+    backward reduces its gradients into the shards (True, the default: memory stays sharded, one
+    reduction per micro-step) or the micro-steps before the last of each optimizer step run inside
+    one `zerocompile.no_sync` block and the last reduces them all (False: one all-gather of the
+    parameters on entering the block and one reduction per optimizer step, for a full copy of every
+    parameter and a full gradient per rank until the last micro-step; docs/finetune.md has the bytes
+    per stage). Named after accelerate's `sync_each_batch`, which means the same for DDP but
+    defaults the other way (ZeRO is chosen for memory) and is not read here; one setting for the
+    run rather than FSDP2's `set_requires_gradient_sync` per micro-step, since Trainer, not the
+    caller, runs the micro-steps.
     """
 
     def __init__(
@@ -72,6 +88,7 @@ class ZeroTrainer(Trainer):
         *positional: Any,
         zero_config: int | ZeroConfig | None = None,
         compile_options: dict[str, Any] | None = None,
+        sync_each_micro_step: bool = True,
         **kwargs: Any,
     ) -> None:
         if model is None:
@@ -94,6 +111,9 @@ class ZeroTrainer(Trainer):
             shard(self.model, config)
         self._compile_options = dict(compile_options or {})
         self._compiled: nn.Module | None = None
+        self.sync_each_micro_step = sync_each_micro_step
+        # The open `no_sync` block of the current optimizer step's micro-steps, if any.
+        self._unsynced_micro_steps: contextlib.ExitStack | None = None
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         """The compiled sharded model, for training and evaluation alike: accelerate then leaves it
@@ -101,6 +121,31 @@ class ZeroTrainer(Trainer):
         if self._compiled is None:
             self._compiled = torch.compile(self.model, backend="zero", options=self._compile_options)
         return self._compiled
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """`Trainer.train`; a `no_sync` block left open by an error or a stop between micro-steps is
+        closed on the way out, so its copies of the parameters cannot outlive a later `load`."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._end_unsynced_micro_steps()
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        """Trainer's micro-step; with `sync_each_micro_step=False` the ones before the last of an
+        optimizer step share one `zerocompile.no_sync` block (one gather of the parameters, not one
+        per micro-step), and the last, outside it, reduces what they accumulated with its own."""
+        # Trainer sets it before each micro-step: True on the one its optimizer step follows.
+        if self.accelerator.sync_gradients:
+            self._end_unsynced_micro_steps()
+        elif not self.sync_each_micro_step and self._unsynced_micro_steps is None:
+            self._unsynced_micro_steps = contextlib.ExitStack()
+            self._unsynced_micro_steps.enter_context(no_sync(self.model))
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def _end_unsynced_micro_steps(self) -> None:
+        if self._unsynced_micro_steps is not None:
+            block, self._unsynced_micro_steps = self._unsynced_micro_steps, None
+            block.close()
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
         return clip_grad_norm_(self.model, self.args.max_grad_norm)
