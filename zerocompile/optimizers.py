@@ -17,6 +17,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
+from zerocompile.muon_adamw import MuonWithAdamW
 from zerocompile.optim import SHARDED_EQUIVALENTS
 from zerocompile.passes.stages import STAGES
 
@@ -69,10 +70,12 @@ _ELEMENTWISE = "an elementwise optimizer (SGD, Adam, AdamW, NAdam, RMSprop, ...:
 
 
 def optimizer_list(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None) -> list[torch.optim.Optimizer]:
-    """What an `optimizer=` argument (one, several, or none) holds, as a list."""
+    """What an `optimizer=` argument (one, several, or none) holds, as a list; a `MuonWithAdamW` is
+    its two optimizers, whose groups and state are the ones that step."""
     if optimizer is None:
         return []
-    return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+    given = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+    return [inner for one in given for inner in ([one.muon, one.adamw] if isinstance(one, MuonWithAdamW) else [one])]
 
 
 def replicated_state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
