@@ -181,8 +181,9 @@ def train(options: argparse.Namespace) -> dict[str, Any] | None:
     later = clock.step_ends[1:]
     report = {
         "mode": options.mode, "stage": options.stage if options.mode == "zero" else None, "lora": options.lora,
-        "world_size": world_size,
+        "world_size": world_size, "out": options.out,
         "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
+        "grad_norms": [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry],
         "eval_losses": [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry],
         "first_step_s": clock.step_ends[0] - STARTED if clock.step_ends else None,
         "tokens_per_s": (len(later) - 1) * tokens_per_step / (later[-1] - later[0]) if len(later) > 1 else None,

@@ -83,6 +83,9 @@ def runs(tmp_path_factory) -> dict[str, dict]:
         "accelerate": _launch(_accelerate(2), tmp, "accelerate", "--mode", "zero", "--stage", "3"),
         "ddp_lora": _launch(_torchrun(2), tmp, "ddp_lora", "--mode", "ddp", "--lora", "--lr", "1e-2"),
         "zero3_lora": _launch(_torchrun(2), tmp, "zero3_lora", "--mode", "zero", "--stage", "3", "--lora", "--lr", "1e-2"),
+        # The adapter-only checkpoint, resumed on one rank (same global batch) at stage 2.
+        "resumed_lora": _launch([sys.executable], tmp, "resumed_lora", "--mode", "zero", "--stage", "2", "--lora", "--lr", "1e-2",
+                                "--per-device", "4", "--resume", str(tmp / "zero3_lora" / f"checkpoint-{RESUMED_FROM}")),  # fmt: skip
     }
 
 
@@ -122,13 +125,33 @@ def test_accelerate_launch_trains_like_torchrun(runs):
     assert _largest_difference(runs["accelerate"]["losses"], runs["zero3"]["losses"]) <= LOSS_TOLERANCE
 
 
-def test_lora_adapter_trains_like_ddp_and_saves_as_peft(runs):
-    """A LoRA adapter on the stage-3 base (frozen, sharded) against DDP with the same adapter; the
-    saved adapter, loaded by `PeftModel.from_pretrained`, equals the gathered trained adapter."""
-    assert _largest_difference(runs["zero3_lora"]["losses"], runs["ddp_lora"]["losses"]) <= LOSS_TOLERANCE
+def test_lora_adapter_trains_like_ddp_and_saves_as_peft(runs, tmp_path_factory):
+    """A LoRA adapter on the stage-3 base (built on meta by `zc.from_pretrained(lora=)`, frozen,
+    sharded) against PEFT on the whole base under DDP: losses, gradient norms and the trained
+    adapter; the saved adapter, loaded by `PeftModel.from_pretrained`, equals the gathered one."""
+    from safetensors.torch import load_file
+
+    zero, ddp = runs["zero3_lora"], runs["ddp_lora"]
+    assert _largest_difference(zero["losses"], ddp["losses"]) <= LOSS_TOLERANCE
+    assert len(zero["grad_norms"]) == len(ddp["grad_norms"]) == 20
+    assert max(abs(a - b) for a, b in zip(zero["grad_norms"], ddp["grad_norms"])) <= LOSS_TOLERANCE
     # The adapter moved the loss: a frozen base with an untrained adapter would not.
-    assert runs["zero3_lora"]["losses"][-1] < runs["zero3_lora"]["losses"][0] - 1e-3
-    assert runs["zero3_lora"]["saved_error"] == 0.0
+    assert zero["losses"][-1] < zero["losses"][0] - 1e-3
+    assert zero["saved_error"] == 0.0
+    trained = [load_file(Path(run["out"], "final", "adapter_model.safetensors")) for run in (zero, ddp)]
+    assert trained[0].keys() == trained[1].keys() and len(trained[0]) == 8
+    assert max((trained[0][k] - trained[1][k]).abs().max().item() for k in trained[0]) <= LOSS_TOLERANCE
+
+
+def test_lora_checkpoint_holds_the_adapter_alone_and_resumes_elsewhere(runs):
+    """A `save_steps` checkpoint of the LoRA run: its zerocompile part is the adapter and its AdamW
+    state (no base), and it resumes on one rank at stage 2 to the uninterrupted run's losses."""
+    # (Its bytes against the adapter's: tests/test_lora_meta.py, on an adapter large beside the metadata.)
+    metadata = json.loads(Path(runs["zero3_lora"]["out"], f"checkpoint-{RESUMED_FROM}", "zerocompile", "zerocompile.json").read_text())
+    assert metadata["trainable_only"] and metadata["buffers"] == []
+    assert len(metadata["params"]) == 8 and all(".lora_" in entry["names"][0] for entry in metadata["params"]), metadata["params"]
+    assert runs["resumed_lora"]["world_size"] == 1
+    assert _largest_difference(runs["resumed_lora"]["losses"], runs["zero3_lora"]["losses"]) <= LOSS_TOLERANCE
 
 
 # --- what ZeroTrainer refuses before anything is built, and the extra it names -----------------

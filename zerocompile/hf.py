@@ -177,7 +177,9 @@ class ZeroTrainer(Trainer):
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        save(os.path.join(output_dir, ZERO_CHECKPOINT), self.model, self._inner_optimizer())
+        """A PEFT model's checkpoints hold its adapter and the adapter's state alone: resuming builds
+        the base from its files again (`zerocompile.from_pretrained(path, lora=...)`)."""
+        save(os.path.join(output_dir, ZERO_CHECKPOINT), self.model, self._inner_optimizer(), trainable_only=_is_peft(self.model))
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
