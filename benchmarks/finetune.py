@@ -162,7 +162,8 @@ def train(options: argparse.Namespace) -> dict[str, Any] | None:
     )  # fmt: skip
     if options.mode == "zero":
         compile_options = {"compiler": options.compiler}
-        trainer = ZeroTrainer(**common, compile_options=compile_options)  # from_pretrained sharded it
+        # from_pretrained sharded it
+        trainer = ZeroTrainer(**common, compile_options=compile_options, sync_each_micro_step=not options.no_sync)
     else:
         trainer = Trainer(**common)
     trainer.train(resume_from_checkpoint=options.resume)
@@ -235,12 +236,17 @@ COMPARED = (
     ("ZeroTrainer, stage 2", ["--mode", "zero", "--stage", "2"]),
     ("Trainer + DDP, `torch_compile=True`, 4 x 1", ["--mode", "ddp-compile", "--per-device", "4", "--accum", "1"]),
     ("ZeroTrainer, stage 3, 4 x 1", ["--mode", "zero", "--stage", "3", "--per-device", "4", "--accum", "1"]),
+    # 4 micro-steps of 2 per step: reducing each micro-step against once per optimizer step.
+    ("Trainer + DDP, `torch_compile=True`, 2 x 4", ["--mode", "ddp-compile", "--accum", "4"]),
+    ("ZeroTrainer, stage 3, 2 x 4", ["--mode", "zero", "--stage", "3", "--accum", "4"]),
+    ("ZeroTrainer, stage 3, 2 x 4, `sync_each_micro_step=False`", ["--mode", "zero", "--stage", "3", "--accum", "4", "--no-sync"]),
 )
 
 
-def compare(size: str, nproc: int, steps: int, work: str, allocator: str) -> str:
-    """Each of COMPARED in turn under torchrun on the same pretrained model and data, the ranks'
-    malloc `allocator` (as `zerocompile bench`'s): a Markdown table."""
+def compare(size: str, nproc: int, steps: int, work: str, allocator: str, only: list[str] | None = None, repeat: int = 1) -> str:
+    """Each of COMPARED (those whose label holds one of `only`, if given) in turn under torchrun on
+    the same pretrained model and data, the ranks' malloc `allocator` (as `zerocompile bench`'s),
+    all of them `repeat` times over: a Markdown table, each run's tokens/s in its row."""
     import subprocess
     import sys
 
@@ -248,8 +254,9 @@ def compare(size: str, nproc: int, steps: int, work: str, allocator: str) -> str
 
     pretrained = os.path.join(work, "pretrained")
     prepare(size, pretrained)
-    rows = []
-    for index, (label, mode) in enumerate(COMPARED):
+    chosen = [(index, label, mode) for index, (label, mode) in enumerate(COMPARED) if not only or any(part in label for part in only)]
+    results: dict[int, list[dict[str, Any]]] = {index: [] for index, _label, _mode in chosen}
+    for index, label, mode in [entry for _ in range(repeat) for entry in chosen]:
         report = os.path.join(work, f"run{index}.json")
         command = [
             sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
@@ -262,10 +269,13 @@ def compare(size: str, nproc: int, steps: int, work: str, allocator: str) -> str
         env = child_environment({"TORCHINDUCTOR_CACHE_DIR": os.path.join(work, f"run{index}-inductor-cache")}, find_allocator(allocator))
         with open(os.path.join(work, f"run{index}.log"), "w") as log:
             subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=True, env=env)
-        result = json.loads(Path(report).read_text())
+        results[index].append(json.loads(Path(report).read_text()))
+    rows = []
+    for index, label, _mode in chosen:
+        result, speeds = results[index][-1], " / ".join(f"{run['tokens_per_s']:.0f}" for run in results[index])
         rows.append(
             f"| {label} | {result['first_step_s']:.1f} s | {max(result['peak_rss']) / 2**20:.0f} MiB "
-            f"| {max(result['steady_rss']) / 2**20:.0f} MiB | {result['tokens_per_s']:.0f} | {result['losses'][-1]:.4f} |"
+            f"| {max(result['steady_rss']) / 2**20:.0f} MiB | {speeds} | {result['losses'][-1]:.4f} |"
         )
     header = (
         "| route | start to first step | peak RSS to the first step | peak RSS of the later steps | tokens/s "
@@ -287,6 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     table.add_argument("--nproc", type=int, default=2)
     table.add_argument("--steps", type=int, default=30)
     table.add_argument("--work", default=None, help="directory for the runs (default: a temporary one)")
+    table.add_argument("--only", action="append", help="run the routes whose label holds this text (repeatable)")
+    table.add_argument("--repeat", type=int, default=1, help="run the routes in turn this many times over")
     add_allocator_argument(table)
     run = commands.add_parser("train", help="fine-tune it with Trainer (under torchrun or accelerate launch)")
     run.add_argument("--pretrained", required=True)
@@ -299,6 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--eval-steps", type=int, default=10, help="evaluate every this many steps and at the end (0: never)")
     run.add_argument("--per-device", type=int, default=2)
     run.add_argument("--accum", type=int, default=2)
+    run.add_argument("--no-sync", action="store_true", help="ZeroTrainer(sync_each_micro_step=False)")
     run.add_argument("--lr", type=float, default=1e-3)
     run.add_argument("--resume", default=None)
     run.add_argument("--out", required=True)
@@ -310,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
         import tempfile
 
         with tempfile.TemporaryDirectory() as scratch:
-            print(compare(options.size, options.nproc, options.steps, options.work or scratch, options.allocator))
+            print(compare(options.size, options.nproc, options.steps, options.work or scratch, options.allocator, options.only, options.repeat))
     else:
         train(options)
         if dist.is_initialized():
