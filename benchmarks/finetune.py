@@ -1,9 +1,11 @@
-"""Fine-tune a "pretrained" Llama with Hugging Face's `Trainer`: DDP, FSDP2 or zerocompile's
-`ZeroTrainer`, optionally with a PEFT LoRA adapter: docs/finetune.md's recipe and table.
+"""Fine-tune a "pretrained" Llama with Hugging Face's `Trainer`: DDP, FSDP2, DeepSpeed ZeRO-2/3 or
+zerocompile's `ZeroTrainer`, optionally with a PEFT LoRA adapter: docs/finetune.md's recipe and table.
 
 FSDP2 is transformers' own (`from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=N))`,
 each rank loading its shards): accelerate's FSDP plugin enables FSDP only for GPU-like devices, and
 on CPU ranks Trainer then trains with DDP without a word (DDP's reducer warnings in the log show it).
+DeepSpeed is `TrainingArguments(deepspeed=deepspeed_config(stage))`, on CPU ranks with DS_ACCELERATOR=cpu
+(over gloo); it is no dependency of zerocompile: `pip install "zerocompile[peers]"` installs it.
 
     python -m benchmarks.finetune compare --size medium --nproc 2 --steps 20  # docs/finetune.md's table
     python -m benchmarks.finetune prepare --size small --out /tmp/llama        # random weights, 2+ files
@@ -76,26 +78,77 @@ class RandomTokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[index], "labels": self.ids[index]}
 
 
-def _arguments(options: argparse.Namespace) -> Any:
-    from transformers import TrainingArguments
+def deepspeed_config(stage: int) -> dict[str, Any]:
+    """The DeepSpeed config of the DeepSpeed modes: ZeRO `stage`, and "auto" wherever Trainer fills the
+    value from `TrainingArguments`, so that DeepSpeed trains as the other routes do.
 
+    Unlike DeepSpeed's defaults: the ZeRO stage (default 0); `gradient_clipping` "auto", the routes'
+    `max_grad_norm`, which DeepSpeed's default (1.0 in 0.19.8, 0 = off in some older releases)
+    matches only by chance; at stage 3, `stage3_gather_16bit_weights_on_model_save` (default off),
+    so that `save_model` writes the model's files (in its own dtype, fp32 here) as the other routes
+    do, not a DeepSpeed checkpoint.
+    No "optimizer" and no "scheduler": Trainer then builds its own AdamW and linear schedule from
+    `TrainingArguments`, the other routes' objects, where DeepSpeed's sections would build its own
+    Adam (a C++ op compiled at first use) and its WarmupDecayLR."""
+    zero: dict[str, Any] = {"stage": stage}
+    if stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return {
+        "zero_optimization": zero, "gradient_clipping": "auto",
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+        "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},  # fp32, as the other routes
+    }  # fmt: skip
+
+
+def training_arguments(options: argparse.Namespace) -> dict[str, Any]:
+    """`TrainingArguments`' keywords for `options`: one set for all modes but compiled DDP's
+    `torch_compile`, FSDP2's `save_only_model` and DeepSpeed's config, device and state. Keywords rather
+    than the object, which with `deepspeed=` imports DeepSpeed: the fast test reads them without it."""
     extra: dict[str, Any] = {}
     if options.mode == "ddp-compile":
         extra = dict(torch_compile=True)
-    return TrainingArguments(
+    use_cpu = not torch.cuda.is_available()
+    if options.mode == "deepspeed":
+        # use_cpu=True makes accelerate ignore the DeepSpeed config and train with DDP without a word;
+        # DeepSpeed's device comes from DS_ACCELERATOR=cpu (see `run_environment`).
+        extra, use_cpu = dict(deepspeed=deepspeed_config(options.stage)), False
+        if not torch.cuda.is_available():
+            extra["accelerator_config"] = {"use_configured_state": True}  # made by `_deepspeed_state_on_cpu`
+    return dict(
         output_dir=options.out, per_device_train_batch_size=options.per_device, gradient_accumulation_steps=options.accum,
         max_grad_norm=1.0, max_steps=options.steps, logging_steps=1, save_steps=options.save_steps,
-        learning_rate=options.lr, seed=0, report_to=[], use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
+        learning_rate=options.lr, seed=0, report_to=[], use_cpu=use_cpu, disable_tqdm=True,
         # transformers cannot checkpoint the optimizer of a model it sharded at load time (it refuses).
         save_only_model=options.mode == "fsdp2", eval_strategy="steps" if options.eval_steps else "no", eval_steps=options.eval_steps or None,
         per_device_eval_batch_size=2, **extra,
     )  # fmt: skip
 
 
+def require_deepspeed() -> None:
+    """Stop with how to install DeepSpeed where it is missing: only the DeepSpeed modes need it."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        raise SystemExit('DeepSpeed is not installed (benchmarks only): pip install "zerocompile[peers]"')
+
+
+def _deepspeed_state_on_cpu() -> None:
+    """accelerate's state for DeepSpeed on CPU ranks, made before `TrainingArguments` takes it
+    (`use_configured_state`). Made by TrainingArguments, it would find no backend without a GPU and
+    count one process: DeepSpeed's "auto" `train_batch_size` would count one rank (DeepSpeed refuses
+    it), and every rank would read the same batches."""
+    from accelerate import PartialState
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # as TrainingArguments sets it while it makes one
+    PartialState(backend="gloo")
+
+
 def _model(options: argparse.Namespace) -> torch.nn.Module:
     """ZeroTrainer's model comes sharded from `zc.from_pretrained` (each rank reads its shards, nothing
     initialised twice; a LoRA adapter attached on meta, so no rank holds the whole base); DDP's and
-    FSDP2's from transformers' `from_pretrained`, a LoRA adapter attached by PEFT to the whole base."""
+    FSDP2's and DeepSpeed's from transformers' `from_pretrained`, a LoRA adapter attached by PEFT to the
+    whole base. DeepSpeed's is whole on every rank, as DDP's, until `deepspeed.initialize` partitions it
+    (TrainingArguments made after the model: no `zero.Init` at load, and the adapter's values as DDP's)."""
     from transformers import AutoModelForCausalLM
 
     lora = None
@@ -146,18 +199,22 @@ class _Clock:
 
 
 def train(options: argparse.Namespace) -> dict[str, Any] | None:
-    from transformers import Trainer, default_data_collator
+    from transformers import Trainer, TrainingArguments, default_data_collator
 
     from zerocompile.hf import ZeroTrainer
     from zerocompile.tools.measuring import status_bytes
 
+    if options.mode == "deepspeed":
+        require_deepspeed()
+        if not torch.cuda.is_available():
+            _deepspeed_state_on_cpu()
     seq_len = int(Path(options.pretrained, "seq_len").read_text())
     model = _model(options)
     dataset = RandomTokens(model.config.vocab_size, seq_len)
     clock = _Clock()
     held_out = RandomTokens(model.config.vocab_size, seq_len, samples=8, seed=6)
     common = dict(
-        model=model, args=_arguments(options), train_dataset=dataset, eval_dataset=held_out,
+        model=model, args=TrainingArguments(**training_arguments(options)), train_dataset=dataset, eval_dataset=held_out,
         data_collator=default_data_collator, callbacks=[clock.callback],
     )  # fmt: skip
     if options.mode == "zero":
@@ -166,6 +223,8 @@ def train(options: argparse.Namespace) -> dict[str, Any] | None:
         trainer = ZeroTrainer(**common, compile_options=compile_options, sync_each_micro_step=not options.no_sync)
     else:
         trainer = Trainer(**common)
+        if options.mode == "deepspeed" and not trainer.is_deepspeed_enabled:
+            raise RuntimeError("Trainer did not enable DeepSpeed: the row would measure another route")
     trainer.train(resume_from_checkpoint=options.resume)
     # Training's: the check of the saved files below holds two whole models on rank 0.
     peak = (clock.first_step_peak, status_bytes("VmHWM"))
@@ -181,7 +240,7 @@ def train(options: argparse.Namespace) -> dict[str, Any] | None:
     tokens_per_step = options.per_device * options.accum * world_size * seq_len
     later = clock.step_ends[1:]
     report = {
-        "mode": options.mode, "stage": options.stage if options.mode == "zero" else None, "lora": options.lora,
+        "mode": options.mode, "stage": options.stage if options.mode in ("zero", "deepspeed") else None, "lora": options.lora,
         "world_size": world_size, "out": options.out,
         "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
         "grad_norms": [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry],
@@ -226,21 +285,41 @@ def _saved_error(model: torch.nn.Module, final: str, options: argparse.Namespace
 
 
 # The modes of docs/finetune.md's table: (label, train arguments). Micro-batches of 2 sequences,
-# 2 per step; the last two rows take the same 4 sequences per rank in one micro-batch, which shows
-# what ZeroTrainer's reduction per micro-step costs.
+# 2 per step; the "4 x 1" rows take the same 4 sequences per rank in one micro-batch, which shows
+# what ZeroTrainer's reduction per micro-step costs. DeepSpeed's rows sit beside ZeroTrainer's of
+# the same micro-batching; the LoRA rows at the end, full fine-tuning everywhere else.
 COMPARED = (
     ("Trainer + DDP", ["--mode", "ddp"]),
     ("Trainer + DDP, `torch_compile=True`", ["--mode", "ddp-compile"]),
     ("Trainer + FSDP2 (transformers' `distributed_config`)", ["--mode", "fsdp2"]),
     ("ZeroTrainer, stage 3", ["--mode", "zero", "--stage", "3"]),
     ("ZeroTrainer, stage 2", ["--mode", "zero", "--stage", "2"]),
+    ("Trainer + DeepSpeed ZeRO-3", ["--mode", "deepspeed", "--stage", "3"]),
+    ("Trainer + DeepSpeed ZeRO-2", ["--mode", "deepspeed", "--stage", "2"]),
     ("Trainer + DDP, `torch_compile=True`, 4 x 1", ["--mode", "ddp-compile", "--per-device", "4", "--accum", "1"]),
     ("ZeroTrainer, stage 3, 4 x 1", ["--mode", "zero", "--stage", "3", "--per-device", "4", "--accum", "1"]),
+    ("Trainer + DeepSpeed ZeRO-3, 4 x 1", ["--mode", "deepspeed", "--stage", "3", "--per-device", "4", "--accum", "1"]),
+    ("Trainer + DeepSpeed ZeRO-2, 4 x 1", ["--mode", "deepspeed", "--stage", "2", "--per-device", "4", "--accum", "1"]),
     # 4 micro-steps of 2 per step: reducing each micro-step against once per optimizer step.
     ("Trainer + DDP, `torch_compile=True`, 2 x 4", ["--mode", "ddp-compile", "--accum", "4"]),
     ("ZeroTrainer, stage 3, 2 x 4", ["--mode", "zero", "--stage", "3", "--accum", "4"]),
     ("ZeroTrainer, stage 3, 2 x 4, `sync_each_micro_step=False`", ["--mode", "zero", "--stage", "3", "--accum", "4", "--no-sync"]),
+    ("Trainer + DeepSpeed ZeRO-3, 2 x 4", ["--mode", "deepspeed", "--stage", "3", "--accum", "4"]),
+    ("Trainer + DeepSpeed ZeRO-2, 2 x 4", ["--mode", "deepspeed", "--stage", "2", "--accum", "4"]),
+    ("Trainer + DDP, LoRA", ["--mode", "ddp", "--lora"]),
+    ("ZeroTrainer, stage 3, LoRA", ["--mode", "zero", "--stage", "3", "--lora"]),
+    ("Trainer + DeepSpeed ZeRO-3, LoRA", ["--mode", "deepspeed", "--stage", "3", "--lora"]),
 )
+
+
+def run_environment(mode: list[str], work: str, index: int) -> dict[str, str]:
+    """The variables set for one compared run of train arguments `mode`: a cold Inductor cache of its
+    own, as a first run of a job has (its compile is part of its start), and for DeepSpeed without
+    a GPU its CPU accelerator (over gloo) rather than its guess from the machine."""
+    variables = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(work, f"run{index}-inductor-cache")}
+    if "deepspeed" in mode and not torch.cuda.is_available():
+        variables["DS_ACCELERATOR"] = "cpu"
+    return variables
 
 
 def compare(size: str, nproc: int, steps: int, work: str, allocator: str, only: list[str] | None = None, repeat: int = 1) -> str:
@@ -255,6 +334,8 @@ def compare(size: str, nproc: int, steps: int, work: str, allocator: str, only: 
     pretrained = os.path.join(work, "pretrained")
     prepare(size, pretrained)
     chosen = [(index, label, mode) for index, (label, mode) in enumerate(COMPARED) if not only or any(part in label for part in only)]
+    if any("deepspeed" in mode for _index, _label, mode in chosen):
+        require_deepspeed()  # before the other runs, not after them
     results: dict[int, list[dict[str, Any]]] = {index: [] for index, _label, _mode in chosen}
     for index, label, mode in [entry for _ in range(repeat) for entry in chosen]:
         report = os.path.join(work, f"run{index}.json")
@@ -265,8 +346,7 @@ def compare(size: str, nproc: int, steps: int, work: str, allocator: str, only: 
             "--steps", str(steps), "--save-steps", str(10 * steps), "--eval-steps", "0", "--out", os.path.join(work, f"run{index}"),
             "--report", report, *mode,
         ]  # fmt: skip
-        # A cold Inductor cache for each run, as a first run of a job has: its compile is part of its start.
-        env = child_environment({"TORCHINDUCTOR_CACHE_DIR": os.path.join(work, f"run{index}-inductor-cache")}, find_allocator(allocator))
+        env = child_environment(run_environment(mode, work, index), find_allocator(allocator))
         with open(os.path.join(work, f"run{index}.log"), "w") as log:
             subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=True, env=env)
         results[index].append(json.loads(Path(report).read_text()))
@@ -284,7 +364,8 @@ def compare(size: str, nproc: int, steps: int, work: str, allocator: str, only: 
     return "\n".join([header, *rows])
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line: `prepare`, `compare` and `train` (whose options the tests parse too)."""
     from zerocompile.tools.spawn import add_allocator_argument
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -292,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
     made = commands.add_parser("prepare", help="write a random 'pretrained' Llama")
     made.add_argument("--size", choices=sorted(SIZES), default="tiny")
     made.add_argument("--out", required=True)
-    table = commands.add_parser("compare", help="DDP, FSDP2 and ZeroTrainer side by side: a Markdown table")
+    table = commands.add_parser("compare", help="DDP, FSDP2, DeepSpeed and ZeroTrainer side by side: a Markdown table")
     table.add_argument("--size", choices=sorted(SIZES), default="medium")
     table.add_argument("--nproc", type=int, default=2)
     table.add_argument("--steps", type=int, default=30)
@@ -302,8 +383,8 @@ def main(argv: list[str] | None = None) -> None:
     add_allocator_argument(table)
     run = commands.add_parser("train", help="fine-tune it with Trainer (under torchrun or accelerate launch)")
     run.add_argument("--pretrained", required=True)
-    run.add_argument("--mode", choices=("ddp", "ddp-compile", "fsdp2", "zero"), required=True)
-    run.add_argument("--stage", type=int, default=3)
+    run.add_argument("--mode", choices=("ddp", "ddp-compile", "fsdp2", "zero", "deepspeed"), required=True)
+    run.add_argument("--stage", type=int, default=3, help="ZeroTrainer's ZeRO stage, or DeepSpeed's")
     run.add_argument("--compiler", choices=("eager", "inductor"), default="inductor")
     run.add_argument("--lora", action="store_true")
     run.add_argument("--steps", type=int, default=20)
@@ -316,7 +397,11 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--resume", default=None)
     run.add_argument("--out", required=True)
     run.add_argument("--report", required=True)
-    options = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    options = parser().parse_args(argv)
     if options.command == "prepare":
         prepare(options.size, options.out)
     elif options.command == "compare":
