@@ -31,6 +31,7 @@ STARTED = time.perf_counter()
 import argparse  # noqa: E402  (the clock starts before the imports, which are part of the start)
 import json  # noqa: E402
 import os  # noqa: E402
+import re  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -323,7 +324,7 @@ def run_environment(mode: list[str], work: str, index: int) -> dict[str, str]:
 
 
 def compare(size: str, nproc: int, steps: int, work: str, allocator: str, only: list[str] | None = None, repeat: int = 1) -> str:
-    """Each of COMPARED (those whose label holds one of `only`, if given) in turn under torchrun on
+    """Each of COMPARED (those whose label one of the regular expressions `only` finds) in turn under torchrun on
     the same pretrained model and data, the ranks' malloc `allocator` (as `zerocompile bench`'s),
     all of them `repeat` times over: a Markdown table, each run's tokens/s in its row."""
     import subprocess
@@ -333,7 +334,7 @@ def compare(size: str, nproc: int, steps: int, work: str, allocator: str, only: 
 
     pretrained = os.path.join(work, "pretrained")
     prepare(size, pretrained)
-    chosen = [(index, label, mode) for index, (label, mode) in enumerate(COMPARED) if not only or any(part in label for part in only)]
+    chosen = [(index, label, mode) for index, (label, mode) in enumerate(COMPARED) if not only or any(re.search(part, label) for part in only)]
     if any("deepspeed" in mode for _index, _label, mode in chosen):
         require_deepspeed()  # before the other runs, not after them
     results: dict[int, list[dict[str, Any]]] = {index: [] for index, _label, _mode in chosen}
@@ -378,7 +379,7 @@ def parser() -> argparse.ArgumentParser:
     table.add_argument("--nproc", type=int, default=2)
     table.add_argument("--steps", type=int, default=30)
     table.add_argument("--work", default=None, help="directory for the runs (default: a temporary one)")
-    table.add_argument("--only", action="append", help="run the routes whose label holds this text (repeatable)")
+    table.add_argument("--only", action="append", help="run the routes whose label this regular expression finds (repeatable)")
     table.add_argument("--repeat", type=int, default=1, help="run the routes in turn this many times over")
     add_allocator_argument(table)
     run = commands.add_parser("train", help="fine-tune it with Trainer (under torchrun or accelerate launch)")
