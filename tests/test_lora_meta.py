@@ -21,7 +21,6 @@ from zerocompile.checkpoint_files import METADATA
 from ranks import run_on_ranks
 from test_hf_models import report_offline
 
-pytest.importorskip("peft")
 TARGETS = ["q_proj", "v_proj"]
 STEPS = 3
 # Three AdamW steps of the adapter on 2 ranks against 1 (or stage 3 against 2): the same values

@@ -256,8 +256,14 @@ def _ema_state(ema: EMA, model: nn.Module, params: dict[nn.Parameter, tuple[str,
     return {f"ema.{params[p][0]}": _global_view(ema.shadow[p], shard_info(p)) for p in params}
 
 
-def _trainable(params: dict[nn.Parameter, tuple[str, ...]]) -> dict[nn.Parameter, tuple[str, ...]]:
-    return {param: names for param, names in params.items() if param.requires_grad}
+def _held(
+    model: nn.Module, params: dict[nn.Parameter, tuple[str, ...]], trainable_only: bool
+) -> tuple[dict[nn.Parameter, tuple[str, ...]], dict[str, torch.Tensor]]:
+    """The parameters and buffers a checkpoint holds: all of them, or (`trainable_only`) the
+    parameters that require a gradient and no buffer."""
+    if trainable_only:
+        return {param: names for param, names in params.items() if param.requires_grad}, {}
+    return params, persistent_buffers(model, params)
 
 
 def _check_same_base(where: Path, saved: dict[str, Any], model: nn.Module) -> None:
@@ -328,7 +334,7 @@ def save(
     def gather_state() -> tuple[dict[str, torch.Tensor], dict[str, Any], tuple[dict, str]]:
         params = parameter_names(model)
         _check_group(params)
-        saved, buffers = (_trainable(params), {}) if trainable_only else (params, persistent_buffers(model, params))
+        saved, buffers = _held(model, params, trainable_only)
         if not saved:
             raise ValueError("save(trainable_only=True): no parameter of the model requires a gradient, so there is nothing to save")
         state = _model_state(saved, buffers)
@@ -513,9 +519,7 @@ def load(
         _check_group(params)
         if saved.get("trainable_only"):
             _check_same_base(directory, saved, model)
-            filled, buffers = _trainable(params), {}
-        else:
-            filled, buffers = params, persistent_buffers(model, params)
+        filled, buffers = _held(model, params, bool(saved.get("trainable_only")))
         _check_matches(directory, saved, filled, buffers)
         views = _model_state(filled, buffers)
         padded = [(p, shard_info(p)) for p in filled]

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import ParamsT
 
-from zerocompile.optim import Muon
+from zerocompile.optim import Muon, loss_of
 from zerocompile.sharded_parameters import full_shape, shard_of_parameter
 
 
@@ -107,11 +107,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 optimizer.add_param_group(half)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        # Once, for both: the gradients it makes are both optimizers'.
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = loss_of(closure)  # once, for both: the gradients it makes are both optimizers'
         self.muon.step()
         self.adamw.step()
         return loss

@@ -62,7 +62,7 @@ class Muon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = _loss_of(closure)
+        loss = loss_of(closure)
         updates: list[tuple[torch.Tensor, torch.Tensor, dict]] = []
         for group in self.param_groups:
             params: list[torch.Tensor] = []
@@ -84,7 +84,7 @@ class Muon(torch.optim.Muon):
         return _orthogonalise_on_owners(updates)
 
 
-def _loss_of(closure: Callable[[], Any] | None) -> Any:
+def loss_of(closure: Callable[[], Any] | None) -> Any:
     """A step's closure run with gradients on, as torch's optimizers do (None without one)."""
     if closure is None:
         return None
@@ -106,7 +106,7 @@ class Adafactor(torch.optim.Adafactor):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = _loss_of(closure)
+        loss = loss_of(closure)
         for group in self.param_groups:
             pieces = [_FactoredPiece(param, self.state[param], group) for param in group["params"] if param.grad is not None]
             _all_reduce_sums([piece.first_sums() for piece in pieces], pieces)

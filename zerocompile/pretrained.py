@@ -70,8 +70,7 @@ def from_pretrained(
         init = adapter_init(model, base._init_weights)
     shard(model, stage, init=init, weights=weights, **{"weights_strict": False, **shard_settings})
     model._zero_base = weights_record(directory)  # what checkpoints of its trainable part were trained on
-    _as_from_pretrained_leaves_it(base, directory, transformers)
-    model.eval()
+    _as_from_pretrained_leaves_it(base, model, directory, transformers)
     return model
 
 
@@ -85,9 +84,10 @@ def _transformers() -> Any:
     return transformers
 
 
-def _as_from_pretrained_leaves_it(model: nn.Module, directory: Path, transformers: Any) -> None:
+def _as_from_pretrained_leaves_it(base: nn.Module, model: nn.Module, directory: Path, transformers: Any) -> None:
     """What `from_pretrained` does after loading besides the weights: the directory's generation
-    settings (from_config derives them from the model config alone), and eval mode."""
-    if model.can_generate() and (directory / _GENERATION_CONFIG).is_file():
-        model.generation_config = transformers.GenerationConfig.from_pretrained(directory)
+    settings on the transformers model `base` (from_config derives them from the model config
+    alone), and eval mode for `model` (`base`, or the PEFT model around it)."""
+    if base.can_generate() and (directory / _GENERATION_CONFIG).is_file():
+        base.generation_config = transformers.GenerationConfig.from_pretrained(directory)
     model.eval()
