@@ -70,6 +70,17 @@ class ReduceGradArgs(NamedTuple):
     replica_quant_block: int = 0  # > 0: that average int8-quantised too (what crosses nodes)
 
 
+def reduction_of(marker: "UnshardArgs", grad: TensorArg, shard_numel: int, grad_dtype: torch.dtype | None) -> ReduceGradArgs:
+    """The `reduce_grad` arguments of `grad`, the gradient of a parameter whose `unshard` markers
+    take `marker` (an `UnshardArgs`, or `markers.MarkerArgs`: the same names): its stage, groups,
+    dtypes and quantisation, landing in `grad_dtype` (its shard's)."""
+    return ReduceGradArgs(
+        grad, shard_numel, marker.stage, marker.group_name, marker.world_size, marker.reduce_scatter, marker.param,
+        marker.reduce_dtype, grad_dtype, marker.reduce_quant_block, marker.replica_group, marker.replicas,
+        marker.replica_quant_block,
+    )
+
+
 # The schema type of each annotation the records use: what torch.library would infer from a
 # function annotated alike (an int is a SymInt, so shapes may be symbolic).
 _SCHEMA_TYPES = {

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from .lowering import all_reduce_bucket, gather_bucket, reduce_scatter_bucket
-from .marker_args import ReduceGradArgs, UnshardArgs, op_schema
+from .marker_args import ReduceGradArgs, UnshardArgs, op_schema, reduction_of
 from .stages import stage_policy
 
 # Each kernel takes its arguments as the dispatcher passes them (trailing defaults left out) and
@@ -97,10 +97,7 @@ def _unshard_backward(ctx, grad: torch.Tensor):
         return grad.to(ctx.shard_dtype), *not_differentiable
     if pending is not None:
         grad = (pending + grad).to(m.reduce_dtype or grad.dtype)
-    reduced = reduce_grad(
-        grad, ctx.shard_numel, m.stage, m.group_name, m.world_size, m.reduce_scatter, m.param, m.reduce_dtype,
-        ctx.shard_dtype, m.reduce_quant_block, m.replica_group, m.replicas, m.replica_quant_block,
-    )
+    reduced = reduce_grad(*reduction_of(m, grad, ctx.shard_numel, ctx.shard_dtype))
     return reduced, *not_differentiable
 
 

@@ -143,13 +143,16 @@ def test_local_accumulation_trains_like_reducing_every_micro_step(report, case) 
 def test_local_accumulation_reduces_once_per_optimizer_step(report, case) -> None:
     """Reducing every micro-step, each sends a step's gathers and reductions; accumulating locally,
     the first micro-step sends only the gather of entering `no_sync`, the ones after it nothing,
-    and the last what any reducing micro-step sends (its reduction carries the others' gradients)."""
+    and the last only the one reduction of every gradient (`zc.reduce_gradients`): a gather and a
+    reduction in all, what one stage-2 micro-step sends, where stage 3's gathers twice."""
     every, local = report[(*case, True)]["sent"], report[(*case, False)]["sent"]
     entering = report[(*case, False)]["entering"]
     assert min(every) > 0 and max(every) == min(every), every
-    # Exact: the same collectives write the same gloo messages (measured equal in every case).
-    assert local == [entering] + [0] * (case[1] - 2) + [every[-1]], (local, entering, every)
-    assert 0 < entering < every[-1]
+    assert local[1:-1] == [0] * (case[1] - 2) and local[0] == entering > 0, (local, entering)
+    if case[0] == 2:  # exact: the same collectives write the same gloo messages (measured equal)
+        assert entering + local[-1] == every[-1], (local, every)
+    else:
+        assert 0 < entering + local[-1] < every[-1], (local, every)
 
 
 def test_a_stop_between_micro_steps_drops_the_no_sync_copies(report) -> None:
@@ -193,9 +196,9 @@ def _train_command_micro_steps(rank: int, world_size: int, no_sync: bool) -> lis
 
 
 def test_train_no_sync_sends_nothing_before_the_last_micro_step() -> None:
-    """`--no-sync`: one `no_sync` block over the micro-steps before the last (entered before the
-    first forward), so nothing is sent until the last micro-step reduces; without it every
-    micro-step gathers and reduces."""
+    """`--no-sync`: one `no_sync` block over the micro-steps (entered before the first forward),
+    so nothing is sent until the reduction after the last; without it every micro-step gathers
+    twice (stage 3) and reduces, so the one reduction sends less than any of them."""
     every, local = (run_on_ranks(2, _train_command_micro_steps, no_sync)[0] for no_sync in (False, True))
     assert min(every) > 0 and max(every) == min(every), every
-    assert local == [0, 0, 0, every[-1]], (local, every)
+    assert local[:-1] == [0, 0, 0] and 0 < local[-1] < every[-1], (local, every)

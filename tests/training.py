@@ -71,3 +71,13 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
             # Sharded ones are DTensors of the full shape (stage 0 holds plain whole tensors).
             full[fqn] = param.detach().full_tensor() if isinstance(param, DTensor) else param.detach().clone()
     return full
+
+
+def full_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Each trainable parameter's gradient whole, sharded or not (a collective: every rank calls it)."""
+    with torch.no_grad():
+        return {
+            fqn: param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad.clone()
+            for fqn, param in model.named_parameters()
+            if param.grad is not None
+        }

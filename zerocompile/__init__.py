@@ -6,7 +6,7 @@
     zc.save(path, model, optimizer, ema, step=step)   # zc.load(...) at any stage / world size
 """
 
-from zerocompile.accumulation import no_sync
+from zerocompile.accumulation import no_sync, reduce_gradients
 from zerocompile.checkpoint import full_state_dict, load, save
 from zerocompile.clipping import clip_grad_norm_
 from zerocompile.config import ZeroConfig
@@ -39,6 +39,7 @@ __all__ = [
     "no_sync",
     "optim",
     "record_graphs",
+    "reduce_gradients",
     "save",
     "save_weights",
     "shard",

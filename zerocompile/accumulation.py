@@ -25,12 +25,16 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
+from zerocompile.dtensor_parameters import link_of
+from zerocompile.passes.lowering import all_reduce_bucket, gather_bucket, reduce_scatter_bucket
+from zerocompile.passes.marker_args import reduction_of
 from zerocompile.passes.markers import UNSHARD
+from zerocompile.passes.stages import stage_policy
 from zerocompile.sharded_modules import module_state
 
 
@@ -77,20 +81,56 @@ class GradientSync:
         return [fqn for fqn, slot in self.slots.items() if slot.local is not None or slot.pending is not None]
 
     def enter_no_sync(self) -> None:
-        """Gather a full local copy of each parameter (its accumulated gradient, if any, kept)."""
+        """Gather a full local copy of each parameter (its accumulated gradient, if any, kept):
+        exact, in the master dtype, one all-gather per bucket of `bucket_bytes` of parameters."""
         self.quiet = False
         with torch.no_grad():
+            fulls = {fqn: param.detach() for fqn, param in self.params.items() if not param._zero.policy.shards_parameters}
+            sharded = [(fqn, param) for fqn, param in self.params.items() if fqn not in fulls]
+            for bucket in _buckets(sharded, _gather_key, lambda item: item[1]._zero.numel * item[1].element_size()):
+                infos = [param._zero for _, param in bucket]
+                info = infos[0]
+                gathered = gather_bucket(
+                    [param.detach() for _, param in bucket], [list(i.shape) for i in infos], info.group_name,
+                    info.world_size, info.reduce_scatter,
+                )
+                fulls.update((fqn, full) for (fqn, _), full in zip(bucket, gathered))
             for fqn, param in self.params.items():
                 slot = self.slots[fqn]
-                info = param._zero
-                if info.policy.shards_parameters:
-                    full = info.gather(param.detach())
-                else:
-                    full = param.detach()  # whole already: the "copy" aliases it
-                local = full.requires_grad_(param.requires_grad)
+                local = fulls[fqn].requires_grad_(param.requires_grad)  # stage 0: the parameter itself
                 local._zero_copy_of = fqn  # how the backend names the marker that uses it
                 local.grad, slot.pending = slot.pending, None
                 slot.local = local
+
+    def reduce_pending(self) -> None:
+        """Reduce every pending gradient into its parameter's (sharded) gradient, now: one
+        collective per bucket of `bucket_bytes` of gradients, as the graphs' reductions do (the
+        mean over the group, in `reduce_dtype`, quantised and across replicas as configured)."""
+        waiting = []
+        for fqn, slot in self.slots.items():
+            if slot.pending is not None:
+                param = self.params[fqn]
+                info = param._zero
+                marker = info.marker_args(param.dtype)._replace(param=fqn)
+                waiting.append((slot, param, reduction_of(marker, slot.pending, info.shard_numel, param.dtype)))
+        for bucket in _buckets(waiting, _reduce_key, lambda item: item[2].grad.numel() * item[2].grad.element_size()):
+            first = bucket[0][2]
+            grads = [args.grad for _, _, args in bucket]
+            with torch.no_grad():
+                if stage_policy(first.stage).reduction == "all_reduce":
+                    reduced = all_reduce_bucket(grads, first)
+                else:
+                    reduced = reduce_scatter_bucket(grads, [args.shard_numel for _, _, args in bucket], first)
+            for (slot, param, _), grad in zip(bucket, reduced):
+                slot.pending = None
+                link = link_of(param)
+                if link is not None:
+                    link.add_gradient(grad)
+                elif param.grad is None:
+                    param.grad = grad
+                else:
+                    param.grad.add_(grad)
+        self.quiet = not self.waiting()
 
     def exit_no_sync(self) -> None:
         """Drop the local copies, keeping their gradients as pending."""
@@ -99,6 +139,36 @@ class GradientSync:
                 slot.pending = slot.local.grad
             slot.local = None
         self.quiet = not self.waiting()
+
+
+def _gather_key(item: tuple[str, nn.Parameter]) -> tuple:
+    """What the parameters one all-gather takes share."""
+    param = item[1]
+    info = param._zero
+    return info.group_name, info.world_size, info.reduce_scatter, param.dtype, param.device, info.config.bucket_bytes
+
+
+def _reduce_key(item: tuple) -> tuple:
+    """What the gradients one reduction takes share: their `reduce_grad` arguments but their own."""
+    args = item[2]
+    return args._replace(grad=None, shard_numel=0, param=""), args.grad.dtype, args.grad.device, item[1]._zero.config.bucket_bytes
+
+
+def _buckets(items: list, key: Callable[[Any], tuple], nbytes: Callable[[Any], int]) -> Iterator[list]:
+    """`items` in runs of equal `key` (its last element the bucket size in bytes), each cut where
+    another item would take it past that size (0: one item per bucket). The order is kept."""
+    bucket: list = []
+    bucket_key, size = None, 0
+    for item in items:
+        item_key, item_bytes = key(item), nbytes(item)
+        if bucket and (item_key != bucket_key or size + item_bytes > item_key[-1]):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(item)
+        bucket_key = item_key
+        size += item_bytes
+    if bucket:
+        yield bucket
 
 
 # Every model's GradientSync, for the optimizer step check; weak, so models can be freed.
@@ -124,32 +194,27 @@ def check_nothing_pending(optimizer: torch.optim.Optimizer) -> None:
             raise RuntimeError(
                 f"parameters {waiting[:3]} have gradients accumulated under zerocompile.no_sync(model) "
                 "that no synced backward has reduced yet: run the last micro-step's forward and "
-                "backward outside the no_sync block, then step the optimizer"
+                "backward outside the no_sync block, or call zerocompile.reduce_gradients(model) "
+                "after the block, then step the optimizer"
             )
 
 
 @contextlib.contextmanager
 def no_sync(model: nn.Module) -> Iterator[None]:
-    """Accumulate gradients locally in the backwards inside; the next synced backward reduces once.
+    """Accumulate gradients locally in the backwards inside; they are reduced once afterwards.
 
     Memory while inside: a full copy of every parameter (none at stage 0) and a full gradient of
     every trainable parameter on each rank, i.e. stage 0's footprint. Traffic: at stages 1-3 one
-    all-gather of the parameters on entry, nothing in the micro-steps, and the next synced step
-    sends what any step sends. Nested blocks act as one. Covers every sharded module in `model`
-    (parts sharded by separate `shard()` calls included).
+    all-gather of the parameters on entry, nothing in the micro-steps. Then either run the last
+    micro-step outside the block (its backward reduces its own gradients with the accumulated
+    ones: what that step sends anyway, 3 parameter passes at stage 3) or run every micro-step
+    inside and call `reduce_gradients(model)` after the block (one reduce-scatter pass: the
+    block's gather plus that is what DDP's all-reduce sends). Nested blocks act as one. Covers
+    every sharded module in `model` (parts sharded by separate `shard()` calls included).
     """
-    root = getattr(model, "_orig_mod", model)  # the torch.compile wrapper's model
-    states = [state for m in root.modules() if (state := module_state(m)) is not None]
-    syncs = {id(state.sync): state.sync for state in states}
-    if not syncs:
-        raise TypeError(
-            f"zerocompile.no_sync() takes a model zerocompile.shard() sharded (or its torch.compile "
-            f"wrapper), got an unsharded {type(root).__name__}: call zerocompile.shard(model, "
-            "stage=...) first"
-        )
     entered = []
     try:
-        for sync in syncs.values():
+        for sync in _syncs_of(model, "no_sync"):
             if not sync.holds_copies():  # else an enclosing no_sync block holds them
                 entered.append(sync)
                 sync.enter_no_sync()
@@ -157,3 +222,35 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     finally:
         for sync in entered:
             sync.exit_no_sync()
+
+
+def reduce_gradients(model: nn.Module) -> None:
+    """Reduce now the gradients `no_sync` blocks accumulated in `model`: after the last
+    micro-step's backward, in place of running that micro-step outside the block. One collective
+    per bucket of `bucket_bytes` of gradients, as the compiled backward's reductions (the mean over
+    the group, in `reduce_dtype`, quantised and averaged across replicas as configured), into
+    each parameter's gradient (its shard at stages 1-3), added to what it holds. Blocking, not
+    overlapped with a backward; every rank must call it."""
+    syncs = _syncs_of(model, "reduce_gradients")
+    inside = [fqn for sync in syncs for fqn, slot in sync.slots.items() if slot.local is not None]
+    if inside:
+        raise RuntimeError(
+            f"zerocompile.reduce_gradients(model) was called inside a no_sync block (parameters {inside[:3]} "
+            "still accumulate into their local copies): call it after the block ends"
+        )
+    for sync in syncs:
+        sync.reduce_pending()
+
+
+def _syncs_of(model: nn.Module, caller: str) -> list[GradientSync]:
+    """The GradientSync of every `shard()` call whose modules `model` holds."""
+    root = getattr(model, "_orig_mod", model)  # the torch.compile wrapper's model
+    states = [state for m in root.modules() if (state := module_state(m)) is not None]
+    syncs = {id(state.sync): state.sync for state in states}
+    if not syncs:
+        raise TypeError(
+            f"zerocompile.{caller}() takes a model zerocompile.shard() sharded (or its torch.compile "
+            f"wrapper), got an unsharded {type(root).__name__}: call zerocompile.shard(model, "
+            "stage=...) first"
+        )
+    return list(syncs.values())

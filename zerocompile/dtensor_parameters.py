@@ -132,12 +132,17 @@ class ParameterLink:
         grad, shard.grad = shard.grad, None
         if grad is None or not self.param.requires_grad:
             return  # frozen after shard(): the gradient is dropped, as it would not have been computed
+        self.add_gradient(grad)
+
+    def add_gradient(self, flat: torch.Tensor) -> None:
+        """Add a padded flat gradient of the shard's layout to the parameter's: the first one is
+        kept as it is, later ones are added in place."""
         with torch.no_grad():
             held = self.padded_grad()
             if held is None:
-                self._hold(grad)
+                self._hold(flat)
             else:
-                held.add_(grad)
+                held.add_(flat)
 
 
 def _hook_of(link: weakref.ref[ParameterLink]) -> Callable[[nn.Parameter], None]:

@@ -43,7 +43,7 @@ except ImportError as error:
         f'zerocompile.hf needs transformers and accelerate ({error.name} is missing): pip install "zerocompile[hf]"'
     ) from error
 
-from zerocompile.accumulation import no_sync
+from zerocompile.accumulation import no_sync, reduce_gradients
 from zerocompile.checkpoint import gathered_state_dict, load, save
 from zerocompile.clipping import clip_grad_norm_
 from zerocompile.config import ZeroConfig, config_from_kwargs
@@ -71,11 +71,11 @@ class ZeroTrainer(Trainer):
 
     `sync_each_micro_step`: with `gradient_accumulation_steps` > 1, whether every micro-step's
     backward reduces its gradients into the shards (True, the default: memory stays sharded, one
-    reduction per micro-step) or the micro-steps before the last of each optimizer step run inside
-    one `zerocompile.no_sync` block and the last reduces them all (False: one all-gather of the
-    parameters on entering the block and one reduction per optimizer step, for a full copy of every
-    parameter and a full gradient per rank until the last micro-step; docs/finetune.md has the bytes
-    per stage). Named after accelerate's `sync_each_batch`, which means the same for DDP but
+    reduction per micro-step) or the micro-steps of each optimizer step run inside one
+    `zerocompile.no_sync` block and `zerocompile.reduce_gradients` reduces what they accumulated
+    after the last (False: one all-gather of the parameters on entering the block and one
+    reduction per optimizer step, DDP's bytes, for a full copy of every parameter and a full
+    gradient per rank during the micro-steps; docs/finetune.md has the bytes per stage). Named after accelerate's `sync_each_batch`, which means the same for DDP but
     defaults the other way (ZeRO is chosen for memory) and is not read here; one setting for the
     run rather than FSDP2's `set_requires_gradient_sync` per micro-step, since Trainer, not the
     caller, runs the micro-steps.
@@ -131,16 +131,21 @@ class ZeroTrainer(Trainer):
             self._end_unsynced_micro_steps()
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-        """Trainer's micro-step; with `sync_each_micro_step=False` the ones before the last of an
-        optimizer step share one `zerocompile.no_sync` block (one gather of the parameters, not one
-        per micro-step), and the last, outside it, reduces what they accumulated with its own."""
+        """Trainer's micro-step; with `sync_each_micro_step=False` and accumulation, the micro-steps
+        of an optimizer step share one `zerocompile.no_sync` block (one gather of the parameters,
+        not one per micro-step), and after the last one's backward their gradients are reduced
+        once (`zerocompile.reduce_gradients`)."""
+        if self.sync_each_micro_step or self.args.gradient_accumulation_steps == 1:
+            return super().training_step(model, inputs, num_items_in_batch)
+        if self._unsynced_micro_steps is None:
+            self._unsynced_micro_steps = contextlib.ExitStack()
+            self._unsynced_micro_steps.enter_context(no_sync(self.model))
+        loss = super().training_step(model, inputs, num_items_in_batch)
         # Trainer sets it before each micro-step: True on the one its optimizer step follows.
         if self.accelerator.sync_gradients:
             self._end_unsynced_micro_steps()
-        elif not self.sync_each_micro_step and self._unsynced_micro_steps is None:
-            self._unsynced_micro_steps = contextlib.ExitStack()
-            self._unsynced_micro_steps.enter_context(no_sync(self.model))
-        return super().training_step(model, inputs, num_items_in_batch)
+            reduce_gradients(self.model)
+        return loss
 
     def _end_unsynced_micro_steps(self) -> None:
         if self._unsynced_micro_steps is not None:
