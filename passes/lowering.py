@@ -340,7 +340,7 @@ def reduce_scatter_bucket(grads: list[torch.Tensor], shard_numels: list[int], ma
     come back in `grad_dtype` (the master parameters'). With `quant_block`: int8 rows, summed in
     fp32 (`reduce_dtype` and the flavour do not apply). With `replicas` > 1 (hybrid sharding) the
     reduced shards are then averaged across `replica_group` too: in one all-reduce, or with
-    `replica_quant_block` in int8 (`_replica_mean`)."""
+    `replica_quant_block` in int8 (`replica_mean`)."""
     group_name, world_size = marker.group_name, marker.world_size
     shard_numel = sum(shard_numels)
     if marker.quant_block:
@@ -355,7 +355,7 @@ def reduce_scatter_bucket(grads: list[torch.Tensor], shard_numels: list[int], ma
             splits = [shard_numel] * world_size
             received = funcol.wait_tensor(funcol.all_to_all_single(flat, splits, splits, group_name))
             reduced = average_rows(received.view(world_size, shard_numel), world_size)
-    reduced = _replica_mean(reduced, marker)
+    reduced = replica_mean(reduced, marker)
     if marker.grad_dtype is not None:
         reduced = reduced.to(marker.grad_dtype)  # once for the bucket, not once per shard
     return list(reduced.split(shard_numels)) if len(grads) > 1 else [reduced]
@@ -369,11 +369,11 @@ def all_reduce_bucket(grads: list[torch.Tensor], marker: ReduceGradArgs) -> list
     if marker.quant_block:
         reduced = _all_reduce_int8(grads, marker)
     elif len(grads) == 1 and marker.reduce_dtype in (None, grads[0].dtype):
-        reduced = [_replica_mean(_all_reduce_mean(grads[0], marker.group_name, marker.world_size), marker)]
+        reduced = [replica_mean(_all_reduce_mean(grads[0], marker.group_name, marker.world_size), marker)]
     else:
         numels = [grad.numel() for grad in grads]
         mean = _all_reduce_mean(pack(grads, 1, numels, marker.reduce_dtype), marker.group_name, marker.world_size)
-        parts = _replica_mean(mean, marker).split(numels)
+        parts = replica_mean(mean, marker).split(numels)
         reduced = [part.view(grad.shape) for part, grad in zip(parts, grads)]
     return [r.to(marker.grad_dtype) for r in reduced] if marker.grad_dtype is not None else reduced
 
@@ -385,7 +385,7 @@ def _all_reduce_int8(grads: list[torch.Tensor], marker: ReduceGradArgs) -> list[
     shard_numels = [chunk_numel(grad.numel(), world_size) for grad in grads]
     row = sum(shard_numels)
     rows = _packed(grads, world_size, shard_numels, None, int8_row_width(row, block)).view(world_size, -1)
-    mean = _replica_mean(_reduce_scatter_int8(rows, group_name, world_size, block)[:row], marker)
+    mean = replica_mean(_reduce_scatter_int8(rows, group_name, world_size, block)[:row], marker)
     (full,) = _gather_bucket_int8([mean], [[world_size, row]], group_name, world_size, coalesced=True, dtype=torch.float32, block=block)
     return [
         column.reshape(-1)[: grad.numel()].view(grad.shape)
@@ -393,7 +393,7 @@ def _all_reduce_int8(grads: list[torch.Tensor], marker: ReduceGradArgs) -> list[
     ]
 
 
-def _replica_mean(reduced: torch.Tensor, marker: ReduceGradArgs) -> torch.Tensor:
+def replica_mean(reduced: torch.Tensor, marker: ReduceGradArgs) -> torch.Tensor:
     """A reduced shard's mean across the marker's replicas (the shard itself with one replica): one
     all-reduce, or with `replica_quant_block` sent as int8 (ZeRO++'s hierarchical qgZ): with
     hybrid sharding the replica group is what crosses nodes, so an fp32 all-reduce there would

@@ -113,6 +113,9 @@ _POSITIONAL = UnshardArgs._fields[1 : UnshardArgs._fields.index("reduce_dtype") 
 # A marker's own arguments rather than its parameter's: its tensors and no_sync's flag.
 _PER_CALL = ("shard", "local", "pending")
 _PARAMETER_ARGS = tuple(name for name in UnshardArgs._fields if name not in _PER_CALL)
+# The arguments that average a reduced gradient across hybrid sharding's replicas: a marker
+# without them reduces inside its shard group only (`zerocompile.no_sync(replicas_only=True)`).
+REPLICA_KEYWORDS = ("replica_group", "replicas", "replica_quant_block")
 
 
 class MarkerArgs(

@@ -55,7 +55,8 @@ def _metered(training_step: Callable[..., torch.Tensor], sent: list[int]) -> Cal
     return step
 
 
-def _trainer(stage: int, micro_steps: int, sync_each_micro_step: bool, out: str):
+def _trainer(stage: int, micro_steps: int, sync_each_micro_step: bool, out: str, shard_size: int | None = None, **options: Any):
+    """ZeroTrainer on the tiny Llama; `shard_size`: hybrid sharding; `options`: ZeroTrainer's."""
     from transformers import TrainingArguments
 
     from zerocompile.hf import ZeroTrainer
@@ -71,9 +72,9 @@ def _trainer(stage: int, micro_steps: int, sync_each_micro_step: bool, out: str)
     )  # fmt: skip
     # Buffers (the rotary frequencies) broadcast in a window's first forward only: kept out, so the
     # bytes measured are the parameters' gathers and the gradients' reductions alone.
-    config = zc.ZeroConfig(stage=stage, broadcast_buffers=False)
+    config = zc.ZeroConfig(stage=stage, broadcast_buffers=False, shard_size=shard_size)
     return ZeroTrainer(model=model, args=args, train_dataset=dataset, zero_config=config,
-                       compile_options={"compiler": "eager"}, sync_each_micro_step=sync_each_micro_step)  # fmt: skip
+                       compile_options={"compiler": "eager"}, sync_each_micro_step=sync_each_micro_step, **options)  # fmt: skip
 
 
 def _train(rank: int, world_size: int, stage: int, micro_steps: int, sync_each_micro_step: bool, out: str) -> dict:

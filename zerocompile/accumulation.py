@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from zerocompile.dtensor_parameters import link_of
-from zerocompile.passes.lowering import all_reduce_bucket, gather_bucket, reduce_scatter_bucket
+from zerocompile.passes.lowering import all_reduce_bucket, gather_bucket, reduce_scatter_bucket, replica_mean
 from zerocompile.passes.marker_args import reduction_of
 from zerocompile.passes.markers import UNSHARD
 from zerocompile.passes.stages import stage_policy
@@ -71,6 +71,10 @@ class GradientSync:
         # `not self.waiting()`, kept as one attribute Dynamo guards: cleared on entering no_sync,
         # renewed on leaving it and before each optimizer step (a forward takes pending gradients).
         self.quiet = True
+        # Inside `no_sync(model, replicas_only=True)`: markers reduce inside the shard group only.
+        self.replicas_deferred = False
+        # FQNs whose gradients hold micro-steps not averaged across replicas yet.
+        self.replica_pending: set[str] = set()
         _ALL.add(self)
 
     def holds_copies(self) -> bool:
@@ -78,7 +82,24 @@ class GradientSync:
 
     def waiting(self) -> list[str]:
         """FQNs whose gradients no synced backward has reduced yet."""
-        return [fqn for fqn, slot in self.slots.items() if slot.local is not None or slot.pending is not None]
+        return [
+            fqn
+            for fqn, slot in self.slots.items()
+            if slot.local is not None or slot.pending is not None or fqn in self.replica_pending
+        ]
+
+    def enter_replicas_deferred(self) -> None:
+        """From now on until `exit_replicas_deferred`, backwards reduce inside the shard group only."""
+        self.quiet = False
+        self.replicas_deferred = True
+
+    def exit_replicas_deferred(self) -> None:
+        """Every trainable parameter with replicas now waits for its average across them."""
+        self.replicas_deferred = False
+        self.replica_pending.update(
+            fqn for fqn, param in self.params.items() if param.requires_grad and param._zero.replicas > 1
+        )
+        self.quiet = not self.waiting()
 
     def enter_no_sync(self) -> None:
         """Gather a full local copy of each parameter (its accumulated gradient, if any, kept):
@@ -130,7 +151,30 @@ class GradientSync:
                     param.grad = grad
                 else:
                     param.grad.add_(grad)
+        self._average_across_replicas()
         self.quiet = not self.waiting()
+
+    def _average_across_replicas(self) -> None:
+        """The replica-pending gradients averaged across their replicas in place, one collective
+        per bucket, as the graphs' reductions end (`lowering.replica_mean`: int8 where the config
+        quantises what crosses nodes). A synced micro-step's part, equal on every replica
+        already, keeps its value."""
+        waiting = []
+        for fqn, param in self.params.items():
+            if fqn in self.replica_pending:
+                link = link_of(param)
+                grad = param.grad if link is None else link.padded_grad()
+                if grad is not None:
+                    marker = param._zero.marker_args(param.dtype)._replace(param=fqn)
+                    waiting.append((param, reduction_of(marker, grad, param._zero.shard_numel, param.dtype)))
+        self.replica_pending.clear()
+        for bucket in _buckets(waiting, _replica_key, lambda item: item[1].grad.numel() * item[1].grad.element_size()):
+            grads = [args.grad for _, args in bucket]
+            with torch.no_grad():
+                flat = torch.cat([grad.reshape(-1) for grad in grads]) if len(grads) > 1 else grads[0].reshape(-1)
+                averaged = replica_mean(flat, bucket[0][1])
+                for grad, part in zip(grads, averaged.split([grad.numel() for grad in grads])):
+                    grad.copy_(part.view_as(grad))
 
     def exit_no_sync(self) -> None:
         """Drop the local copies, keeping their gradients as pending."""
@@ -152,6 +196,12 @@ def _reduce_key(item: tuple) -> tuple:
     """What the gradients one reduction takes share: their `reduce_grad` arguments but their own."""
     args = item[2]
     return args._replace(grad=None, shard_numel=0, param=""), args.grad.dtype, args.grad.device, item[1]._zero.config.bucket_bytes
+
+
+def _replica_key(item: tuple) -> tuple:
+    """What the gradients one average across replicas takes share."""
+    param, args = item
+    return args.replica_group, args.replicas, args.replica_quant_block, args.grad.dtype, args.grad.device, param._zero.config.bucket_bytes
 
 
 def _buckets(items: list, key: Callable[[Any], tuple], nbytes: Callable[[Any], int]) -> Iterator[list]:
@@ -200,7 +250,7 @@ def check_nothing_pending(optimizer: torch.optim.Optimizer) -> None:
 
 
 @contextlib.contextmanager
-def no_sync(model: nn.Module) -> Iterator[None]:
+def no_sync(model: nn.Module, replicas_only: bool = False) -> Iterator[None]:
     """Accumulate gradients locally in the backwards inside; they are reduced once afterwards.
 
     Memory while inside: a full copy of every parameter (none at stage 0) and a full gradient of
@@ -211,10 +261,25 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     inside and call `reduce_gradients(model)` after the block (one reduce-scatter pass: the
     block's gather plus that is what DDP's all-reduce sends). Nested blocks act as one. Covers
     every sharded module in `model` (parts sharded by separate `shard()` calls included).
+
+    `replicas_only=True` (hybrid sharding, `shard_size=`): defer only the average across
+    replicas, the traffic between nodes. The backwards inside still reduce-scatter each gradient
+    inside its shard group, so memory stays sharded; `reduce_gradients(model)` after the block
+    averages the accumulated shards across the replicas once (FSDP2's HSDP with
+    `set_requires_all_reduce(False)`).
     """
+    syncs = _syncs_of(model, "no_sync")
+    if replicas_only:
+        yield from _replicas_deferred(syncs)
+        return
+    if any(sync.replicas_deferred for sync in syncs):
+        raise RuntimeError(
+            "zerocompile.no_sync(model) inside a no_sync(model, replicas_only=True) block: the "
+            "gradients there are already reduced inside their shard groups; use one kind of block"
+        )
     entered = []
     try:
-        for sync in _syncs_of(model, "no_sync"):
+        for sync in syncs:
             if not sync.holds_copies():  # else an enclosing no_sync block holds them
                 entered.append(sync)
                 sync.enter_no_sync()
@@ -224,19 +289,46 @@ def no_sync(model: nn.Module) -> Iterator[None]:
             sync.exit_no_sync()
 
 
+def _replicas_deferred(syncs: list[GradientSync]) -> Iterator[None]:
+    """`no_sync(model, replicas_only=True)`'s body: refusals first, then the block."""
+    if not any(param._zero.replicas > 1 for sync in syncs for param in sync.params.values()):
+        raise ValueError(
+            "zerocompile.no_sync(model, replicas_only=True) defers the average across replicas of hybrid "
+            "sharding, and this model has none: shard it with shard_size= (ranks per shard group), "
+            "or use no_sync(model) to defer every reduction"
+        )
+    local = [fqn for sync in syncs for fqn, slot in sync.slots.items() if slot.local is not None or slot.pending is not None]
+    if local:
+        raise RuntimeError(
+            f"zerocompile.no_sync(model, replicas_only=True) while parameters {local[:3]} hold gradients "
+            "of a no_sync(model) block not reduced yet: call zerocompile.reduce_gradients(model) "
+            "after that block first, or use one kind of block"
+        )
+    entered = [sync for sync in syncs if not sync.replicas_deferred]
+    try:
+        for sync in entered:
+            sync.enter_replicas_deferred()
+        yield
+    finally:
+        for sync in entered:
+            sync.exit_replicas_deferred()
+
+
 def reduce_gradients(model: nn.Module) -> None:
     """Reduce now the gradients `no_sync` blocks accumulated in `model`: after the last
     micro-step's backward, in place of running that micro-step outside the block. One collective
     per bucket of `bucket_bytes` of gradients, as the compiled backward's reductions (the mean over
     the group, in `reduce_dtype`, quantised and averaged across replicas as configured), into
-    each parameter's gradient (its shard at stages 1-3), added to what it holds. Blocking, not
+    each parameter's gradient (its shard at stages 1-3), added to what it holds; after a
+    `replicas_only` block, each gradient averaged across replicas in place. Blocking, not
     overlapped with a backward; every rank must call it."""
     syncs = _syncs_of(model, "reduce_gradients")
     inside = [fqn for sync in syncs for fqn, slot in sync.slots.items() if slot.local is not None]
+    inside += [fqn for sync in syncs if sync.replicas_deferred for fqn in sync.params]
     if inside:
         raise RuntimeError(
-            f"zerocompile.reduce_gradients(model) was called inside a no_sync block (parameters {inside[:3]} "
-            "still accumulate into their local copies): call it after the block ends"
+            f"zerocompile.reduce_gradients(model) was called inside a no_sync block (of parameters "
+            f"{inside[:3]}, ...): call it after the block ends"
         )
     for sync in syncs:
         sync.reduce_pending()

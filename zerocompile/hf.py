@@ -79,6 +79,11 @@ class ZeroTrainer(Trainer):
     defaults the other way (ZeRO is chosen for memory) and is not read here; one setting for the
     run rather than FSDP2's `set_requires_gradient_sync` per micro-step, since Trainer, not the
     caller, runs the micro-steps.
+
+    `sync_replicas_each_micro_step`: under hybrid sharding (`shard_size=`), False defers only
+    the average across replicas, the traffic between nodes: each micro-step still reduce-scatters
+    inside its shard group (memory stays sharded) and the replicas average the accumulated shards
+    once per optimizer step (`zerocompile.no_sync(model, replicas_only=True)`).
     """
 
     def __init__(
@@ -89,8 +94,14 @@ class ZeroTrainer(Trainer):
         zero_config: int | ZeroConfig | None = None,
         compile_options: dict[str, Any] | None = None,
         sync_each_micro_step: bool = True,
+        sync_replicas_each_micro_step: bool = True,
         **kwargs: Any,
     ) -> None:
+        if not sync_each_micro_step and not sync_replicas_each_micro_step:
+            raise ValueError(
+                "sync_each_micro_step=False already defers every reduction, the replicas' average "
+                "included: drop sync_replicas_each_micro_step=False (or keep it alone to defer only that)"
+            )
         if model is None:
             raise ValueError("ZeroTrainer needs `model=`: model_init (a new model per trial) is not supported")
         sharded = is_sharded(model)
@@ -99,6 +110,17 @@ class ZeroTrainer(Trainer):
                 "the model is already sharded (by zerocompile.shard or zerocompile.from_pretrained): drop "
                 "ZeroTrainer's zero_config=, or pass the unsharded model and let ZeroTrainer shard it"
             )
+        if not sync_replicas_each_micro_step:
+            if sharded:
+                replicated = any(shard_info(p).replicas > 1 for p in model.parameters() if shard_info(p))
+            else:
+                replicated = isinstance(zero_config, ZeroConfig) and zero_config.shard_size is not None
+            if not replicated:
+                raise ValueError(
+                    "sync_replicas_each_micro_step=False defers hybrid sharding's average across replicas, "
+                    "and this model has no replicas: shard it with shard_size= (ZeroConfig(shard_size=...)), "
+                    "or use sync_each_micro_step=False to defer every reduction"
+                )
         if args is not None:
             _check_arguments(args, model, sharded)
         super().__init__(model, args, *positional, **kwargs)
@@ -112,6 +134,7 @@ class ZeroTrainer(Trainer):
         self._compile_options = dict(compile_options or {})
         self._compiled: nn.Module | None = None
         self.sync_each_micro_step = sync_each_micro_step
+        self.sync_replicas_each_micro_step = sync_replicas_each_micro_step
         # The open `no_sync` block of the current optimizer step's micro-steps, if any.
         self._unsynced_micro_steps: contextlib.ExitStack | None = None
 
@@ -135,11 +158,12 @@ class ZeroTrainer(Trainer):
         of an optimizer step share one `zerocompile.no_sync` block (one gather of the parameters,
         not one per micro-step), and after the last one's backward their gradients are reduced
         once (`zerocompile.reduce_gradients`)."""
-        if self.sync_each_micro_step or self.args.gradient_accumulation_steps == 1:
+        every_step = self.sync_each_micro_step and self.sync_replicas_each_micro_step
+        if every_step or self.args.gradient_accumulation_steps == 1:
             return super().training_step(model, inputs, num_items_in_batch)
         if self._unsynced_micro_steps is None:
             self._unsynced_micro_steps = contextlib.ExitStack()
-            self._unsynced_micro_steps.enter_context(no_sync(self.model))
+            self._unsynced_micro_steps.enter_context(no_sync(self.model, replicas_only=self.sync_each_micro_step))
         loss = super().training_step(model, inputs, num_items_in_batch)
         # Trainer sets it before each micro-step: True on the one its optimizer step follows.
         if self.accelerator.sync_gradients:

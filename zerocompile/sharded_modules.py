@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from zerocompile.passes.markers import UNSHARD
+from zerocompile.passes.markers import REPLICA_KEYWORDS, UNSHARD
 from zerocompile.sharded_parameters import ShardInfo, shard_info, sharded_shape, user_parameter, views_its_shard
 
 if TYPE_CHECKING:
@@ -105,6 +105,8 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
                 _raise_changed_after_shard(self._zero_state, name, param)
             if self._zero_sync.quiet:  # no no_sync copy or pending gradient: the plain marker
                 return UNSHARD(param, *markers, **keywords)
+            if self._zero_sync.replicas_deferred:  # reduced inside the shard group only
+                return UNSHARD(param, *markers, **{k: v for k, v in keywords.items() if k not in REPLICA_KEYWORDS})
             return self._zero_state.slots[name].marker(param, markers, keywords)
 
         return property(full_parameter, doc=f"the full `{name}`, gathered from its shards")
