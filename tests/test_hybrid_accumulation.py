@@ -162,12 +162,12 @@ def test_zero_trainer_defers_the_replicas_average_with_the_same_losses(report) -
     assert deferred["grad_norms"] == pytest.approx(every["grad_norms"], rel=NORM_TOLERANCE)
 
 
-def test_zero_trainer_refuses_the_replicas_setting_without_replicas() -> None:
+def test_zero_trainer_refuses_the_replicas_setting_without_replicas(tmp_path) -> None:
     from transformers import TrainingArguments
 
     from zerocompile.hf import ZeroTrainer
 
-    args = TrainingArguments(output_dir="unused", use_cpu=True, report_to=[])
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     with pytest.raises(ValueError, match=r"has no replicas: shard it with shard_size="):
         ZeroTrainer(model=nn.Linear(2, 2), args=args, sync_replicas_each_micro_step=False)
     with pytest.raises(ValueError, match=r"drop sync_replicas_each_micro_step=False"):
