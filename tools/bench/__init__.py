@@ -1,4 +1,4 @@
-"""Benchmark zerocompile's stages against DDP, FSDP2 and ZeroRedundancyOptimizer, side by side.
+"""Benchmark zerocompile's stages against DDP, FSDP2, ZeroRedundancyOptimizer and DeepSpeed, side by side.
 
 ZeRO's promise is DDP-like speed at a fraction of the memory, and on a shared machine the only
 fair comparison is one run: this runs every mode in turn, each in --ranks freshly spawned ranks on
@@ -42,6 +42,13 @@ every device starts from the same ones.
   zero3-offload-cpu  zero3 with its optimizer state in host memory and the update on the CPU
                    (offload="cpu": for parameters on an accelerator; on the CPU the same code
                    copies CPU to CPU); interleave it with zero3 to compare their optimizer steps
+
+DeepSpeed's ZeRO, the reference ZeRO (`pip install "zerocompile[peers]"`; DS_ACCELERATOR=cpu is set
+for CPU ranks), the same fp32 AdamW object as every mode, gradient_clipping 0 (its default 1.0
+would clip where no other mode does):
+  deepspeed1 .. deepspeed3  deepspeed.initialize(model, optimizer, ZeRO stage s), eager
+  deepspeed2-compile, deepspeed3-compile  the same after engine.compile() (its hooks outside the graphs)
+  deepspeed3-deepcompile  ZeRO-3 with DeepCompile ("compile": {"deepcompile": true}): CUDA only
 
 Mixed precision, bf16 in compute, fp32 master weights and AdamW state in each (like zero3-bf16):
   compile-bf16     torch.compile(model) as `compile` (fp32 parameters, nothing sharded), its forward
@@ -156,6 +163,7 @@ from pathlib import Path
 
 from zerocompile.tools import spawn
 from zerocompile.tools.arguments import positive_int
+from zerocompile.tools.bench.deepspeed_modes import DEEPSPEED_MODES
 from zerocompile.tools.bench.modes import MODES, OPTIMIZERS, interleave_list, mode_list
 from zerocompile.tools.bench.orchestration import bench
 from zerocompile.tools.bench.settings import DEFAULT_INTERLEAVE, DEFAULT_RANKS, DEFAULTS, QUICK, existing_directory, link_rate
@@ -207,8 +215,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--modes",
         type=lambda text: [] if text.strip() == "none" else mode_list(text),
-        default=list(MODES),
-        help=f"comma-separated (default all: {','.join(MODES)}); 'none' to time only the --interleave modes",
+        default=[name for name in MODES if name not in DEEPSPEED_MODES],
+        help="comma-separated (default all but DeepSpeed's, which need it installed: "
+        f"{','.join(MODES)}); 'none' to time only the --interleave modes",
     )
     parser.add_argument(
         "--interleave",

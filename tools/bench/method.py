@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from zerocompile.tools.bench.deepspeed_modes import DEEPSPEED_METHOD
 from zerocompile.tools.bench.summaries import OFFLOAD_BOUND
 
 # What the figures mean under --fake-ranks, where they differ from a real run (see `zerocompile bench --help`).
@@ -38,9 +39,10 @@ OFFLOAD_METHOD = {
 }
 
 
-def method(inductor_cache: Path | None, fake: bool, link: bool, offload: bool) -> dict[str, str]:
+def method(inductor_cache: Path | None, fake: bool, link: bool, offload: bool, deepspeed: bool = False) -> dict[str, str]:
     """What each figure means in a run with `inductor_cache` (--inductor-cache, or None), on a fake
-    group (`fake`), over a simulated `link`, with a mode whose optimizer state is on disk (`offload`)."""
+    group (`fake`), over a simulated `link`, with a mode whose optimizer state is on disk (`offload`),
+    with DeepSpeed's modes (`deepspeed`)."""
     return {
         "step_time": "median over timed steps of the slowest rank's step; each step starts after a barrier",
         "compile_time": "first warm-up step minus the median step; "
@@ -72,4 +74,5 @@ def method(inductor_cache: Path | None, fake: bool, link: bool, offload: bool) -
         **(FAKE_METHOD if fake else {}),
         **(LINK_METHOD if link else {}),
         **(OFFLOAD_METHOD if offload else {}),
+        **({"deepspeed": DEEPSPEED_METHOD} if deepspeed else {}),
     }

@@ -1,5 +1,5 @@
 """The catalogue of what `zerocompile bench` compares: each mode (DDP, FSDP2, ZeroRedundancyOptimizer,
-plain torch.compile, zerocompile's stages and settings) as a way to wrap a freshly seeded GPT and
+plain torch.compile, DeepSpeed's ZeRO, zerocompile's stages and settings) as a way to wrap a freshly seeded GPT and
 make its optimizers, and the mode names the flags take."""
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from torch.nn.parallel import DistributedDataParallel
 import zerocompile as zc
 from zerocompile.hybrid import ranks_per_node
 from zerocompile.tools.arguments import names_from
+from zerocompile.tools.bench.deepspeed_modes import DEEPSPEED_MODES, DeepSpeedStep, build_engine
+from zerocompile.tools.bench.deepspeed_modes import held_bytes as deepspeed_held_bytes
 from zerocompile.tools.bench.settings import Settings
 from zerocompile.tools.gpt import GPT
 
@@ -35,6 +37,27 @@ class Prepared:
     runner: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     optimizers: list[torch.optim.Optimizer]
     state_bytes: Callable[[], dict[str, int]]
+    # A mode whose backward and step are not `loss.backward()` and each optimizer's `step()`: a
+    # DeepSpeed engine's (`deepspeed_modes.DeepSpeedStep`).
+    engine: DeepSpeedStep | None = None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.engine is None:
+            loss.backward()
+        else:
+            self.engine.backward(loss)
+
+    def step(self) -> None:
+        """The optimizer step; gradients are cleared before the next forward (`zero_grad`)."""
+        if self.engine is None:
+            for optimizer in self.optimizers:
+                optimizer.step()
+        else:
+            self.engine.step()
+
+    def zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +72,13 @@ class Mode:
     name: str
     build: Callable[..., Prepared]
     offload_of: str | None = None
+    takes_settings: bool = False  # `build(model, settings)`: the whole run's settings (DeepSpeed's batch)
 
     def prepare(self, model: GPT, settings: Settings) -> Prepared:
         """`build` with what the run chose: the optimizer kind, and the offload directory of a mode
         with its state on disk."""
+        if self.takes_settings:
+            return self.build(model, settings)
         if self.offload_of is None:
             return self.build(model, settings.optimizer)
         return self.build(model, settings.optimizer, settings.offload_dir)
@@ -211,6 +237,20 @@ def _zero(stage: int, compiler: str = "inductor", **settings: Any) -> Callable[.
     return build
 
 
+def _deepspeed(name: str) -> Callable[[GPT, Settings], Prepared]:
+    stage, variant = DEEPSPEED_MODES[name]
+
+    def build(model: GPT, settings: Settings) -> Prepared:
+        if settings.optimizer != "adamw":
+            raise ValueError(f"{name} runs AdamW only (DeepSpeed's ZeRO with Muon is not compared here), not {settings.optimizer}")
+        (optimizer,) = _optimizers(model, "adamw", torch.optim.Muon)
+        engine = build_engine(model, optimizer, stage, variant, settings.batch_size // settings.ranks)
+        stepper = DeepSpeedStep(engine)
+        return Prepared(stepper.runner, [], lambda: deepspeed_held_bytes(engine), engine=stepper)
+
+    return build
+
+
 def _zero3_half_budget(model: GPT, optimizer: str) -> Prepared:
     """Stage 3 with `memory_budget` half the model's gathered (fp32) bytes."""
     return _zero(3, memory_budget=sum(p.numel() * p.element_size() for p in model.parameters()) // 2)(model, optimizer)
@@ -248,6 +288,7 @@ MODES: dict[str, Mode] = {
             "fsdp2-compile-bf16",
             _fsdp2(compiled=True, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)),
         ),
+        *(Mode(name, _deepspeed(name), takes_settings=True) for name in DEEPSPEED_MODES),
     ]
 }
 

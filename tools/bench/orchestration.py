@@ -22,6 +22,7 @@ from zerocompile import torch_support
 from zerocompile.distributed import default_backend
 from zerocompile.tools import link_budget, netsim, spawn
 from zerocompile.tools.bench.report import described, markdown_table, plot, progress_line
+from zerocompile.tools.bench.deepspeed_modes import DEEPSPEED_MODES, rank_environment
 from zerocompile.tools.bench.method import method
 from zerocompile.tools.bench.modes import MODES, optimizer_description
 from zerocompile.tools.bench.rank import interleaved_rank, spawned_rank
@@ -88,7 +89,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             offload_dir=str(offload_dir),
         )
         measured = {}
-        environment = EXACT_RSS_ENVIRONMENT if args.exact_rss else {}
+        environment = {
+            **(EXACT_RSS_ENVIRONMENT if args.exact_rss else {}),
+            **rank_environment([*settings.modes, *settings.interleave], settings.device),
+        }
 
         def launch(fn: Callable[..., Any], fn_args: tuple) -> Any:
             """Rank 0's result of `fn(rank, *fn_args)` on every rank."""
@@ -124,6 +128,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             fake,
             link is not None,
             any(MODES[name].offload_of for name in (*settings.modes, *settings.interleave)),
+            any(name in DEEPSPEED_MODES for name in (*settings.modes, *settings.interleave)),
         ),
         "theory": _theory(phi, ranks),
         "modes": [measured[name] for name in args.modes],

@@ -35,8 +35,7 @@ def one_step(prepared: Prepared, batches: RandomBatches, interface: str | None =
 
     Gradients are cleared at the start, not the end, so the last step's are there to be counted.
     """
-    for optimizer in prepared.optimizers:
-        optimizer.zero_grad(set_to_none=True)
+    prepared.zero_grad()
     inputs, targets = batches.next()
     finish_queued_work(inputs.device)
     dist.barrier()
@@ -48,11 +47,10 @@ def one_step(prepared: Prepared, batches: RandomBatches, interface: str | None =
     loss = prepared.runner(inputs, targets)
     finish_queued_work(inputs.device)
     forward_done = time.perf_counter()
-    loss.backward()
+    prepared.backward(loss)
     finish_queued_work(inputs.device)
     backward_done = time.perf_counter()
-    for optimizer in prepared.optimizers:
-        optimizer.step()
+    prepared.step()
     finish_queued_work(inputs.device)
     end = time.perf_counter()
     waiting = link_budget.blocked_seconds(end - start, clock_start, link_budget.thread_clock())
@@ -68,11 +66,9 @@ def one_step(prepared: Prepared, batches: RandomBatches, interface: str | None =
 
 def training_step(prepared: Prepared, batches: RandomBatches) -> None:
     """A step as `one_step` runs it, without its clocks and barriers (what `dispatched` counts)."""
-    for optimizer in prepared.optimizers:
-        optimizer.zero_grad(set_to_none=True)
-    prepared.runner(*batches.next()).backward()
-    for optimizer in prepared.optimizers:
-        optimizer.step()
+    prepared.zero_grad()
+    prepared.backward(prepared.runner(*batches.next()))
+    prepared.step()
 
 
 def _cpu_seconds() -> float:
