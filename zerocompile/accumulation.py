@@ -7,9 +7,13 @@ shards' `.grad`, where autograd sums the micro-steps (1/N of the gradient held a
 local copy of every parameter once (stage 0: the parameter itself, no copy) and the module
 properties hand out those copies through `unshard(..., local=True)` markers: the micro-steps inside
 send nothing, and each full gradient accumulates unreduced in its copy's `.grad`. On exit the
-copies are dropped and their gradients become *pending*; the next forward with gradients on hands
-each pending gradient to its parameter's marker (`pending=`), and that backward reduces its own
-gradient plus the pending one in a single collective.
+copies are dropped and their gradients become *pending*; either `reduce_gradients(model)` reduces
+them at once, one collective per bucket (the same `lowering` functions and arguments the compiled
+backward uses), or the next forward with gradients on hands each pending gradient to its
+parameter's marker (`pending=`), and that backward reduces its own gradient plus the pending one in
+a single collective. `no_sync(model, replicas_only=True)` (hybrid sharding) keeps no copies: its
+markers leave out the replica keywords, so the backwards reduce inside the shard group only, and
+`reduce_gradients` averages the accumulated shards across the replicas.
 
 What a property hands out depends on the parameter's `AccumulationSlot`, which holds its local copy
 and pending gradient as tensors: Dynamo guards only on whether each is set, and compiles one graph
