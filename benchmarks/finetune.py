@@ -310,6 +310,15 @@ COMPARED = (
     ("Trainer + DDP, LoRA", ["--mode", "ddp", "--lora"]),
     ("ZeroTrainer, stage 3, LoRA", ["--mode", "zero", "--stage", "3", "--lora"]),
     ("Trainer + DeepSpeed ZeRO-3, LoRA", ["--mode", "deepspeed", "--stage", "3", "--lora"]),
+    *(
+        (f"{route}, LoRA, {batching}", [*mode, "--lora", *micro_batching])
+        for batching, micro_batching in (("4 x 1", ["--per-device", "4", "--accum", "1"]), ("2 x 4", ["--accum", "4"]))
+        for route, mode in (
+            ("Trainer + DDP", ["--mode", "ddp"]),
+            ("ZeroTrainer, stage 3", ["--mode", "zero", "--stage", "3"]),
+            ("Trainer + DeepSpeed ZeRO-3", ["--mode", "deepspeed", "--stage", "3"]),
+        )
+    ),
 )
 
 

@@ -25,7 +25,7 @@ def test_rows_cover_both_stages_at_each_micro_batching_and_lora() -> None:
     settings = {(o.stage, o.per_device, o.accum, o.lora) for o in (_options(mode) for _label, mode in DEEPSPEED_ROWS)}
     # 2 x 2 beside FSDP2 and ZeroTrainer's first rows, 4 x 1 and 2 x 4 beside ZeroTrainer's
     full = {(stage, per_device, accum, False) for stage in (2, 3) for per_device, accum in ((2, 2), (4, 1), (2, 4))}
-    assert settings == full | {(3, 2, 2, True)}
+    assert settings == full | {(3, per_device, accum, True) for per_device, accum in ((2, 2), (4, 1), (2, 4))}
     labels = [label for label, _mode in finetune.COMPARED]
     assert {"Trainer + DDP, LoRA", "ZeroTrainer, stage 3, LoRA"} <= set(labels)
 
