@@ -129,8 +129,10 @@ def require_deepspeed() -> None:
     """Stop with how to install DeepSpeed where it is missing: only the DeepSpeed modes need it."""
     import importlib.util
 
+    from zerocompile.tools.bench.deepspeed_modes import INSTALL_HINT
+
     if importlib.util.find_spec("deepspeed") is None:
-        raise SystemExit('DeepSpeed is not installed (benchmarks only): pip install "zerocompile[peers]"')
+        raise SystemExit(f"DeepSpeed is not installed (benchmarks only): {INSTALL_HINT}")
 
 
 def _deepspeed_state_on_cpu() -> None:
@@ -326,10 +328,10 @@ def run_environment(mode: list[str], work: str, index: int) -> dict[str, str]:
     """The variables set for one compared run of train arguments `mode`: a cold Inductor cache of its
     own, as a first run of a job has (its compile is part of its start), and for DeepSpeed without
     a GPU its CPU accelerator (over gloo) rather than its guess from the machine."""
+    from zerocompile.tools.bench.deepspeed_modes import accelerator_environment
+
     variables = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(work, f"run{index}-inductor-cache")}
-    if "deepspeed" in mode and not torch.cuda.is_available():
-        variables["DS_ACCELERATOR"] = "cpu"
-    return variables
+    return {**variables, **accelerator_environment(None)} if "deepspeed" in mode else variables
 
 
 def compare(size: str, nproc: int, steps: int, work: str, allocator: str, only: list[str] | None = None, repeat: int = 1) -> str:

@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from zerocompile.dtensor_parameters import link_of
 from zerocompile.passes.lowering import all_reduce_bucket, gather_bucket, reduce_scatter_bucket, replica_mean
-from zerocompile.passes.marker_args import reduction_of
+from zerocompile.passes.marker_args import ReduceGradArgs, reduction_of
 from zerocompile.passes.markers import UNSHARD
 from zerocompile.passes.stages import stage_policy
 from zerocompile.sharded_modules import module_state
@@ -131,13 +131,11 @@ class GradientSync:
         """Reduce every pending gradient into its parameter's (sharded) gradient, now: one
         collective per bucket of `bucket_bytes` of gradients, as the graphs' reductions do (the
         mean over the group, in `reduce_dtype`, quantised and across replicas as configured)."""
-        waiting = []
-        for fqn, slot in self.slots.items():
-            if slot.pending is not None:
-                param = self.params[fqn]
-                info = param._zero
-                marker = info.marker_args(param.dtype)._replace(param=fqn)
-                waiting.append((slot, param, reduction_of(marker, slot.pending, info.shard_numel, param.dtype)))
+        waiting = [
+            (slot, self.params[fqn], _reduction(fqn, self.params[fqn], slot.pending))
+            for fqn, slot in self.slots.items()
+            if slot.pending is not None
+        ]
         for bucket in _buckets(waiting, _reduce_key, lambda item: item[2].grad.numel() * item[2].grad.element_size()):
             first = bucket[0][2]
             grads = [args.grad for _, _, args in bucket]
@@ -169,8 +167,7 @@ class GradientSync:
                 link = link_of(param)
                 grad = param.grad if link is None else link.padded_grad()
                 if grad is not None:
-                    marker = param._zero.marker_args(param.dtype)._replace(param=fqn)
-                    waiting.append((param, reduction_of(marker, grad, param._zero.shard_numel, param.dtype)))
+                    waiting.append((param, _reduction(fqn, param, grad)))
         self.replica_pending.clear()
         for bucket in _buckets(waiting, _replica_key, lambda item: item[1].grad.numel() * item[1].grad.element_size()):
             grads = [args.grad for _, args in bucket]
@@ -187,6 +184,18 @@ class GradientSync:
                 slot.pending = slot.local.grad
             slot.local = None
         self.quiet = not self.waiting()
+
+
+def _reduction(fqn: str, param: nn.Parameter, grad: torch.Tensor) -> ReduceGradArgs:
+    """The `reduce_grad` arguments of `grad` for the sharded parameter `param`: what its markers'
+    backward would reduce it with."""
+    info = param._zero
+    return reduction_of(info.marker_args(param.dtype)._replace(param=fqn), grad, info.shard_numel, param.dtype)
+
+
+def replicated(params: Iterable[torch.Tensor]) -> bool:
+    """Whether any of these sharded parameters has replicas (hybrid sharding)."""
+    return any(param._zero.replicas > 1 for param in params if getattr(param, "_zero", None) is not None)
 
 
 def _gather_key(item: tuple[str, nn.Parameter]) -> tuple:
@@ -295,7 +304,7 @@ def no_sync(model: nn.Module, replicas_only: bool = False) -> Iterator[None]:
 
 def _replicas_deferred(syncs: list[GradientSync]) -> Iterator[None]:
     """`no_sync(model, replicas_only=True)`'s body: refusals first, then the block."""
-    if not any(param._zero.replicas > 1 for sync in syncs for param in sync.params.values()):
+    if not any(replicated(sync.params.values()) for sync in syncs):
         raise ValueError(
             "zerocompile.no_sync(model, replicas_only=True) defers the average across replicas of hybrid "
             "sharding, and this model has none: shard it with shard_size= (ranks per shard group), "

@@ -43,7 +43,7 @@ except ImportError as error:
         f'zerocompile.hf needs transformers and accelerate ({error.name} is missing): pip install "zerocompile[hf]"'
     ) from error
 
-from zerocompile.accumulation import no_sync, reduce_gradients
+from zerocompile.accumulation import no_sync, reduce_gradients, replicated
 from zerocompile.checkpoint import gathered_state_dict, load, save
 from zerocompile.clipping import clip_grad_norm_
 from zerocompile.config import ZeroConfig, config_from_kwargs
@@ -75,10 +75,10 @@ class ZeroTrainer(Trainer):
     `zerocompile.no_sync` block and `zerocompile.reduce_gradients` reduces what they accumulated
     after the last (False: one all-gather of the parameters on entering the block and one
     reduction per optimizer step, DDP's bytes, for a full copy of every parameter and a full
-    gradient per rank during the micro-steps; docs/finetune.md has the bytes per stage). Named after accelerate's `sync_each_batch`, which means the same for DDP but
-    defaults the other way (ZeRO is chosen for memory) and is not read here; one setting for the
-    run rather than FSDP2's `set_requires_gradient_sync` per micro-step, since Trainer, not the
-    caller, runs the micro-steps.
+    gradient per rank during the micro-steps; docs/finetune.md has the bytes per stage). Named
+    after accelerate's `sync_each_batch`, which means the same for DDP but defaults the other way
+    (ZeRO is chosen for memory) and is not read here; one setting for the run rather than FSDP2's
+    `set_requires_gradient_sync` per micro-step, since Trainer, not the caller, runs the micro-steps.
 
     `sync_replicas_each_micro_step`: under hybrid sharding (`shard_size=`), False defers only
     the average across replicas, the traffic between nodes: each micro-step still reduce-scatters
@@ -112,10 +112,10 @@ class ZeroTrainer(Trainer):
             )
         if not sync_replicas_each_micro_step:
             if sharded:
-                replicated = any(shard_info(p).replicas > 1 for p in model.parameters() if shard_info(p))
+                hybrid = replicated(model.parameters())
             else:
-                replicated = isinstance(zero_config, ZeroConfig) and zero_config.shard_size is not None
-            if not replicated:
+                hybrid = isinstance(zero_config, ZeroConfig) and zero_config.shard_size is not None
+            if not hybrid:
                 raise ValueError(
                     "sync_replicas_each_micro_step=False defers hybrid sharding's average across replicas, "
                     "and this model has no replicas: shard it with shard_size= (ZeroConfig(shard_size=...)), "

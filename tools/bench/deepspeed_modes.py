@@ -65,10 +65,16 @@ DEEPSPEED_METHOD = (
 )
 
 
-def rank_environment(modes: list[str], device: torch.device | None) -> dict[str, str]:
-    """What the ranks' environment needs for `modes`: DeepSpeed's CPU accelerator off the GPU."""
+def accelerator_environment(device: torch.device | None) -> dict[str, str]:
+    """What DeepSpeed's ranks need in their environment to train on `device` (None: the machine's
+    default, a GPU if there is one): on the CPU, its CPU accelerator rather than its guess."""
     on_cpu = (device is None and not torch.cuda.is_available()) or (device is not None and device.type == "cpu")
-    return {"DS_ACCELERATOR": "cpu"} if on_cpu and any(name in DEEPSPEED_MODES for name in modes) else {}
+    return {"DS_ACCELERATOR": "cpu"} if on_cpu else {}
+
+
+def rank_environment(modes: list[str], device: torch.device | None) -> dict[str, str]:
+    """What the ranks' environment needs for `modes`: DeepSpeed's accelerator where one is DeepSpeed's."""
+    return accelerator_environment(device) if any(name in DEEPSPEED_MODES for name in modes) else {}
 
 
 class DeepSpeedStep:
