@@ -105,7 +105,7 @@ def lower_markers(
 
 def _is_whole(marker: UnshardArgs) -> bool:
     """The marker's input already is the full parameter: unsharded, or a local copy (no_sync)."""
-    return marker.local or not stage_policy(marker.stage).shards_parameters
+    return marker.reads_local_copy or not stage_policy(marker.stage).shards_parameters
 
 
 def _full_bytes(node: fx.Node) -> int:
@@ -356,12 +356,13 @@ def _place_by_stage(graph: fx.Graph) -> None:
 
 
 def _gathers_at_start(marker: UnshardArgs) -> bool:
-    return stage_policy(marker.stage).gathers_at_forward_start and not marker.local and marker.shard.op == "placeholder"
+    return stage_policy(marker.stage).gathers_at_forward_start and not marker.reads_local_copy and marker.shard.op == "placeholder"
 
 
 def _forward_whole_parameter(node: fx.Node, tracer: Callable) -> None:
-    """The marker's input already is the full parameter (cast for mixed precision)."""
-    param = node.args[0]
+    """The marker's input already is the full parameter (cast for mixed precision): the shard of
+    an unsharded parameter, or the local copy it reads."""
+    param = _marker_input(node)
     dtype = unshard_args(node).compute_dtype
     if dtype is not None and dtype != param.meta["val"].dtype:
         tracer([node], node, lambda p: [p.to(dtype)])
@@ -373,6 +374,14 @@ def _forward_whole_parameter(node: fx.Node, tracer: Callable) -> None:
         return
     node.replace_all_uses_with(param)
     node.graph.erase_node(node)
+
+
+def _marker_input(marker: fx.Node) -> fx.Node:
+    """What a marker's collective (or identity) reads: the shard or the gradient, or the kept copy
+    an `unshard` reads in place of its shard (`full`)."""
+    if is_unshard(marker) and unshard_args(marker).full is not None:
+        return unshard_args(marker).full
+    return marker.args[0]
 
 
 def _splice(
@@ -391,7 +400,7 @@ def _splice(
     every K-th rank), and a reduction's nodes meta["zero_reduction"]: the ledger reads them.
     """
     graph = anchor.graph
-    args = [marker.args[0] for marker in markers]
+    args = [_marker_input(marker) for marker in markers]
     traced = record_ops(fn, [arg.meta["val"] for arg in args], decompositions)
     params = [_served(marker) for marker in markers]
     first = unshard_args(markers[0]) if is_unshard(markers[0]) else reduce_grad_args(markers[0])

@@ -50,6 +50,12 @@ class UnshardArgs(NamedTuple):
     secondary_group: str = ""  # hpZ: the stage-3 backward re-gathers over this group (`secondary_shards`)
     secondary_size: int = 1  # ... of this many ranks (1: no secondary shards)
     secondary_quant_block: int = 0  # > 0: that re-gather int8-quantised
+    full: TensorArg | None = None  # a full local copy (no_sync's, kept after the block) read in place of a gather
+
+    @property
+    def reads_local_copy(self) -> bool:
+        """The forward reads a full local copy (`local`, or `full`): no gather, none in the backward."""
+        return self.local or self.full is not None
 
 
 class ReduceGradArgs(NamedTuple):

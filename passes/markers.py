@@ -13,7 +13,9 @@ Gradient accumulation without sync (`zerocompile.no_sync`) adds two optional arg
 graphs say what they do too: `local=True` marks an input that already is a full local copy of the
 parameter (an identity, like stage 0, whose gradient is *not* reduced: it accumulates in the copy's
 `.grad`), and `pending=` carries such an accumulated gradient into the next synced backward, which
-reduces it together with its own gradient in one collective.
+reduces it together with its own gradient in one collective. That backward's marker may also take
+`full=`, the block's copy of the parameter, kept after the block: its forward reads the copy instead
+of gathering (nor does its backward re-gather), while its gradient is still reduced into the shard's.
 
 Quantised collectives (`ZeroConfig.gather_quant` / `reduce_quant`) are two more optional
 arguments, the block sizes (0: exact): the eager kernels quantise too, so compiled and uncompiled
@@ -43,6 +45,8 @@ from .stages import stage_policy
 @torch.library.custom_op("zerocompile::unshard", mutates_args=(), schema=op_schema(UnshardArgs))
 def unshard(*args: Any, **kwargs: Any) -> torch.Tensor:
     m = UnshardArgs(*args, **kwargs)
+    if m.full is not None:
+        return m.full.to(m.compute_dtype or m.full.dtype, copy=True)
     if m.local or not stage_policy(m.stage).shards_parameters:
         return m.shard.to(m.compute_dtype or m.shard.dtype, copy=True)
     return gather_bucket(
@@ -53,6 +57,8 @@ def unshard(*args: Any, **kwargs: Any) -> torch.Tensor:
 @unshard.register_fake
 def _unshard_fake(*args: Any, **kwargs: Any) -> torch.Tensor:
     m = UnshardArgs(*args, **kwargs)
+    if m.full is not None:
+        return torch.empty_like(m.full, dtype=m.compute_dtype or m.full.dtype)
     dtype = m.compute_dtype or m.shard.dtype
     if m.local or not stage_policy(m.stage).shards_parameters:
         return torch.empty_like(m.shard, dtype=dtype)
@@ -80,7 +86,7 @@ def _unshard_setup_context(ctx, inputs, output) -> None:
     marker = UnshardArgs(*inputs)
     ctx.shard_numel = marker.shard.numel()
     ctx.shard_dtype = marker.shard.dtype
-    ctx.marker = marker._replace(pending=None)
+    ctx.marker = marker._replace(pending=None, full=None)
     ctx.save_for_backward(marker.pending)
 
 
@@ -111,7 +117,7 @@ REDUCE_GRAD = torch.ops.zerocompile.reduce_grad.default
 # passed only when not their default, so the graphs of a model without those features read as before.
 _POSITIONAL = UnshardArgs._fields[1 : UnshardArgs._fields.index("reduce_dtype") + 1]
 # A marker's own arguments rather than its parameter's: its tensors and no_sync's flag.
-_PER_CALL = ("shard", "local", "pending")
+_PER_CALL = ("shard", "local", "pending", "full")
 _PARAMETER_ARGS = tuple(name for name in UnshardArgs._fields if name not in _PER_CALL)
 # The arguments that average a reduced gradient across hybrid sharding's replicas: a marker
 # without them reduces inside its shard group only (`zerocompile.no_sync(replicas_only=True)`).

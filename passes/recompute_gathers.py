@@ -79,7 +79,7 @@ def tag_gathers_for_recompute(graph: fx.Graph, memory_budget: int | None = None)
         policy = stage_policy(unshard_args(node).stage)
         if policy.keeps_gathered_for_backward:
             node.meta.pop("recompute", None)
-            if not unshard_args(node).local:
+            if not unshard_args(node).reads_local_copy:
                 _mark_kept(gathered_values_of(node))
         elif policy.shards_parameters:
             regathered.append(node)
@@ -139,7 +139,7 @@ def choose_kept(graph: fx.Graph, values: dict[fx.Node, list[fx.Node]], memory_bu
     candidates = []
     size: dict[fx.Node, int] = {}
     for marker, derived in values.items():
-        if unshard_args(marker).local:
+        if unshard_args(marker).reads_local_copy:
             continue
         members = set(derived)
         readers = [user for value in derived for user in value.users if user not in members]

@@ -65,7 +65,7 @@ def regather_from_secondary_shards(graph: fx.Graph) -> int:
     for marker in [n for n in graph.nodes if is_unshard(n)]:
         args = unshard_args(marker)
         # A local marker (no_sync's full copy) is no gather: the backward reads the copy itself.
-        if args.secondary_size <= 1 or args.local or marker.meta.get("recompute") != CheckpointPolicy.MUST_RECOMPUTE:
+        if args.secondary_size <= 1 or args.reads_local_copy or marker.meta.get("recompute") != CheckpointPolicy.MUST_RECOMPUTE:
             continue
         values = gathered_values_of(marker)
         if not any(user in backward for value in values for user in value.users if user not in values):

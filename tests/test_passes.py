@@ -360,6 +360,34 @@ def test_lower_markers_stage0_unshard_rewired_and_reduce_grad_all_reduces(group_
         assert tuple(result.meta["val"].shape) == shape
 
 
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16])
+def test_lower_markers_reads_a_kept_copy_instead_of_gathering(group_name, compute_dtype):
+    """`full=` (the copy a no_sync block kept): the marker's users read the copy (cast for mixed
+    precision), nothing is gathered for it; the other parameter still is."""
+
+    def f(s1, s2, f1, x):
+        h = x @ UNSHARD(s1, [3, 5], 3, *on(group_name), compute_dtype=compute_dtype, full=f1)
+        return h.to(torch.float32) @ UNSHARD(s2, [5, 4], 3, *on(group_name))
+
+    gm = trace(f, ((4,), torch.float32), ((5,), torch.float32), ((3, 5), torch.float32), ((2, 3), compute_dtype or torch.float32))
+    _s1, _s2, f1, _x = gm.graph.find_nodes(op="placeholder")
+    before = set(gm.graph.nodes)
+
+    counts = lower_markers(gm.graph)
+
+    gm.graph.lint()
+    assert markers_in(gm.graph) == []
+    assert (counts["identities"], counts["gathers"], counts["gather_buckets"]) == (1, 1, 1)
+    first_mm = gm.graph.find_nodes(op="call_function", target=aten.mm.default)[0]
+    weight = first_mm.args[1]
+    if compute_dtype is None:
+        assert weight is f1
+    else:
+        assert weight.args[0] is f1 and weight.meta["val"].dtype == compute_dtype
+    assert len(gm.graph.find_nodes(op="call_function", target=GATHER_OP)) == 1
+    assert_new_nodes_have_vals(gm.graph, before)
+
+
 def test_lower_markers_stage0_reduce_grad_of_non_contiguous_grad(group_name):
     def f(p, x):
         return (REDUCE_GRAD(x.t(), 15, 0, *on(group_name)),)
@@ -662,7 +690,7 @@ UNSHARD_SCHEMA = (
     'str reduce_scatter, str param="", ScalarType? compute_dtype=None, ScalarType? reduce_dtype=None, '
     "bool local=False, Tensor? pending=None, SymInt gather_quant_block=0, SymInt reduce_quant_block=0, "
     'str replica_group="", SymInt replicas=1, SymInt replica_quant_block=0, str secondary_group="", '
-    "SymInt secondary_size=1, SymInt secondary_quant_block=0) -> Tensor"
+    "SymInt secondary_size=1, SymInt secondary_quant_block=0, Tensor? full=None) -> Tensor"
 )
 REDUCE_GRAD_SCHEMA = (
     "zerocompile::reduce_grad(Tensor grad, SymInt shard_numel, SymInt stage, str group_name, SymInt world_size, "

@@ -7,17 +7,21 @@ shards' `.grad`, where autograd sums the micro-steps (1/N of the gradient held a
 local copy of every parameter once (stage 0: the parameter itself, no copy) and the module
 properties hand out those copies through `unshard(..., local=True)` markers: the micro-steps inside
 send nothing, and each full gradient accumulates unreduced in its copy's `.grad`. On exit the
-copies are dropped and their gradients become *pending*; either `reduce_gradients(model)` reduces
-them at once, one collective per bucket (the same `lowering` functions and arguments the compiled
-backward uses), or the next forward with gradients on hands each pending gradient to its
-parameter's marker (`pending=`), and that backward reduces its own gradient plus the pending one in
-a single collective. `no_sync(model, replicas_only=True)` (hybrid sharding) keeps no copies: its
+copies' gradients become *pending*; either `reduce_gradients(model)` reduces them at once, one
+collective per bucket (the same `lowering` functions and arguments the compiled backward uses),
+or the next forward with gradients on hands each pending gradient to its parameter's marker
+(`pending=`), and that backward reduces its own gradient plus the pending one in a single
+collective, overlapped with the backward as every reduction is. The copies themselves are *kept*
+until the parameters change (an optimizer step, a load, `.to()`; or `reduce_gradients`, after
+which nothing needs them): the markers take them as `full=`, so the forwards read them instead of
+gathering, and the synced backward only reduces. `no_sync(model, replicas_only=True)` (hybrid sharding) keeps no copies: its
 markers leave out the replica keywords, so the backwards reduce inside the shard group only, and
 `reduce_gradients` averages the accumulated shards across the replicas.
 
-What a property hands out depends on the parameter's `AccumulationSlot`, which holds its local copy
-and pending gradient as tensors: Dynamo guards only on whether each is set, and compiles one graph
-per mode (synced, inside `no_sync`, synced with pending gradients), each once. While no slot of a
+What a property hands out depends on the parameter's `AccumulationSlot`, which holds its local copy,
+kept copy and pending gradient as tensors: Dynamo guards only on whether each is set, and compiles
+one graph per mode (synced, inside `no_sync`, synced on the kept copies with pending gradients),
+each once. While no slot of a
 model holds either (`GradientSync.quiet`, the usual case), the properties skip their slots: Dynamo
 then traces and guards one flag per module instead of two slot attributes per parameter (a
 48-layer GPT's 580 parameters, Dynamo's tracing: 8.1-8.7 s -> 6.7-8.0 s). Nothing per-instance
@@ -47,11 +51,14 @@ class AccumulationSlot:
 
     local: inside `no_sync`, its full local copy (a leaf; it requires grad if the parameter does).
     pending: its gradient accumulated inside `no_sync`, waiting for the next synced backward.
+    kept: after `no_sync`, the block's copy (detached), which every forward reads in place of
+        gathering the parameter until the parameters change (dropped before an optimizer step).
     """
 
     def __init__(self) -> None:
         self.local: torch.Tensor | None = None
         self.pending: torch.Tensor | None = None
+        self.kept: torch.Tensor | None = None
 
     def marker(self, shard: nn.Parameter, markers: tuple, keywords: dict[str, Any]) -> torch.Tensor:
         """The marker a module property returns for `shard`; `markers` are the marker's arguments
@@ -59,11 +66,11 @@ class AccumulationSlot:
         optional ones (quantisation, replica group)."""
         if self.local is not None:
             return UNSHARD(self.local, *markers, local=True, **keywords)
+        per_call = {} if self.kept is None else {"full": self.kept}
         if self.pending is not None and torch.is_grad_enabled():
             # Taken, so exactly one backward (the next with gradients on) adds it.
-            pending, self.pending = self.pending, None
-            return UNSHARD(shard, *markers, pending=pending, **keywords)
-        return UNSHARD(shard, *markers, **keywords)
+            per_call["pending"], self.pending = self.pending, None
+        return UNSHARD(shard, *markers, **per_call, **keywords)
 
 
 class GradientSync:
@@ -84,6 +91,17 @@ class GradientSync:
     def holds_copies(self) -> bool:
         return any(slot.local is not None for slot in self.slots.values())
 
+    def _settle(self) -> None:
+        """Renew `quiet`: whether no slot holds a copy, a kept copy or a pending gradient."""
+        self.quiet = not self.waiting() and all(slot.kept is None for slot in self.slots.values())
+
+    def drop_kept_copies(self) -> None:
+        """Forget the copies kept after a no_sync block: the parameters are about to change (an
+        optimizer step, a load), or nothing will read them (the gradients were reduced)."""
+        for slot in self.slots.values():
+            slot.kept = None
+        self._settle()
+
     def waiting(self) -> list[str]:
         """FQNs whose gradients no synced backward has reduced yet."""
         return [
@@ -103,14 +121,16 @@ class GradientSync:
         self.replica_pending.update(
             fqn for fqn, param in self.params.items() if param.requires_grad and param._zero.replicas > 1
         )
-        self.quiet = not self.waiting()
+        self._settle()
 
     def enter_no_sync(self) -> None:
         """Gather a full local copy of each parameter (its accumulated gradient, if any, kept):
-        exact, in the master dtype, one all-gather per bucket of `bucket_bytes` of parameters."""
+        exact, in the master dtype, one all-gather per bucket of `bucket_bytes` of parameters; a
+        copy kept since the last block is taken as it is (nothing stepped the parameters since)."""
         self.quiet = False
         with torch.no_grad():
             fulls = {fqn: param.detach() for fqn, param in self.params.items() if not param._zero.policy.shards_parameters}
+            fulls.update((fqn, slot.kept) for fqn, slot in self.slots.items() if slot.kept is not None)
             sharded = [(fqn, param) for fqn, param in self.params.items() if fqn not in fulls]
             for bucket in _buckets(sharded, _gather_key, lambda item: item[1]._zero.numel * item[1].element_size()):
                 infos = [param._zero for _, param in bucket]
@@ -125,7 +145,7 @@ class GradientSync:
                 local = fulls[fqn].requires_grad_(param.requires_grad)  # stage 0: the parameter itself
                 local._zero_copy_of = fqn  # how the backend names the marker that uses it
                 local.grad, slot.pending = slot.pending, None
-                slot.local = local
+                slot.local, slot.kept = local, None
 
     def reduce_pending(self) -> None:
         """Reduce every pending gradient into its parameter's (sharded) gradient, now: one
@@ -154,7 +174,7 @@ class GradientSync:
                 else:
                     param.grad.add_(grad)
         self._average_across_replicas()
-        self.quiet = not self.waiting()
+        self.drop_kept_copies()
 
     def _average_across_replicas(self) -> None:
         """The replica-pending gradients averaged across their replicas in place, one collective
@@ -178,12 +198,19 @@ class GradientSync:
                     grad.copy_(part.view_as(grad))
 
     def exit_no_sync(self) -> None:
-        """Drop the local copies, keeping their gradients as pending."""
-        for slot in self.slots.values():
-            if slot.local is not None and slot.local.grad is not None:
+        """End the block: the copies' gradients become pending, and each sharded parameter's copy
+        is kept (detached) until the parameters change: the forwards read it instead of gathering
+        the parameter, so the synced micro-step's backward only reduces (its gradient with the
+        pending one, one collective, overlapped with that backward)."""
+        for fqn, slot in self.slots.items():
+            if slot.local is None:
+                continue
+            if slot.local.grad is not None:
                 slot.pending = slot.local.grad
+            if self.params[fqn]._zero.policy.shards_parameters:
+                slot.kept = slot.local.detach()
             slot.local = None
-        self.quiet = not self.waiting()
+        self._settle()
 
 
 def _reduction(fqn: str, param: nn.Parameter, grad: torch.Tensor) -> ReduceGradArgs:
@@ -245,7 +272,8 @@ def check_nothing_pending(optimizer: torch.optim.Optimizer) -> None:
     busy = []
     for sync in _ALL:
         fqns = sync.waiting()
-        sync.quiet = not fqns
+        if not sync.quiet:
+            sync.drop_kept_copies()  # the step changes the parameters they copy
         if fqns:
             busy.append((sync, fqns))
     if not busy:  # the usual case: a step costs no more than this
@@ -269,11 +297,14 @@ def no_sync(model: nn.Module, replicas_only: bool = False) -> Iterator[None]:
     Memory while inside: a full copy of every parameter (none at stage 0) and a full gradient of
     every trainable parameter on each rank, i.e. stage 0's footprint. Traffic: at stages 1-3 one
     all-gather of the parameters on entry, nothing in the micro-steps. Then either run the last
-    micro-step outside the block (its backward reduces its own gradients with the accumulated
-    ones: what that step sends anyway, 3 parameter passes at stage 3) or run every micro-step
-    inside and call `reduce_gradients(model)` after the block (one reduce-scatter pass: the
-    block's gather plus that is what DDP's all-reduce sends). Nested blocks act as one. Covers
-    every sharded module in `model` (parts sharded by separate `shard()` calls included).
+    micro-step after the block (its forward reads the copies the block kept and its backward
+    reduces its own gradients with the accumulated ones, one reduction pass overlapped with that
+    backward) or run every micro-step inside and call `reduce_gradients(model)` after the block
+    (the same pass, blocking). Either way the block's gather plus that pass is what DDP's
+    all-reduce sends. The copies stay until the parameters change (the optimizer step, a load,
+    `.to()`) or `reduce_gradients`: stage 0's footprint lasts through the last micro-step. Nested
+    blocks act as one. Covers every sharded module in `model` (parts sharded by separate `shard()`
+    calls included).
 
     `replicas_only=True` (hybrid sharding, `shard_size=`): defer only the average across
     replicas, the traffic between nodes. The backwards inside still reduce-scatter each gradient
@@ -329,7 +360,8 @@ def _replicas_deferred(syncs: list[GradientSync]) -> Iterator[None]:
 
 def reduce_gradients(model: nn.Module) -> None:
     """Reduce now the gradients `no_sync` blocks accumulated in `model`: after the last
-    micro-step's backward, in place of running that micro-step outside the block. One collective
+    micro-step's backward, in place of running that micro-step after the block (which overlaps
+    this reduction with its backward), and drop the copies the blocks kept. One collective
     per bucket of `bucket_bytes` of gradients, as the compiled backward's reductions (the mean over
     the group, in `reduce_dtype`, quantised and averaged across replicas as configured), into
     each parameter's gradient (its shard at stages 1-3), added to what it holds; after a
@@ -347,15 +379,27 @@ def reduce_gradients(model: nn.Module) -> None:
         sync.reduce_pending()
 
 
-def _syncs_of(model: nn.Module, caller: str) -> list[GradientSync]:
+def drop_kept_copies(model: nn.Module) -> None:
+    """Forget the copies of parameters that `no_sync` blocks kept in `model` (sharded or not):
+    its parameters are being changed otherwise than by an optimizer step (a load)."""
+    for sync in _syncs_in(model):
+        sync.drop_kept_copies()
+
+
+def _syncs_in(model: nn.Module) -> list[GradientSync]:
     """The GradientSync of every `shard()` call whose modules `model` holds."""
     root = getattr(model, "_orig_mod", model)  # the torch.compile wrapper's model
     states = [state for m in root.modules() if (state := module_state(m)) is not None]
-    syncs = {id(state.sync): state.sync for state in states}
+    return list({id(state.sync): state.sync for state in states}.values())
+
+
+def _syncs_of(model: nn.Module, caller: str) -> list[GradientSync]:
+    """`_syncs_in`, refusing a model without any."""
+    syncs = _syncs_in(model)
     if not syncs:
         raise TypeError(
             f"zerocompile.{caller}() takes a model zerocompile.shard() sharded (or its torch.compile "
-            f"wrapper), got an unsharded {type(root).__name__}: call zerocompile.shard(model, "
-            "stage=...) first"
+            f"wrapper), got an unsharded {type(getattr(model, '_orig_mod', model)).__name__}: call "
+            "zerocompile.shard(model, stage=...) first"
         )
-    return list(syncs.values())
+    return syncs

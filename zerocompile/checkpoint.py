@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed import distributed_c10d as c10d
 
 from zerocompile import checkpoint_files as files
+from zerocompile.accumulation import drop_kept_copies
 from zerocompile.distributed import agreed
 from zerocompile.dtensor_parameters import on_shards
 from zerocompile.dtensors import group_mesh
@@ -550,6 +551,7 @@ def load(
                 no_dist=not dist.is_initialized(),
             )
         _zero_padding(padded)
+        drop_kept_copies(model)
         for param in filled:
             master_written(param)
         for one, described, state in installs:

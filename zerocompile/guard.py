@@ -90,6 +90,7 @@ class MarkerEntry:
     local: bool = False  # no_sync's local copy: no gather, gradient kept locally
     pending: bool = False  # carries an accumulated gradient into this reduction
     grad_reduced: bool = False  # unshard: the backward reduces this parameter's gradient
+    kept_copy: bool = False  # reads the copy a no_sync block kept: no gather, gradient reduced
 
     def describe(self) -> str:
         """What this rank does for the marker, in words: "gathers 'fc.weight' [16, 16] at stage 3"."""
@@ -100,7 +101,7 @@ class MarkerEntry:
         )
         if self.marker == "reduce_grad":
             return f"reduces the gradient of '{self.param}' ({self.shape[0]} elements per rank) at stage {self.stage}{dtypes}"
-        action = "uses its local copy of" if self.local else ("gathers" if stage_policy(self.stage).shards_parameters else "uses")
+        action = "uses its local copy of" if self.local else "uses its kept copy of" if self.kept_copy else ("gathers" if stage_policy(self.stage).shards_parameters else "uses")
         extras = dtypes + (", gradient reduced" if self.grad_reduced else ", no gradient")
         extras += ", with a pending accumulated gradient" if self.pending else ""
         return f"{action} '{self.param}' {self.shape} at stage {self.stage}{extras}"
@@ -179,7 +180,7 @@ def marker_entries(graph: fx.Graph) -> list[MarkerEntry]:
                     "unshard", m.param, list(m.shape), m.stage, m.group_name, _dtype_name(m.compute_dtype),
                     _dtype_name(m.reduce_dtype), m.local, m.pending is not None,
                     # Whether the backward reduces it is decided here, by autograd on this output.
-                    _requires_grad(node) and not m.local,
+                    _requires_grad(node) and not m.local, m.full is not None,
                 )
             )
         elif is_reduce_grad(node):

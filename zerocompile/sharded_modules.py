@@ -116,6 +116,7 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
         # Parameter's (torch.utils.swap_tensors), cutting it from its shard: it runs on the shards,
         # as before shard(), and each DTensor parameter then shows its shard's new data.
         state = self._zero_state
+        state.sync.drop_kept_copies()  # no_sync's copies of the parameters `fn` is about to change
         self._parameters.update(state.shards)
         try:
             return super(sharded, self)._apply(fn, recurse)

@@ -44,7 +44,9 @@ def load_full_or_distributed_tensors(
     DTensor of its full shape (this model's `state_dict()`, DCP's, FSDP2's, any mesh or placement)
     as this rank's shard of it (`dtensors.shard_of`); a flat shard of this layout as it is. Any
     other shape meets torch's usual size-mismatch error."""
-    for name, shard in module_state(module).shards.items():
+    state = module_state(module)
+    state.sync.drop_kept_copies()  # the parameters they copy are about to change
+    for name, shard in state.shards.items():
         info = shard_info(shard)
         key = prefix + name
         value = state_dict.get(key)
