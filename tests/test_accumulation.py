@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocompile as zc
+from zerocompile.sharded_modules import module_state
 from models import MODELS, local_batch
 from ranks import run_cases, run_on_ranks
 from test_parity import EAGER_TOLERANCE, INDUCTOR_TOLERANCE
@@ -276,3 +279,18 @@ def test_copies_kept_after_the_block_never_outlive_a_change_of_the_parameters(si
         expected, x = plain.to(torch.float64), x.to(torch.float64)
     with torch.no_grad():
         assert torch.equal(model(x), expected(x))
+
+
+def test_the_synced_micro_step_after_the_block_frees_its_copies(single_rank) -> None:
+    """The copies a block kept die with the backward that reads them, not at the optimizer step:
+    alive through the step they raised a 40M Llama's peak RSS by 338 MiB (tcmalloc)."""
+    model = zc.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), stage=3)
+    x = torch.randn(3, 4)
+    with zc.no_sync(model):
+        model(x).sum().backward()
+    sync = module_state(model[0]).sync
+    copies = [weakref.ref(slot.kept) for slot in sync.slots.values()]
+    assert all(copy() is not None for copy in copies)
+    model(x).sum().backward()
+    gc.collect()
+    assert all(copy() is None for copy in copies)

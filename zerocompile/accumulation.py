@@ -12,9 +12,10 @@ collective per bucket (the same `lowering` functions and arguments the compiled 
 or the next forward with gradients on hands each pending gradient to its parameter's marker
 (`pending=`), and that backward reduces its own gradient plus the pending one in a single
 collective, overlapped with the backward as every reduction is. The copies themselves are *kept*
-until the parameters change (an optimizer step, a load, `.to()`; or `reduce_gradients`, after
-which nothing needs them): the markers take them as `full=`, so the forwards read them instead of
-gathering, and the synced backward only reduces. `no_sync(model, replicas_only=True)` (hybrid sharding) keeps no copies: its
+for that forward, whose markers take them as `full=` along with the pending gradients: it reads
+them instead of gathering and its backward only reduces, and they die with it. Copies nothing
+took are dropped when the parameters change (an optimizer step, a load, `.to()`) or by
+`reduce_gradients`, after which nothing needs them. `no_sync(model, replicas_only=True)` (hybrid sharding) keeps no copies: its
 markers leave out the replica keywords, so the backwards reduce inside the shard group only, and
 `reduce_gradients` averages the accumulated shards across the replicas.
 
@@ -51,8 +52,8 @@ class AccumulationSlot:
 
     local: inside `no_sync`, its full local copy (a leaf; it requires grad if the parameter does).
     pending: its gradient accumulated inside `no_sync`, waiting for the next synced backward.
-    kept: after `no_sync`, the block's copy (detached), which every forward reads in place of
-        gathering the parameter until the parameters change (dropped before an optimizer step).
+    kept: after `no_sync`, the block's copy (detached), which the next forward with gradients on
+        reads in place of gathering the parameter (dropped unread before an optimizer step).
     """
 
     def __init__(self) -> None:
@@ -66,11 +67,15 @@ class AccumulationSlot:
         optional ones (quantisation, replica group)."""
         if self.local is not None:
             return UNSHARD(self.local, *markers, local=True, **keywords)
-        per_call = {} if self.kept is None else {"full": self.kept}
-        if self.pending is not None and torch.is_grad_enabled():
-            # Taken, so exactly one backward (the next with gradients on) adds it.
-            per_call["pending"], self.pending = self.pending, None
-        return UNSHARD(shard, *markers, **per_call, **keywords)
+        if (self.pending is not None or self.kept is not None) and torch.is_grad_enabled():
+            # Taken, so exactly one backward (the next with gradients on) adds the pending
+            # gradient, and the copy dies with that backward rather than living through the
+            # optimizer step (measured: +338 MiB of peak RSS on a 40M Llama under tcmalloc). A
+            # second use in that forward (a tied weight) gathers as usual.
+            per_call = {"pending": self.pending, "full": self.kept}
+            self.pending = self.kept = None
+            return UNSHARD(shard, *markers, **{k: v for k, v in per_call.items() if v is not None}, **keywords)
+        return UNSHARD(shard, *markers, **keywords)
 
 
 class GradientSync:
@@ -199,9 +204,9 @@ class GradientSync:
 
     def exit_no_sync(self) -> None:
         """End the block: the copies' gradients become pending, and each sharded parameter's copy
-        is kept (detached) until the parameters change: the forwards read it instead of gathering
-        the parameter, so the synced micro-step's backward only reduces (its gradient with the
-        pending one, one collective, overlapped with that backward)."""
+        is kept (detached) for the next forward with gradients on, which reads it instead of
+        gathering the parameter, so its backward only reduces (its gradient with the pending one,
+        one collective, overlapped with that backward)."""
         for fqn, slot in self.slots.items():
             if slot.local is None:
                 continue
@@ -301,8 +306,8 @@ def no_sync(model: nn.Module, replicas_only: bool = False) -> Iterator[None]:
     reduces its own gradients with the accumulated ones, one reduction pass overlapped with that
     backward) or run every micro-step inside and call `reduce_gradients(model)` after the block
     (the same pass, blocking). Either way the block's gather plus that pass is what DDP's
-    all-reduce sends. The copies stay until the parameters change (the optimizer step, a load,
-    `.to()`) or `reduce_gradients`: stage 0's footprint lasts through the last micro-step. Nested
+    all-reduce sends. The copies stay until that micro-step's backward (or the optimizer step,
+    a load, `.to()`, `reduce_gradients`): stage 0's footprint lasts through it. Nested
     blocks act as one. Covers every sharded module in `model` (parts sharded by separate `shard()`
     calls included).
 
