@@ -255,12 +255,13 @@ def test_interleave_needs_two_different_modes() -> None:
     assert parser.parse_args(["--interleave", "none"]).interleave == []
 
 
-def test_zero3_budget_mode_keeps_half_the_models_bytes(single_rank) -> None:
+@pytest.mark.parametrize("mode, share", [("zero3-budget", 0.5), ("zero3-keep", 1.0)])
+def test_zero3_budget_modes_keep_their_share_of_the_models_bytes(single_rank, mode: str, share: float) -> None:
     model = GPT(SIZES["tiny"])
-    half = sum(p.numel() * p.element_size() for p in model.parameters()) // 2
-    BENCH_MODES["zero3-budget"].build(model, "adamw")
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    BENCH_MODES[mode].build(model, "adamw")
     settings = {(info.config.stage, info.config.memory_budget) for info in map(zc.sharded_parameters.shard_info, model.parameters())}
-    assert settings == {(3, half)}
+    assert settings == {(3, int(full * share))}
 
 
 def test_offload_cpu_mode_keeps_its_optimizer_state_in_host_memory(single_rank) -> None:

@@ -251,9 +251,14 @@ def _deepspeed(name: str) -> Callable[[GPT, Settings], Prepared]:
     return build
 
 
-def _zero3_half_budget(model: GPT, optimizer: str) -> Prepared:
-    """Stage 3 with `memory_budget` half the model's gathered (fp32) bytes."""
-    return _zero(3, memory_budget=sum(p.numel() * p.element_size() for p in model.parameters()) // 2)(model, optimizer)
+def _zero3_budget(share: float) -> Callable[[GPT, str], Prepared]:
+    """Stage 3 with `memory_budget` this share of the model's gathered (fp32) bytes."""
+
+    def build(model: GPT, optimizer: str) -> Prepared:
+        full = sum(p.numel() * p.element_size() for p in model.parameters())
+        return _zero(3, memory_budget=int(full * share))(model, optimizer)
+
+    return build
 
 
 MODES: dict[str, Mode] = {
@@ -277,7 +282,8 @@ MODES: dict[str, Mode] = {
             "zero3-hpz-int8",
             _zero(3, secondary_shard_size="node", gather_quant="int8", reduce_quant="int8", quant_scope="cross_node"),
         ),
-        Mode("zero3-budget", _zero3_half_budget),
+        Mode("zero3-budget", _zero3_budget(0.5)),
+        Mode("zero3-keep", _zero3_budget(1.0)),
         Mode("compile-aot-eager", _plain_compile("aot_eager")),
         Mode("zero3-eager", _zero(3, compiler="eager")),
         Mode("zero3-offload", _zero(3), offload_of="zero3"),
