@@ -314,17 +314,17 @@ def _accumulate(
     """Forward and backward over --grad-accum micro-batches of this rank's rows; their mean loss.
 
     Without --no-sync every micro-batch's backward reduces its gradients (the least memory); with
-    it, all but the last run inside one `zc.no_sync` block, accumulating full gradients locally
-    (one gather of the parameters on entry, rather than one per micro-batch), and the last runs
-    after it on the copies the block kept: its backward reduces them all once, overlapped with it.
+    it, they all run inside one `zc.no_sync` block, accumulating full gradients locally (one
+    gather of the parameters on entry, rather than one per micro-batch), and
+    `zc.reduce_gradients` reduces them once after the last.
     """
     total = torch.zeros((), device=inputs.device)
-    micro_batches = list(zip(inputs.chunk(args.grad_accum), targets.chunk(args.grad_accum)))
     with zc.no_sync(model) if args.no_sync else contextlib.nullcontext():
-        for x, y in micro_batches[:-1]:
+        for x, y in zip(inputs.chunk(args.grad_accum), targets.chunk(args.grad_accum)):
             total += _micro_step(compiled, x, y, args.grad_accum)
-    x, y = micro_batches[-1]
-    return total + _micro_step(compiled, x, y, args.grad_accum)
+    if args.no_sync:
+        zc.reduce_gradients(model)
+    return total
 
 
 def _micro_step(compiled: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, micro_steps: int) -> torch.Tensor:
