@@ -34,8 +34,8 @@ every device starts from the same ones.
                    parameters used last in the forward stay gathered for the backward, the others
                    are gathered again (between zero2's and zero3's traffic)
   zero3-keep       stage 3 with memory_budget = all of them: every parameter the backward reads
-                   stays gathered from its forward use (what DeepSpeed's ZeRO-3 does by default on
-                   a model under 1e9 parameters: stage3_max_reuse_distance)
+                   stays gathered from its forward use (stage 2's traffic, 2Φ, sharded between
+                   steps)
   compile-aot-eager  torch.compile(model, backend="aot_eager"), no data parallelism: AOTAutograd
                    without Inductor, the reference for zero3-eager's compile time
   zero3-eager      stage 3 with options={"compiler": "eager"}: our passes, graphs run op by op
@@ -51,9 +51,6 @@ for CPU ranks), the same fp32 AdamW object as every mode, gradient_clipping 0 (i
 would clip where no other mode does):
   deepspeed1 .. deepspeed3  deepspeed.initialize(model, optimizer, ZeRO stage s), eager
   deepspeed2-compile, deepspeed3-compile  the same after engine.compile() (its hooks outside the graphs)
-  deepspeed3-regather  ZeRO-3 freeing each parameter after its use and gathering it again in the
-                   backward, as zero3 does (stage3_max_reuse_distance and
-                   stage3_param_persistence_threshold 0; its defaults keep them: compare zero3-keep)
   deepspeed3-deepcompile  ZeRO-3 with DeepCompile ("compile": {"deepcompile": true}): CUDA only
 
 Mixed precision, bf16 in compute, fp32 master weights and AdamW state in each (like zero3-bf16):

@@ -14,13 +14,6 @@ defaults, and why (`deepspeed_config`):
 - fp16 and bf16 off (the bench trains in fp32) and the client's torch AdamW, so every mode steps
   the same optimizer, where DeepSpeed's "optimizer" section would build its own Adam.
 
-At ZeRO-3 DeepSpeed's defaults keep a gathered parameter until its next use if that comes within
-`stage3_max_reuse_distance` (1e9) elements of parameters, and never shard parameters under
-`stage3_param_persistence_threshold` (1e5) elements: on a model under a billion parameters the
-forward's gathers stay for the backward, which gathers nothing again (stage 2's parameter traffic
-and memory; bench's `zero3-keep` does the same). `deepspeed3-regather` sets both to 0, so it frees
-each parameter after its use and gathers it again in the backward, as `zero3` does.
-
 `-compile` modes call `engine.compile()` (torch.compile on the engine's module; DeepSpeed's hooks
 stay outside the graphs). `deepcompile` modes turn on DeepCompile (`"compile": {"deepcompile":
 true}`, DeepSpeed's compiler passes for ZeRO-3), which runs on CUDA only.
@@ -43,10 +36,7 @@ DEEPSPEED_MODES = {
     "deepspeed2-compile": (2, "compile"),
     "deepspeed3-compile": (3, "compile"),
     "deepspeed3-deepcompile": (3, "deepcompile"),
-    "deepspeed3-regather": (3, "regather"),
 }
-# ZeRO-3 settings under which DeepSpeed frees every gathered parameter after its use, as zero3 does.
-REGATHER = {"stage3_max_reuse_distance": 0, "stage3_param_persistence_threshold": 0}
 INSTALL_HINT = 'pip install "zerocompile[peers]" (DeepSpeed 0.19)'
 
 
@@ -62,8 +52,6 @@ def deepspeed_config(stage: int, rows_per_rank: int, variant: str | None = None)
     }
     if variant == "deepcompile":
         config["compile"] = {"deepcompile": True}
-    if variant == "regather":
-        config["zero_optimization"].update(REGATHER)
     return config
 
 
@@ -73,9 +61,7 @@ DEEPSPEED_METHOD = (
     "unlike its defaults: gradient_clipping 0 (its 1.0 clips where no other mode does), the client's torch "
     "AdamW at the other modes' learning rate (not DeepSpeed's Adam), fp16/bf16 off (fp32 as every mode), "
     "train_micro_batch_size_per_gpu = the rows per rank; DS_ACCELERATOR=cpu on CPU ranks; -compile: "
-    "engine.compile(); -regather: stage3_max_reuse_distance and stage3_param_persistence_threshold 0 (each "
-    "parameter freed after its use and gathered again in the backward, as zero3; by default ZeRO-3 keeps "
-    "them for the backward on a model under 1e9 parameters); state: the storages of its partitions, gradients and AdamW state, each once"
+    "engine.compile(); state: the storages of its partitions, gradients and AdamW state, each once"
 )
 
 
