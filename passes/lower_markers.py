@@ -56,7 +56,7 @@ def lower_markers(
     counts = {"gathers": 0, "reductions": 0, "identities": 0, "gather_buckets": 0, "reduction_buckets": 0}
     _place_by_stage(graph)
     tracer = functools.partial(_splice, decompositions=decompositions)
-    for node in [n for n in graph.nodes if is_unshard(n) and _is_whole(unshard_args(n))]:
+    for node in [n for n in graph.nodes if is_unshard(n) and unshard_args(n).whole is not None]:
         _forward_whole_parameter(node, tracer)
         counts["identities"] += 1
     gathers, gathers_up_front = [], []
@@ -101,11 +101,6 @@ def lower_markers(
         _wait_reductions_late(reductions)
     graph.lint()
     return counts
-
-
-def _is_whole(marker: UnshardArgs) -> bool:
-    """The marker's input already is the full parameter: unsharded, or a local copy (no_sync)."""
-    return marker.reads_local_copy or not stage_policy(marker.stage).shards_parameters
 
 
 def _full_bytes(node: fx.Node) -> int:
@@ -362,7 +357,7 @@ def _gathers_at_start(marker: UnshardArgs) -> bool:
 def _forward_whole_parameter(node: fx.Node, tracer: Callable) -> None:
     """The marker's input already is the full parameter (cast for mixed precision): the shard of
     an unsharded parameter, or the local copy it reads."""
-    param = _marker_input(node)
+    param = unshard_args(node).whole
     dtype = unshard_args(node).compute_dtype
     if dtype is not None and dtype != param.meta["val"].dtype:
         tracer([node], node, lambda p: [p.to(dtype)])
@@ -377,11 +372,10 @@ def _forward_whole_parameter(node: fx.Node, tracer: Callable) -> None:
 
 
 def _marker_input(marker: fx.Node) -> fx.Node:
-    """What a marker's collective (or identity) reads: the shard or the gradient, or the kept copy
-    an `unshard` reads in place of its shard (`full`)."""
-    if is_unshard(marker) and unshard_args(marker).full is not None:
-        return unshard_args(marker).full
-    return marker.args[0]
+    """What a marker's collective (or identity) reads: the shard or the gradient, or for an
+    `unshard` whose input already is the full parameter, that (`UnshardArgs.whole`)."""
+    whole = unshard_args(marker).whole if is_unshard(marker) else None
+    return marker.args[0] if whole is None else whole
 
 
 def _splice(

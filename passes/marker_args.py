@@ -18,6 +18,8 @@ from typing import NamedTuple, Union
 import torch
 import torch.fx
 
+from .stages import stage_policy
+
 # A tensor argument: the tensor when the op runs, the node that makes it when a pass reads a graph.
 TensorArg = Union[torch.Tensor, torch.fx.Node]
 
@@ -56,6 +58,14 @@ class UnshardArgs(NamedTuple):
     def reads_local_copy(self) -> bool:
         """The forward reads a full local copy (`local`, or `full`): no gather, none in the backward."""
         return self.local or self.full is not None
+
+    @property
+    def whole(self) -> TensorArg | None:
+        """What already is the full parameter, so nothing is gathered: the kept copy (`full`), a
+        local copy (`local`), or the shard of a stage that keeps parameters whole; else None."""
+        if self.full is not None:
+            return self.full
+        return self.shard if self.local or not stage_policy(self.stage).shards_parameters else None
 
 
 class ReduceGradArgs(NamedTuple):

@@ -45,10 +45,8 @@ from .stages import stage_policy
 @torch.library.custom_op("zerocompile::unshard", mutates_args=(), schema=op_schema(UnshardArgs))
 def unshard(*args: Any, **kwargs: Any) -> torch.Tensor:
     m = UnshardArgs(*args, **kwargs)
-    if m.full is not None:
-        return m.full.to(m.compute_dtype or m.full.dtype, copy=True)
-    if m.local or not stage_policy(m.stage).shards_parameters:
-        return m.shard.to(m.compute_dtype or m.shard.dtype, copy=True)
+    if m.whole is not None:
+        return m.whole.to(m.compute_dtype or m.whole.dtype, copy=True)
     return gather_bucket(
         [m.shard], [m.shape], m.group_name, m.world_size, m.reduce_scatter, m.compute_dtype, m.gather_quant_block
     )[0]
@@ -57,12 +55,9 @@ def unshard(*args: Any, **kwargs: Any) -> torch.Tensor:
 @unshard.register_fake
 def _unshard_fake(*args: Any, **kwargs: Any) -> torch.Tensor:
     m = UnshardArgs(*args, **kwargs)
-    if m.full is not None:
-        return torch.empty_like(m.full, dtype=m.compute_dtype or m.full.dtype)
-    dtype = m.compute_dtype or m.shard.dtype
-    if m.local or not stage_policy(m.stage).shards_parameters:
-        return torch.empty_like(m.shard, dtype=dtype)
-    return m.shard.new_empty(m.shape, dtype=dtype)
+    if m.whole is not None:
+        return torch.empty_like(m.whole, dtype=m.compute_dtype or m.whole.dtype)
+    return m.shard.new_empty(m.shape, dtype=m.compute_dtype or m.shard.dtype)
 
 
 @torch.library.custom_op("zerocompile::reduce_grad", mutates_args=(), schema=op_schema(ReduceGradArgs))
