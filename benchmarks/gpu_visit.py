@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gzip
+import importlib.util
 import json
 import os
 import shutil
@@ -246,6 +247,52 @@ def target_lines(reports: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+# ------------------------------------------------------------------------------------- deepspeed
+
+# The modes each DeepSpeed step interleaves on one real rank, and the bound on stage 3's step
+# against DeepSpeed ZeRO-3's there (issue 68).
+DEEPSPEED_STEPS = {
+    "bench-deepspeed": "compile-bf16,zero3-bf16,deepspeed3-bf16",
+    "bench-deepcompile": "zero3-bf16,deepspeed3-deepcompile-bf16",
+}
+DEEPSPEED_BOUND = 0.80
+PEER_WHEELS = ("DeepSpeed is not importable here: on the GPU machine, run `bash benchmarks/peer_wheels.sh` "
+               "here first, carry .whl and install it as that script says")
+
+
+def deepspeed_bench(visit: "Visit", device: str, size: str, batch: str, bench_steps: list[str], gpu: bool) -> None:
+    """The DeepSpeed steps: skipped with the way to install it where it is missing (the GPU image
+    has no DeepSpeed), DeepCompile on CUDA only."""
+    for name, modes in DEEPSPEED_STEPS.items():
+        if name == "bench-deepcompile" and not gpu:
+            continue
+        if importlib.util.find_spec("deepspeed") is None:
+            visit.skip(name, PEER_WHEELS)
+            continue
+        visit.step(
+            name,
+            ["zerocompile.tools.cli", "bench", "--ranks", "1", "--device", device, "--model-size", size,
+             "--modes", "none", "--interleave", modes, "--batch-size", batch, *bench_steps,
+             "--out", str(visit.work / name)],
+            timeout=240 if gpu else 900,
+        )
+
+
+def deepspeed_target_lines(work: Path) -> list[str]:
+    """Stage 3's step against DeepSpeed's ZeRO-3 (and DeepCompile's) where they ran side by side."""
+    lines = []
+    for name, modes in DEEPSPEED_STEPS.items():
+        path = work / name / "bench.json"
+        if not path.exists():
+            continue
+        times = json.loads(path.read_text())["interleaved"]["step_time_s"]
+        peer = modes.split(",")[-1]
+        ratio = times["zero3-bf16"] / times[peer]
+        verdict = f" (<= {DEEPSPEED_BOUND}): {'met' if ratio <= DEEPSPEED_BOUND else 'MISSED'}" if peer == "deepspeed3-bf16" else ""
+        lines.append(f"- one real rank, step vs {peer}: {ratio:.2f}{verdict}")
+    return lines
+
+
 # ----------------------------------------------------------------------------------------- visit
 
 
@@ -300,6 +347,12 @@ class Visit:
         self.write_summary()
         return record
 
+    def skip(self, name: str, why: str) -> None:
+        """A step that cannot run here, reported with what would let it."""
+        print(f"== {name}: skipped, {why}", flush=True)
+        self.steps.append({"name": name, "command": "", "returncode": f"skipped ({why})", "output": "", "seconds": 0.0})
+        self.write_summary()
+
     def write_summary(self) -> None:
         lines = [
             f"# GPU visit, {self.started:%Y-%m-%d %H:%M} UTC",
@@ -310,9 +363,11 @@ class Visit:
             "",
         ]
         profiled = sorted((self.work / "profile").glob("profile-*.json")) if (self.work / "profile").exists() else []
-        if profiled:
-            reports = [json.loads(path.read_text()) for path in profiled]
-            lines += ["## Stage 3 against its targets", "", *target_lines(reports), ""]
+        reports = [json.loads(path.read_text()) for path in profiled]
+        targets = [*(target_lines(reports) if reports else []), *deepspeed_target_lines(self.work)]
+        if targets:
+            lines += ["## Stage 3 against its targets", "", *targets, ""]
+        if reports:
             lines += ["## Profiled modes side by side", ""]
             lines += profile_details(reports)
         for record in self.steps:
@@ -397,6 +452,9 @@ def run_visit(args: argparse.Namespace) -> int:
         if gpu:  # do Inductor's CUDA-graph trees take stage 3's graphs (one real rank, as a user runs it)?
             for mode in ("compile-bf16", "zero3-bf16"):
                 profile(mode, True, cudagraphs=True)
+        # Stage 3 beside DeepSpeed's ZeRO-3 (and DeepCompile, its compiler route, CUDA only) on
+        # one real rank, round by round: what users would run instead of us on this device.
+        deepspeed_bench(visit, args.device, size, str(int(batch) // 8), bench_steps, gpu)
         visit.step(
             "check",
             ["zerocompile.tools.cli", "check", "--device", args.device, *check_narrowing,

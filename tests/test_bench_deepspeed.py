@@ -1,5 +1,5 @@
 """`zerocompile bench`'s DeepSpeed modes train as every other mode: the ZeRO stage named, clipping
-off (DeepSpeed's default 1.0 would clip where no other mode does), fp32, the bench's own AdamW
+off (DeepSpeed's default 1.0 would clip where no other mode does), fp32 or bf16 as zero3-bf16, the bench's own AdamW
 object at the other modes' learning rate, the rows per rank the bench's batches give, and the
 engine's backward and step in the bench's step. No DeepSpeed import and no ranks: the engine is
 replaced by a recorder (the DeepSpeed runs themselves are the benchmark's, docs/results/)."""
@@ -7,6 +7,7 @@ replaced by a recorder (the DeepSpeed runs themselves are the benchmark's, docs/
 from __future__ import annotations
 
 import sys
+import types
 
 import pytest
 import torch
@@ -50,8 +51,8 @@ def built(monkeypatch: pytest.MonkeyPatch) -> dict:
     """Each DeepSpeed mode's `build_engine` call, with a recorder for its engine."""
     calls = {}
 
-    def build_engine(model, optimizer, stage, variant, rows_per_rank):
-        calls.update(model=model, optimizer=optimizer, stage=stage, variant=variant, rows=rows_per_rank)
+    def build_engine(model, optimizer, mode, rows_per_rank):
+        calls.update(model=model, optimizer=optimizer, mode=mode, rows=rows_per_rank)
         calls["engine"] = RecordingEngine(model)
         return calls["engine"]
 
@@ -65,8 +66,8 @@ def test_each_mode_trains_as_the_others(name: str, built: dict) -> None:
     torch.manual_seed(0)
     model = GPT(settings.config)
     MODES[name].prepare(model, settings)
-    stage, variant = deepspeed_modes.DEEPSPEED_MODES[name]
-    assert built["model"] is model and (built["stage"], built["variant"]) == (stage, variant)
+    mode = deepspeed_modes.DEEPSPEED_MODES[name]
+    assert built["model"] is model and built["mode"] == mode
     # The bench's AdamW, as every other mode's: its class, learning rate and every parameter.
     reference = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
     assert type(built["optimizer"]) is torch.optim.AdamW
@@ -75,13 +76,16 @@ def test_each_mode_trains_as_the_others(name: str, built: dict) -> None:
     # DeepSpeed's micro-batch is the rows each rank's batches hold.
     inputs, _targets = RandomBatches(settings.config, settings, 0, torch.device("cpu")).next()
     assert built["rows"] == inputs.shape[0]
-    config = deepspeed_modes.deepspeed_config(stage, built["rows"], variant)
-    assert config["zero_optimization"] == {"stage": stage}
+    config = deepspeed_modes.deepspeed_config(mode, built["rows"])
+    assert config["zero_optimization"] == {"stage": int(name[len("deepspeed")])}
     assert config["gradient_clipping"] == 0
-    assert config["fp16"] == {"enabled": False} and config["bf16"] == {"enabled": False}
+    # fp32 as the other modes, or bf16 compute and reduction as zero3-bf16's (fp32 partitions).
+    bf16 = name.endswith("-bf16")
+    assert config["fp16"] == {"enabled": False} and config["bf16"] == {"enabled": bf16}
+    assert config.get("communication_data_type") == ("bf16" if bf16 else None)
     assert config["gradient_accumulation_steps"] == 1
     assert "optimizer" not in config and "scheduler" not in config  # the client's AdamW, no schedule
-    assert ("compile" in config) == (variant == "deepcompile")
+    assert ("compile" in config) == ("deepcompile" in name)
 
 
 def test_the_step_is_the_engines(built: dict) -> None:
@@ -125,9 +129,32 @@ def test_without_deepspeed_the_mode_says_how_to_install_it(monkeypatch: pytest.M
     model = GPT(_settings().config)
     optimizer = torch.optim.AdamW(model.parameters())
     with pytest.raises(RuntimeError, match=r'DeepSpeed is not installed .*pip install "zerocompile\[peers\]"'):
-        deepspeed_modes.build_engine(model, optimizer, 3, None, 4)
+        deepspeed_modes.build_engine(model, optimizer, deepspeed_modes.DeepSpeedMode(3), 4)
     with pytest.raises(RuntimeError, match=r"DeepCompile runs on CUDA only; the model is on cpu"):
-        deepspeed_modes.build_engine(model, optimizer, 3, "deepcompile", 4)
+        deepspeed_modes.build_engine(model, optimizer, deepspeed_modes.DeepSpeedMode(3, "deepcompile"), 4)
+
+
+class _OnCuda(torch.nn.Module):
+    """A model whose parameters report a CUDA device (no GPU needed: nothing runs on them)."""
+
+    def parameters(self, recurse: bool = True):
+        yield types.SimpleNamespace(device=torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("name", list(deepspeed_modes.DEEPSPEED_MODES))
+def test_build_engine_compiles_where_the_mode_says(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepCompile too needs `engine.compile()`: the config section alone leaves the engine eager."""
+    mode = deepspeed_modes.DEEPSPEED_MODES[name]
+    compiled = []
+    engine = types.SimpleNamespace(compile=lambda: compiled.append(True))
+
+    def initialize(model, optimizer, config):
+        assert config == deepspeed_modes.deepspeed_config(mode, 4)
+        return engine, optimizer, None, None
+
+    monkeypatch.setitem(sys.modules, "deepspeed", types.SimpleNamespace(initialize=initialize))
+    assert deepspeed_modes.build_engine(_OnCuda(), None, mode, 4) is engine
+    assert compiled == ([True] if mode.variant in ("compile", "deepcompile") else [])
 
 
 def test_the_method_says_what_differs_from_deepspeeds_defaults() -> None:

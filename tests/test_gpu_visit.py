@@ -129,3 +129,49 @@ def test_targets_say_met_or_missed_per_group() -> None:
         "- fake group: not all of compile-bf16, zero3-bf16, fsdp2-compile-bf16 were profiled",
         "- one real rank: not all of compile-bf16, zero3-bf16, fsdp2-compile-bf16 were profiled",
     ]
+
+
+@pytest.mark.fast
+def test_deepspeed_targets_read_the_side_by_side_benches(tmp_path: Path) -> None:
+    def bench(name: str, times: dict[str, float]) -> None:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "bench.json").write_text(json.dumps({"interleaved": {"step_time_s": times}}))
+
+    assert gpu_visit.deepspeed_target_lines(tmp_path) == []  # neither ran
+    bench("bench-deepspeed", {"compile-bf16": 0.05, "zero3-bf16": 0.09, "deepspeed3-bf16": 0.10})
+    bench("bench-deepcompile", {"zero3-bf16": 0.09, "deepspeed3-deepcompile-bf16": 0.06})
+    assert gpu_visit.deepspeed_target_lines(tmp_path) == [
+        "- one real rank, step vs deepspeed3-bf16: 0.90 (<= 0.8): MISSED",
+        "- one real rank, step vs deepspeed3-deepcompile-bf16: 1.50",
+    ]
+    bench_json = tmp_path / "bench-deepspeed" / "bench.json"
+    bench_json.write_text(json.dumps({"interleaved": {"step_time_s": {"zero3-bf16": 0.07, "deepspeed3-bf16": 0.10}}}))
+    assert gpu_visit.deepspeed_target_lines(tmp_path)[0] == "- one real rank, step vs deepspeed3-bf16: 0.70 (<= 0.8): met"
+
+
+@pytest.mark.fast
+def test_without_deepspeed_its_steps_are_skipped_saying_how_to_carry_it(
+    visit: gpu_visit.Visit, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gpu_visit.importlib.util, "find_spec", lambda name: None)
+    ran = []
+    monkeypatch.setattr(visit, "step", lambda name, *args, **kwargs: ran.append(name))
+    gpu_visit.deepspeed_bench(visit, "cuda", "400m", "8", [], gpu=True)
+    assert ran == []
+    assert [record["name"] for record in visit.steps] == ["bench-deepspeed", "bench-deepcompile"]
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.count("skipped (DeepSpeed is not importable here") == 2
+    assert "bash benchmarks/peer_wheels.sh" in summary
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("gpu", [False, True])
+def test_deepspeed_steps_run_one_real_rank_side_by_side(visit: gpu_visit.Visit, gpu: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu_visit.importlib.util, "find_spec", lambda name: object())
+    ran = {}
+    monkeypatch.setattr(visit, "step", lambda name, command, **kwargs: ran.setdefault(name, command))
+    gpu_visit.deepspeed_bench(visit, "cuda" if gpu else "cpu", "400m", "8", ["--steps", "6"], gpu=gpu)
+    assert list(ran) == (["bench-deepspeed", "bench-deepcompile"] if gpu else ["bench-deepspeed"])  # DeepCompile: CUDA only
+    command = ran["bench-deepspeed"]
+    assert command[command.index("--ranks") + 1] == "1" and "--fake-ranks" not in command
+    assert command[command.index("--interleave") + 1] == "compile-bf16,zero3-bf16,deepspeed3-bf16"

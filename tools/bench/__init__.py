@@ -63,6 +63,9 @@ Mixed precision, bf16 in compute, fp32 master weights and AdamW state in each (l
                    stage 3 does with param_dtype=bf16: its reduce_dtype defaults to the dtype the
                    gradients were computed in) and kept in fp32
   zero3-bf16       zerocompile.shard(model, stage=3, param_dtype=torch.bfloat16), as listed above
+  deepspeed3-bf16, deepspeed3-compile-bf16, deepspeed3-deepcompile-bf16  DeepSpeed's ZeRO-3 modes with
+                   "bf16": {"enabled": true} and communication_data_type bf16: bf16 partitions
+                   computed and reduced in bf16, fp32 partitions stepped by the same AdamW
 
 Fake ranks: `--fake-ranks N` measures a mode at N ranks in one process on one device, without the
 other N-1. Each mode runs in a process of its own (a fresh Inductor cache, as always) that is rank

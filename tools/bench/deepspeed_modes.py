@@ -1,5 +1,5 @@
 """DeepSpeed's ZeRO as `zerocompile bench` modes: the reference ZeRO, trained on the same GPT,
-batches and fp32 AdamW as every other mode.
+batches and AdamW as every other mode, in fp32 or (`-bf16`) as `zero3-bf16` trains.
 
 DeepSpeed is a peer for the benchmark only (`pip install "zerocompile[peers]"`), imported when one
 of its modes is built; on CPU ranks it needs `DS_ACCELERATOR=cpu` in the ranks' environment, which
@@ -12,7 +12,10 @@ defaults, and why (`deepspeed_config`):
 - `train_micro_batch_size_per_gpu` the bench's rows per rank, `gradient_accumulation_steps` 1:
   DeepSpeed requires them to add up to the global batch;
 - fp16 and bf16 off (the bench trains in fp32) and the client's torch AdamW, so every mode steps
-  the same optimizer, where DeepSpeed's "optimizer" section would build its own Adam.
+  the same optimizer, where DeepSpeed's "optimizer" section would build its own Adam;
+- `-bf16` modes: bf16 on, so the forward and backward run in bf16 over fp32 partitions stepped by
+  the same AdamW, and `communication_data_type` bf16 (its default under bf16, written out): the
+  gradients reduced in bf16 as `zero3-bf16`'s are (ZeroConfig.reduce_dtype None).
 
 `-compile` modes call `engine.compile()` (torch.compile on the engine's module; DeepSpeed's hooks
 stay outside the graphs). `deepcompile` modes turn on DeepCompile (`"compile": {"deepcompile":
@@ -21,36 +24,51 @@ true}`, DeepSpeed's compiler passes for ZeRO-3), which runs on CUDA only.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from zerocompile.tools.gpt import GPT
 
+class DeepSpeedMode(NamedTuple):
+    """A DeepSpeed bench mode: its ZeRO stage, how it compiles (None: eager, "compile":
+    `engine.compile()`, "deepcompile": DeepCompile) and whether it computes in bf16."""
+
+    stage: int
+    variant: str | None = None
+    bf16: bool = False
+
+
 # The stages and variants `zerocompile bench` offers, by mode name.
 DEEPSPEED_MODES = {
-    "deepspeed1": (1, None),
-    "deepspeed2": (2, None),
-    "deepspeed3": (3, None),
-    "deepspeed2-compile": (2, "compile"),
-    "deepspeed3-compile": (3, "compile"),
-    "deepspeed3-deepcompile": (3, "deepcompile"),
+    "deepspeed1": DeepSpeedMode(1),
+    "deepspeed2": DeepSpeedMode(2),
+    "deepspeed3": DeepSpeedMode(3),
+    "deepspeed2-compile": DeepSpeedMode(2, "compile"),
+    "deepspeed3-compile": DeepSpeedMode(3, "compile"),
+    "deepspeed3-deepcompile": DeepSpeedMode(3, "deepcompile"),
+    # Beside zero3-bf16 on a GPU (benchmarks/gpu_visit.py), where users run DeepSpeed in bf16.
+    "deepspeed3-bf16": DeepSpeedMode(3, None, bf16=True),
+    "deepspeed3-compile-bf16": DeepSpeedMode(3, "compile", bf16=True),
+    "deepspeed3-deepcompile-bf16": DeepSpeedMode(3, "deepcompile", bf16=True),
 }
 INSTALL_HINT = 'pip install "zerocompile[peers]" (DeepSpeed 0.19)'
 
 
-def deepspeed_config(stage: int, rows_per_rank: int, variant: str | None = None) -> dict[str, Any]:
+def deepspeed_config(mode: DeepSpeedMode, rows_per_rank: int) -> dict[str, Any]:
     """The DeepSpeed configuration of a bench mode (see the module docstring for each setting)."""
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": rows_per_rank,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": mode.stage},
         "fp16": {"enabled": False},
-        "bf16": {"enabled": False},
+        "bf16": {"enabled": mode.bf16},
     }
-    if variant == "deepcompile":
+    if mode.bf16:
+        config["communication_data_type"] = "bf16"
+    if mode.variant == "deepcompile":
         config["compile"] = {"deepcompile": True}
     return config
 
@@ -59,7 +77,8 @@ def deepspeed_config(stage: int, rows_per_rank: int, variant: str | None = None)
 DEEPSPEED_METHOD = (
     "DeepSpeed 0.19's engine (deepspeed.initialize) on the bench's process group, its ZeRO stage as named; "
     "unlike its defaults: gradient_clipping 0 (its 1.0 clips where no other mode does), the client's torch "
-    "AdamW at the other modes' learning rate (not DeepSpeed's Adam), fp16/bf16 off (fp32 as every mode), "
+    "AdamW at the other modes' learning rate (not DeepSpeed's Adam), fp16/bf16 off (fp32 as every mode; -bf16: "
+    "bf16 on and communication_data_type bf16, as zero3-bf16 computes and reduces), "
     "train_micro_batch_size_per_gpu = the rows per rank; DS_ACCELERATOR=cpu on CPU ranks; -compile: "
     "engine.compile(); state: the storages of its partitions, gradients and AdamW state, each once"
 )
@@ -95,18 +114,18 @@ class DeepSpeedStep:
         self.engine.step()
 
 
-def build_engine(model: GPT, optimizer: torch.optim.Optimizer, stage: int, variant: str | None, rows_per_rank: int) -> Any:
+def build_engine(model: GPT, optimizer: torch.optim.Optimizer, mode: DeepSpeedMode, rows_per_rank: int) -> Any:
     """`deepspeed.initialize` on `model` with the bench's `optimizer`; refuses what cannot run,
     naming why, before DeepSpeed is imported."""
     device = next(model.parameters()).device
-    if variant == "deepcompile" and device.type != "cuda":
+    if mode.variant == "deepcompile" and device.type != "cuda":
         raise RuntimeError(f"DeepCompile runs on CUDA only; the model is on {device}")
     try:
         import deepspeed
     except ImportError as error:
         raise RuntimeError(f"DeepSpeed is not installed ({error}): {INSTALL_HINT}") from error
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(stage, rows_per_rank, variant))
-    if variant == "compile":
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(mode, rows_per_rank))
+    if mode.variant is not None:  # DeepCompile too runs only once `engine.compile()` is called
         engine.compile()
     return engine
 

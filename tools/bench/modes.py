@@ -238,13 +238,13 @@ def _zero(stage: int, compiler: str = "inductor", **settings: Any) -> Callable[.
 
 
 def _deepspeed(name: str) -> Callable[[GPT, Settings], Prepared]:
-    stage, variant = DEEPSPEED_MODES[name]
+    deepspeed_mode = DEEPSPEED_MODES[name]
 
     def build(model: GPT, settings: Settings) -> Prepared:
         if settings.optimizer != "adamw":
             raise ValueError(f"{name} runs AdamW only (DeepSpeed's ZeRO with Muon is not compared here), not {settings.optimizer}")
         (optimizer,) = _optimizers(model, "adamw", torch.optim.Muon)
-        engine = build_engine(model, optimizer, stage, variant, settings.batch_size // settings.ranks)
+        engine = build_engine(model, optimizer, deepspeed_mode, settings.batch_size // settings.ranks)
         stepper = DeepSpeedStep(engine)
         return Prepared(stepper.runner, [], lambda: deepspeed_held_bytes(engine), engine=stepper)
 
