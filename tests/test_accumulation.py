@@ -17,8 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import zerocompile as zc
+from zerocompile import accumulation
 from zerocompile.sharded_modules import module_state
 from models import MODELS, local_batch
 from ranks import run_cases, run_on_ranks
@@ -294,3 +296,37 @@ def test_the_synced_micro_step_after_the_block_frees_its_copies(single_rank) -> 
     model(x).sum().backward()
     gc.collect()
     assert all(copy() is None for copy in copies)
+
+
+class _Collectives(TorchDispatchMode):
+    """The functional collectives dispatched (their waits left out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional" and "wait" not in func.__name__:
+            self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("stage", (2, 3))
+def test_the_blocks_edges_gather_and_reduce_in_large_buckets(single_rank, stage: int) -> None:
+    """Nothing overlaps the collectives at a block's edges, so they take buckets of at least
+    EDGE_BUCKET_BYTES, whatever small `bucket_bytes` the graphs use to overlap theirs (measured on
+    a 40M Llama, 2 gloo ranks: entry 120-127 -> 90-92 ms, reduce_gradients 135 -> 115 ms)."""
+    layers = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))  # 8 parameters of 32 or 256 bytes
+    model = zc.shard(layers, stage=stage, bucket_bytes=64)
+    x = torch.randn(3, 8)
+    with _Collectives() as entering:
+        block = zc.no_sync(model)
+        block.__enter__()
+    model(x).sum().backward()
+    block.__exit__(None, None, None)
+    with _Collectives() as reducing:
+        zc.reduce_gradients(model)
+    assert len(entering.names) == 1, entering.names
+    assert len(reducing.names) == 1, reducing.names
+    assert all(p.grad is not None for p in model.parameters())
+    assert accumulation.edge_bucket_bytes(next(model.parameters())) == accumulation.EDGE_BUCKET_BYTES
