@@ -31,6 +31,7 @@ from torch import nn
 
 from zerocompile.tools.gpt import GPT
 
+
 class DeepSpeedMode(NamedTuple):
     """A DeepSpeed bench mode: its ZeRO stage, how it compiles (None: eager, "compile":
     `engine.compile()`, "deepcompile": DeepCompile) and whether it computes in bf16."""
