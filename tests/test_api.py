@@ -69,8 +69,8 @@ def test_unknown_setting_and_option_list_the_valid_ones(single_rank) -> None:
 @pytest.mark.parametrize(
     "backends, expected",
     [
-        ("gloo", 4 * 2**20),
-        ("cpu:gloo,cuda:nccl", 4 * 2**20),  # CPU parameters: gloo runs their collectives
+        ("gloo", 16 * 2**20),
+        ("cpu:gloo,cuda:nccl", 16 * 2**20),  # CPU parameters: gloo runs their collectives
         ("cpu:nccl", 25 * 2**20),  # stands in for CUDA parameters under nccl, which this machine lacks
     ],
 )

@@ -24,13 +24,17 @@ COMPILE_TIME_FIELDS = ("compiler", "dump_dir", "bucket_bytes", "prefetch", "chec
 COMPILERS = ("inductor", "eager")
 # `bucket_bytes=None` resolves to the default of the backend that runs the group's collectives on
 # the parameters' device (see `default_bucket_bytes`).
-# gloo, measured (12m GPT, stage 3, 2 gloo CPU ranks, one process per setting): 4 / 8 / 16 MiB gave
-# 0.552 / 0.522 / 0.596 s per step and 579 / 596 / 615 MB peak RSS (FSDP2+compile: 0.639 s,
-# 563 MB). Step times are within noise of each other; the smallest window wins on memory.
-GLOO_BUCKET_BYTES = 4 * 2**20
+# gloo, measured side by side (`zerocompile bench --interleave`, 2 gloo CPU ranks, 2026-12-02),
+# step against 4 MiB buckets': 12m GPT, stage 3: 8 MiB 0.94x, 16 MiB 0.93x; stage 2, 16 MiB
+# 0.96x; GPT 50m cut to 4 layers, stage 3: 8 / 16 / 32 MiB 0.94 / 0.91 / 0.89x; stage 2, 16 MiB
+# 0.93x. Fewer collectives, each with gloo's fixed cost; 16 MiB, not 32, for the gathered window
+# at stage 3 (two buckets of full tensors). (4 MiB had been chosen from separate processes, where
+# the three sizes were within noise.) Through a slow link between nodes, hybrid sharding's
+# replica reductions stepped faster in 4 MiB buckets (docs/results/2026-11-28-link-sweep.md).
+GLOO_BUCKET_BYTES = 16 * 2**20
 # Every other backend (nccl first): DDP's default bucket_cap_mb=25, the size PyTorch tuned its
 # gradient buckets to on NCCL. Not measured here (no GPU). On NVLink a collective of a few MiB is
-# latency-bound, so gloo's 4 MiB would leave bandwidth unused; at stage 3 this also bounds the
+# latency-bound, so small buckets would leave bandwidth unused; at stage 3 this also bounds the
 # window of gathered parameters, 25 MiB of full tensors.
 ACCELERATOR_BUCKET_BYTES = 25 * 2**20
 QUANTISATIONS = (None, "int8")
@@ -52,7 +56,7 @@ class ZeroConfig:
         one after another one reduce-scatter, up to this many bytes of full tensors (0: one
         collective per parameter). At stage 3 it bounds the gathered window. None (the default):
         the default of the backend that runs the group's collectives on the parameters' device,
-        decided by `shard()` (which stores the number in the config it keeps): 4 MiB on gloo
+        decided by `shard()` (which stores the number in the config it keeps): 16 MiB on gloo
         (measured on CPU ranks), 25 MiB on nccl and any other backend (DDP's default bucket size,
         not measured here).
     prefetch: how many buckets ahead of their use all-gathers start (0: none), i.e. how many are
@@ -260,7 +264,7 @@ class ZeroConfig:
 
 
 def default_bucket_bytes(backend: str) -> int:
-    """`bucket_bytes` when the config leaves it None: gloo's measured 4 MiB, else DDP's 25 MiB."""
+    """`bucket_bytes` when the config leaves it None: gloo's measured 16 MiB, else DDP's 25 MiB."""
     return GLOO_BUCKET_BYTES if backend == "gloo" else ACCELERATOR_BUCKET_BYTES
 
 
