@@ -16,6 +16,12 @@ rank started with), torch's default seed, dtype and grad mode, and a
 process group (remade if a job destroyed it). A job that fails, hangs or kills a rank takes its
 ranks with it: the next job gets new ones. `fresh=True` runs in new processes regardless, for
 jobs that measure the process itself (peak RSS).
+
+What the ranks write to stderr goes to a file per rank, passed on to the test's stderr after each
+job (pytest shows it with the test that ran it). A rank that dies of a signal (a segmentation
+fault in C++ code) leaves only its faulthandler stack there, so the failure's message carries the
+end of what the dead rank wrote during the job: a CI log that shows only the failures' messages
+still says where it died.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import atexit
 import contextvars
 import os
+import sys
 import tempfile
 import traceback
 from datetime import timedelta
@@ -33,6 +40,10 @@ from zerocompile.tools import spawn
 # `--allocator` of the ranks' processes: auto, so the tests run where the tools' ranks run (tcmalloc
 # where installed) and nothing requires it.
 ALLOCATOR = "auto"
+
+# How much of a dead rank's stderr its failure message carries: a faulthandler report of a few
+# threads' stacks.
+STDERR_TAIL_CHARS = 6000
 
 
 def run_on_ranks(
@@ -115,10 +126,13 @@ class _RankPool:
         self._next_job = 0
         port = spawn.free_loopback_port()
         preload = spawn.find_allocator(allocator)
-        self._ranks = [
-            spawn.Child(spawn.child_environment(self._variables(rank, port, launcher_env), preload))
-            for rank in range(world_size)
-        ]
+        self._stderr = [os.path.join(self._directory.name, f"rank{rank}.stderr") for rank in range(world_size)]
+        self._stderr_passed_on = [0] * world_size
+        self._ranks = []
+        for rank in range(world_size):
+            with open(self._stderr[rank], "wb") as stderr:  # the child holds its own descriptor
+                environment = spawn.child_environment(self._variables(rank, port, launcher_env), preload)
+                self._ranks.append(spawn.Child(environment, stderr=stderr.fileno()))
 
     def _variables(self, rank: int, port: int, launcher_env: Callable[[int], dict[str, str]] | None) -> dict[str, str]:
         launcher = (
@@ -144,14 +158,33 @@ class _RankPool:
         rendezvous = None if self._rendezvous is None else f"{self._rendezvous}{job}"
         for rank, child in enumerate(self._ranks):
             child.submit(_run_job, (rank, self.world_size, rendezvous, fn, args))
-        outcomes = spawn.collect(self._ranks, timeout)
+        try:
+            outcomes = spawn.collect(self._ranks, timeout)
+        finally:
+            said = self._pass_on_stderr()
         # In the order they came: the cause first, then peers that lost it mid-collective.
         failed = [rank for rank, (kind, _) in outcomes.items() if kind != spawn.RETURNED]
         if failed:
             silent = [f"rank {rank}" for rank in range(self.world_size) if rank not in outcomes]
             also = f" (no result from {', '.join(silent)})" if silent else ""
-            raise AssertionError(f"rank {failed[0]} failed{also}:\n{outcomes[failed[0]][1]}")
+            kind, why = outcomes[failed[0]]
+            if kind == spawn.DIED and said[failed[0]]:
+                why += f"\nits stderr in this job ended with:\n{said[failed[0]][-STDERR_TAIL_CHARS:]}"
+            raise AssertionError(f"rank {failed[0]} failed{also}:\n{why}")
         return [outcomes[rank][1] for rank in range(self.world_size)]
+
+    def _pass_on_stderr(self) -> list[str]:
+        """What each rank wrote to stderr since the last call, also written to ours."""
+        said = []
+        for rank, path in enumerate(self._stderr):
+            with open(path, "rb") as stderr:
+                stderr.seek(self._stderr_passed_on[rank])
+                text = stderr.read().decode(errors="replace")
+                self._stderr_passed_on[rank] = stderr.tell()
+            sys.stderr.write(text)
+            said.append(text)
+        sys.stderr.flush()
+        return said
 
     def close(self) -> None:
         """Ask the ranks to leave; kill any that do not within a few seconds."""

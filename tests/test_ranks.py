@@ -4,6 +4,8 @@ process would, and whatever went wrong in one job never reaches the next."""
 from __future__ import annotations
 
 import os
+import signal
+import sys
 
 import pytest
 import torch
@@ -44,6 +46,16 @@ def _fail_on_rank_1(rank: int, world_size: int) -> None:
         raise ValueError("rank 1 fails on purpose")
 
 
+def _say_then_die_on_rank_1(rank: int, world_size: int) -> None:
+    print(f"rank {rank} says so on stderr", file=sys.stderr, flush=True)
+    if rank == 1:
+        _a_frame_the_stack_names()
+
+
+def _a_frame_the_stack_names() -> None:
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
 def test_the_next_job_reuses_the_ranks_and_finds_them_as_new() -> None:
     spoiled = run_on_ranks(2, _spoil_the_process)
     found = run_on_ranks(2, _what_a_job_finds)
@@ -68,3 +80,14 @@ def test_a_changed_environment_starts_ranks_that_inherit_it(monkeypatch: pytest.
     after = run_on_ranks(2, _what_a_job_finds)
     assert not set(before) & {found["pid"] for found in after}
     assert [found["test_variable"] for found in after] == ["set by the test"] * 2
+
+
+def test_a_rank_that_dies_of_a_signal_is_reported_with_its_stack(capfd: pytest.CaptureFixture) -> None:
+    with pytest.raises(AssertionError) as failure:
+        run_on_ranks(2, _say_then_die_on_rank_1)
+    message = str(failure.value)
+    assert message.startswith("rank 1 failed") and "died of SIGSEGV" in message, message
+    assert "Fatal Python error: Segmentation fault" in message, message
+    assert "_a_frame_the_stack_names" in message, message
+    said = capfd.readouterr().err
+    assert "rank 0 says so on stderr" in said and "rank 1 says so on stderr" in said, said

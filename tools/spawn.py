@@ -136,7 +136,8 @@ def child_environment(variables: Mapping[str, str], preload: str | None = None) 
 class Child:
     """One started rank process and its two pipes: jobs to it, outcomes from it."""
 
-    def __init__(self, environment: Mapping[str, str]) -> None:
+    def __init__(self, environment: Mapping[str, str], stderr: int | None = None) -> None:
+        """`stderr`: a file descriptor the child writes its stderr to (the default: ours)."""
         job_read, job_write = os.pipe()
         outcome_read, outcome_write = os.pipe()
         try:
@@ -144,6 +145,7 @@ class Child:
                 [sys.executable, "-m", "zerocompile.tools.spawn", str(job_read), str(outcome_write)],
                 env=dict(environment),
                 stdin=subprocess.DEVNULL,
+                stderr=stderr,
                 pass_fds=(job_read, outcome_write),
             )
         finally:
